@@ -1,0 +1,1 @@
+"""The global block-hash index and the block hashing every component shares."""

@@ -1,0 +1,56 @@
+"""Cache events: how a worker tells the index which block hashes it holds.
+
+A worker's block pool appends one event each time its *set of cached block hashes* changes, and
+hands them on in order through ``take_events()``. Replaying a worker's events from an empty set
+reproduces that set exactly: a hash that is already cached in another block produces no second
+``BlockStored``, and ``BlockRemoved`` comes only when the last block holding a hash is evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Consecutive blocks of one chain became cached.
+
+    ``parent_block_hash`` names the block before ``block_hashes[0]`` (the namespace's root hash for
+    a chain's first block); ``token_ids`` holds ``block_size`` tokens per block, in order;
+    ``extra_keys`` holds each block's extra-key bytes (see docs/HASHING.md), empty when none.
+    """
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora: str | None = None
+    extra_keys: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """These hashes are no longer cached anywhere in the pool."""
+
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The pool dropped every cached block."""
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def replay(events: list[CacheEvent], cached: set[bytes] | None = None) -> set[bytes]:
+    """Apply ``events`` in order to a set of cached hashes (a new one by default) and return it."""
+    cached = set() if cached is None else cached
+    for event in events:
+        if isinstance(event, BlockStored):
+            cached.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            cached.difference_update(event.block_hashes)
+        else:
+            cached.clear()
+    return cached

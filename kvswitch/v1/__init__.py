@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf code for the kvswitch.v1 API (see proto/ and docs/PROTOCOL.md)."""

@@ -1,0 +1,104 @@
+from kvswitch.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lora", "cache_salt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    lora: str
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class WorkerGenerateFinal(_message.Message):
+    __slots__ = ("finish_reason", "stats")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: _common_pb2.FinishReason
+    stats: _common_pb2.RequestStats
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.RequestStats, _Mapping]] = ...) -> None: ...
+
+class WorkerGenerateResponse(_message.Message):
+    __slots__ = ("chunk", "final")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    chunk: _common_pb2.TokenChunk
+    final: WorkerGenerateFinal
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.TokenChunk, _Mapping]] = ..., final: _Optional[_Union[WorkerGenerateFinal, _Mapping]] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("worker_id", "num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "block_size")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_running_requests: int
+    num_waiting_requests: int
+    num_queued_prefill_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("max_hashes_per_chunk",)
+    MAX_HASHES_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    max_hashes_per_chunk: int
+    def __init__(self, max_hashes_per_chunk: _Optional[int] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("worker_id", "model", "block_size", "event_seq", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model: str
+    block_size: int
+    event_seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., event_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "block_hashes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVBlockData(_message.Message):
+    __slots__ = ("block_hash", "layer", "dtype", "shape", "key", "value")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    layer: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    key: bytes
+    value: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...

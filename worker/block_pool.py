@@ -1,0 +1,286 @@
+"""The block pool: every KV block of a worker, the free queue, and the hash -> block map.
+
+All blocks exist from the start. A block with ref count 0 sits in the free queue, ordered by
+eviction priority: the head is taken first. Freed blocks join at the tail, so the queue runs from
+least to most recently used. A free block may still hold a cached hash: it can be revived by a
+prefix hit ("touch") until it reaches the head and is taken, which evicts it.
+
+The pool does no I/O. Every change to the set of cached hashes appends a cache event that
+``take_events()`` hands on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+
+
+class KVBlock:
+    """One physical KV block. Its links make the free queue without another container."""
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set when the block is full and cached; cleared when it is evicted.
+        self.block_hash: bytes | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        name = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={name})"
+
+
+class FreeBlockQueue:
+    """An intrusive doubly linked list of blocks: O(1) pop from the head, append at the tail and
+    removal from the middle, with no object created per operation.
+
+    Two sentinel blocks bound the list so that no operation needs a special case for the ends.
+    """
+
+    def __init__(self, blocks: Sequence[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        if block.prev_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def block_ids(self) -> list[int]:
+        """Free block ids from head (evicted first) to tail."""
+        return [block.block_id for block in self]
+
+
+class BlockPool:
+    """Owns the blocks, their ref counts and the cache of full blocks by hash.
+
+    Invariants (``check_integrity`` verifies them):
+    - the free queue holds exactly the blocks with ref count 0, each once;
+    - every cached block is in the hash map under its hash, and nothing else is;
+    - replaying the events taken so far gives the set of hashes in the map.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # One block per cached hash; identical full blocks beyond the first wait in _duplicates.
+        self._hash_to_block: dict[bytes, KVBlock] = {}
+        self._duplicates: dict[bytes, list[KVBlock]] = {}
+        self._events: list[CacheEvent] = []
+
+    # -- queries --------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by running requests."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        """The cached block named ``block_hash``, if any. Does not modify the pool."""
+        return self._hash_to_block.get(block_hash)
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash cached in the pool, each once."""
+        return list(self._hash_to_block)
+
+    # -- actions --------------------------------------------------------------------------------
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-hit blocks, reviving any that were waiting in the free queue."""
+        free_queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue, evicting cached ones."""
+        if num_blocks > self.free_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot take {num_blocks} blocks: only {self.free_queue.num_free_blocks} are free"
+            )
+        popleft = self.free_queue.popleft
+        blocks = [popleft() for _ in range(num_blocks)]
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVBlock],
+        block_hashes: Sequence[bytes],
+        parent_block_hash: bytes,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora: str | None = None,
+        extra_keys: Sequence[bytes] = (),
+    ) -> None:
+        """Cache consecutive full blocks of one chain.
+
+        ``blocks[i]`` holds the tokens ``token_ids[i * block_size : (i + 1) * block_size]`` and is
+        named ``block_hashes[i]``; ``parent_block_hash`` names the block before ``blocks[0]``;
+        ``extra_keys`` is empty or has one entry per block. A hash that is already cached in
+        another block is recorded as a duplicate and emits no event.
+        """
+        if not self.enable_caching:
+            return
+        run_start = None  # first index of the current run of newly cached hashes
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+            if block.block_hash is not None:
+                raise ValueError(f"block {block.block_id} is already cached")
+            block.block_hash = block_hash
+            if block_hash in self._hash_to_block:
+                # NOTE: block tables are append-only, so an identical block computed by another
+                # request stays until freed; the index already knows this hash.
+                self._duplicates.setdefault(block_hash, []).append(block)
+                if run_start is not None:
+                    self._emit_stored(run_start, i, block_hashes, parent_block_hash, token_ids,
+                                      block_size, lora, extra_keys)
+                    run_start = None
+                continue
+            self._hash_to_block[block_hash] = block
+            if run_start is None:
+                run_start = i
+        if run_start is not None:
+            self._emit_stored(run_start, len(blocks), block_hashes, parent_block_hash, token_ids,
+                              block_size, lora, extra_keys)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks that reach 0 join the tail in this order."""
+        append = self.free_queue.append
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} is already free")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (returns False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._hash_to_block.clear()
+        self._duplicates.clear()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[CacheEvent]:
+        """Hand over the events queued since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _evict(self, block: KVBlock) -> None:
+        block_hash = block.block_hash
+        block.block_hash = None
+        duplicates = self._duplicates.get(block_hash)
+        if self._hash_to_block[block_hash] is block:
+            if duplicates:
+                # Another block still holds these tokens: the hash stays cached.
+                self._hash_to_block[block_hash] = duplicates.pop()
+            else:
+                del self._hash_to_block[block_hash]
+                self._events.append(BlockRemoved((block_hash,)))
+        else:
+            duplicates.remove(block)
+        if duplicates is not None and not duplicates:
+            del self._duplicates[block_hash]
+
+    def _emit_stored(
+        self,
+        start: int,
+        end: int,
+        block_hashes: Sequence[bytes],
+        parent_block_hash: bytes,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora: str | None,
+        extra_keys: Sequence[bytes],
+    ) -> None:
+        parent = block_hashes[start - 1] if start else parent_block_hash
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(block_hashes[start:end]),
+                parent_block_hash=parent,
+                token_ids=tuple(token_ids[start * block_size : end * block_size]),
+                block_size=block_size,
+                lora=lora,
+                extra_keys=tuple(extra_keys[start:end]),
+            )
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant of the pool is broken."""
+        free_ids = [block.block_id for block in self.free_queue]
+        assert len(free_ids) == len(set(free_ids)), f"a block is free-listed twice: {free_ids}"
+        assert len(free_ids) == self.free_queue.num_free_blocks, "free count out of sync"
+        zero_ref = {block.block_id for block in self.blocks if block.ref_cnt == 0}
+        assert set(free_ids) == zero_ref, (
+            f"free queue {sorted(free_ids)} != blocks with ref 0 {sorted(zero_ref)}"
+        )
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref {block.ref_cnt}"
+        mapped: dict[int, bytes] = {}
+        for block_hash, block in self._hash_to_block.items():
+            mapped[block.block_id] = block_hash
+            for duplicate in self._duplicates.get(block_hash, ()):
+                assert duplicate.block_id not in mapped, f"block {duplicate.block_id} mapped twice"
+                mapped[duplicate.block_id] = block_hash
+        assert set(self._duplicates) <= set(self._hash_to_block), "duplicate of an uncached hash"
+        for block in self.blocks:
+            assert mapped.get(block.block_id) == block.block_hash, (
+                f"block {block.block_id}: hash {block.block_hash!r} vs map {mapped.get(block.block_id)!r}"
+            )

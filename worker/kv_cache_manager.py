@@ -1,0 +1,204 @@
+"""The KV cache manager: block tables of running requests, on top of the block pool.
+
+The scheduler talks to this class only; it never sees the pool. A new request is admitted as::
+
+    blocks, num_cached = manager.get_computed_blocks(request)      # prefix hit, pool unchanged
+    new_blocks = manager.allocate_slots(request, num_new, blocks)   # None: not enough free blocks
+
+and every later step calls ``allocate_slots(request, num_new)`` for the tokens it will compute.
+``free(request)`` returns its blocks, end of the chain first, so that the end is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cache_index.events import CacheEvent
+from worker.block_pool import BlockPool, KVBlock
+from worker.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prompt tokens looked up in the cache and how many of them hit."""
+
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class KVCacheManager:
+    """Maps each running request to its blocks and caches every block the moment it is full."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.stats = PrefixCacheStats()
+        self._req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are cached (or known duplicates).
+        self._req_to_num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table."""
+        return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a new request, and how many tokens it covers.
+
+        Will not modify the pool. The hit never covers the whole prompt: the last token is always
+        computed, because it produces the first logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        # NOTE: (n - 1) // B keeps at least one token to compute even when n is a multiple of B.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVBlock] = []
+        get_cached_block = self.pool.get_cached_block
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit_tokens = len(blocks) * self.block_size
+        self.stats.num_query_tokens += request.num_tokens
+        self.stats.num_hit_tokens += num_hit_tokens
+        return blocks, num_hit_tokens
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
+        """Whether ``allocate_slots`` with the same arguments would succeed."""
+        return self._num_blocks_to_take(request, num_new_tokens, computed_blocks) is not None
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request`` and return the new blocks.
+
+        ``computed_blocks`` is the prefix hit from ``get_computed_blocks`` (new requests only).
+        Returns None, changing nothing, when the pool has too few free blocks. Blocks that will be
+        full once this step has computed its tokens are cached now, so that requests in the same
+        batch can already share them::
+
+            | computed (cache or earlier steps) | num_new_tokens |  empty slots  |
+            |<------------- cached: every full block ----------->|
+        """
+        num_to_take = self._num_blocks_to_take(request, num_new_tokens, computed_blocks)
+        if num_to_take is None:
+            return None
+        request_id = request.request_id
+        req_blocks = self._req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self._req_to_blocks[request_id] = []
+            self._req_to_num_cached_blocks[request_id] = 0
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            req_blocks.extend(computed_blocks)
+            self._req_to_num_cached_blocks[request_id] = len(req_blocks)
+        new_blocks = self.pool.get_new_blocks(num_to_take)
+        req_blocks.extend(new_blocks)
+        num_computed_after = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
+        self._cache_full_blocks(request, req_blocks, num_computed_after // self.block_size)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, end of the chain first. Unknown requests are ignored."""
+        blocks = self._req_to_blocks.pop(request.request_id, None)
+        self._req_to_num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[CacheEvent]:
+        return self.pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the pool or any block table is inconsistent."""
+        self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for request_id, blocks in self._req_to_blocks.items():
+            num_cached = self._req_to_num_cached_blocks[request_id]
+            for i, block in enumerate(blocks):
+                refs[block.block_id] += 1
+                cached = block.block_hash is not None
+                assert cached == (i < num_cached), (
+                    f"request {request_id!r} block #{i} (id {block.block_id}): cached={cached}, "
+                    f"expected {i < num_cached}"
+                )
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"block {block.block_id}: ref {block.ref_cnt} but in {refs[block.block_id]} tables"
+            )
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _num_blocks_to_take(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock]
+    ) -> int | None:
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        if request.block_size != self.block_size:
+            raise ValueError(
+                f"request {request.request_id!r} hashes blocks of {request.block_size} tokens, "
+                f"this cache holds blocks of {self.block_size}"
+            )
+        num_tokens = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
+        if num_tokens > request.num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: {num_tokens} tokens to compute but only "
+                f"{request.num_tokens} known"
+            )
+        num_required = -(-num_tokens // self.block_size)
+        num_held = len(self._req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
+        num_to_take = max(num_required - num_held, 0)
+        # Touching a free prefix-hit block takes it out of the free queue too.
+        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_to_take + num_revived > self.pool.num_free_blocks:
+            return None
+        return num_to_take
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_cached = self._req_to_num_cached_blocks[request_id]
+        if num_full <= num_cached:
+            return
+        block_size = self.block_size
+        hasher = request.hasher
+        hashes = request.block_hashes
+        parent = hashes[num_cached - 1] if num_cached else hasher.root
+        extra_keys = (
+            [hasher.block_extra(i) for i in range(num_cached, num_full)] if hasher.has_extras else ()
+        )
+        self.pool.cache_full_blocks(
+            blocks[num_cached:num_full],
+            hashes[num_cached:num_full],
+            parent,
+            request.token_ids[num_cached * block_size : num_full * block_size],
+            block_size,
+            lora=hasher.lora,
+            extra_keys=extra_keys,
+        )
+        self._req_to_num_cached_blocks[request_id] = num_full
