@@ -76,11 +76,8 @@ def hash_block_tokens(parent: bytes, tokens: TokenIds, extra: bytes = b"") -> by
 def tokens_to_bytes(tokens: TokenIds) -> bytes:
     """Tokens as little-endian uint32 bytes; raises ValueError for ids outside [0, 2**32)."""
     if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"token ids must be one-dimensional, got shape {tokens.shape}")
+        _check_token_array(tokens)
         if tokens.dtype != np.uint32 and tokens.size:
-            if tokens.dtype.kind not in "iu":
-                raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
             low, high = int(tokens.min()), int(tokens.max())
             if low < 0 or high > _MAX_U32:
                 raise ValueError(f"token ids must be in [0, 2**32), got range [{low}, {high}]")
@@ -89,6 +86,14 @@ def tokens_to_bytes(tokens: TokenIds) -> bytes:
         return struct.pack(f"<{len(tokens)}I", *tokens)
     except struct.error as e:
         raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
+
+
+def _check_token_array(tokens: np.ndarray) -> None:
+    """Rejects arrays that are not 1-D integer arrays, whatever their length."""
+    if tokens.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {tokens.shape}")
+    if tokens.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
 
 
 def _field(tag: int, payload: bytes) -> bytes:
@@ -150,6 +155,9 @@ class BlockHasher:
         ``prefix`` is the chain of the leading blocks (as returned by an earlier call); the
         returned list holds only the new hashes, in order.
         """
+        if isinstance(tokens, np.ndarray):
+            # NOTE: checked here too, or a bad array shorter than one block would pass unnoticed.
+            _check_token_array(tokens)
         block_size = self.block_size
         first = len(prefix)
         num_blocks = len(tokens) // block_size

@@ -1,0 +1,37 @@
+# kvswitch: `make demo` and `make test` work on a fresh Linux machine with Python 3.11+.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint proto bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvswitch demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+proto: $(STAMP)
+	$(BIN)/python proto/codegen.py
+
+bench: $(STAMP)
+	mkdir -p out
+	$(BIN)/kvswitch bench hash --json out/bench_hash.json
+	$(BIN)/kvswitch bench pool --json out/bench_pool.json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Benchmark scripts behind ``kvswitch bench``; each returns the figures it measured as a dict."""

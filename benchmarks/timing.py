@@ -1,0 +1,32 @@
+"""Small timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+
+def rate_per_s(run_once: Callable[[], int], *, duration_s: float, label: str) -> dict[str, float]:
+    """Call ``run_once`` (which returns how many units it processed) for about ``duration_s``.
+
+    Returns the median and best rate over the calls, in units per second, and prints a line of
+    progress to stderr about once a second.
+    """
+    rates: list[float] = []
+    deadline = time.perf_counter() + duration_s
+    next_report = time.perf_counter() + 1.0
+    while True:
+        start = time.perf_counter()
+        num_units = run_once()
+        now = time.perf_counter()
+        rates.append(num_units / (now - start))
+        if now >= next_report:
+            print(f"  {label}: {statistics.median(rates):,.0f}/s over {len(rates)} runs",
+                  file=sys.stderr)
+            next_report = now + 1.0
+        if now >= deadline and len(rates) >= 3:
+            break
+    return {"median_per_s": statistics.median(rates), "best_per_s": max(rates),
+            "num_runs": len(rates)}

@@ -1,0 +1,1 @@
+"""The Python client SDK for the kvswitch router."""

@@ -1,0 +1,1 @@
+"""Triton paged-attention kernels and their torch references."""

@@ -1,0 +1,137 @@
+"""The ``kvswitch`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvswitch import __version__
+from kvswitch.cli_args import ConfigError, add_config_args, config_from_args
+
+DESCRIPTION = """\
+kvswitch routes LLM requests to the GPU worker that already holds the KV cache of their prompt.
+
+A prompt is cut into blocks of tokens; each block is named by a hash chained over everything
+before it, so two prompts with the same prefix share block names. Workers cache computed blocks
+and report them to a global block-hash index; the router sends each request where the longest
+prefix of its prompt is already cached, weighing load.
+"""
+
+EPILOG = """\
+examples:
+  kvswitch demo                       prefix caching on one worker, request by request
+  kvswitch bench pool --json out.json block operations per second of the block pool
+  kvswitch bench hash                 block-hashing throughput
+
+run 'kvswitch COMMAND --help' for the options of a command.
+"""
+
+POOL_HELP = {
+    "num_blocks": "KV blocks in the pool",
+    "block_size": "tokens per block",
+    "num_documents": "distinct shared document prefixes",
+    "document_blocks": "blocks per document prefix",
+    "question_blocks": "blocks per request after its document (the last one partial)",
+    "num_requests": "requests per pass over the workload",
+    "num_running": "requests holding blocks at once; the oldest is freed as a new one arrives",
+    "duration_s": "seconds to measure for",
+    "seed": "random seed of the workload",
+}
+HASH_HELP = {
+    "num_tokens": "prompt length in tokens",
+    "block_size": "tokens per block",
+    "duration_s": "seconds to measure each input kind for",
+    "seed": "random seed of the prompt",
+}
+DEMO_HELP = {
+    "num_blocks": "KV blocks on the worker (small, so that eviction shows)",
+    "block_size": "tokens per block",
+    "num_documents": "long documents to ask about",
+    "rows_per_document": "table rows per document",
+    "questions_per_document": "questions per document, interleaved across documents",
+    "chat_turns": "turns of the multi-turn chat",
+    "seed": "random seed of the documents",
+}
+
+
+def _write_json(result: dict[str, Any], path: Path | None) -> None:
+    text = json.dumps(result, indent=2, sort_keys=True)
+    print(text)
+    if path is not None:
+        path.write_text(text + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Callable:
+    def command(args: argparse.Namespace) -> None:
+        config = config_from_args(config_cls, args)
+        _write_json(run(config), args.json)
+
+    return command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks import hashing as hash_bench
+    from benchmarks import pool as pool_bench
+    from kvswitch import demo
+
+    parser = argparse.ArgumentParser(
+        prog="kvswitch",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvswitch {__version__}")
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, help="what to run"
+    )
+
+    demo_parser = commands.add_parser(
+        "demo",
+        help="show prefix caching on one worker's KV cache, request by request",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(demo_parser, demo.DemoConfig, DEMO_HELP)
+    demo_parser.set_defaults(func=lambda args: demo.run(config_from_args(demo.DemoConfig, args)))
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure a component; prints JSON and can write it to a file",
+        description="Benchmarks. Each prints its figures as JSON (progress goes to stderr).",
+    )
+    benches = bench.add_subparsers(
+        dest="bench", metavar="BENCH", required=True, help="what to measure"
+    )
+    for name, module, config_cls, helps, summary in [
+        ("pool", pool_bench, pool_bench.PoolBenchConfig, POOL_HELP,
+         "block operations per second of the block pool and KV cache manager"),
+        ("hash", hash_bench, hash_bench.HashBenchConfig, HASH_HELP,
+         "tokens per second of block hashing on one long prompt"),
+    ]:
+        sub = benches.add_parser(
+            name, help=summary, description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_config_args(sub, config_cls, helps)
+        sub.add_argument("--json", type=Path, metavar="OUT", help="also write the figures here")
+        sub.set_defaults(func=_bench_command(module.run, config_cls))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Build argparse options from a frozen config dataclass, so defaults live in one place."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_PARSERS = {"int": int, "float": float, "str": str}
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser, config_cls: type, helps: dict[str, str]
+) -> None:
+    """One ``--field-name`` option per field of ``config_cls``, default taken from the field.
+
+    Every field needs a help text in ``helps``: an option nobody explained is no help to a newcomer.
+    """
+    for field in dataclasses.fields(config_cls):
+        type_name = field.type if isinstance(field.type, str) else field.type.__name__
+        if type_name not in _PARSERS:
+            raise TypeError(f"{config_cls.__name__}.{field.name}: unsupported type {type_name}")
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=_PARSERS[type_name],
+            default=field.default,
+            help=f"{helps[field.name]} (default: %(default)s)",
+        )
+
+
+class ConfigError(ValueError):
+    """The options given on the command line make an invalid config."""
+
+
+def config_from_args(config_cls: type[T], args: argparse.Namespace) -> T:
+    """The config built from the options that ``add_config_args`` added."""
+    values: dict[str, Any] = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+    try:
+        return config_cls(**values)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,1 @@
+"""Cache-aware routing load tests and the trace-driven simulator."""

@@ -1,0 +1,97 @@
+"""The ``kvswitch`` command line: help texts, the benchmarks' JSON and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvswitch.cli import build_parser, main
+
+COMMANDS = [[], ["demo"], ["bench"], ["bench", "pool"], ["bench", "hash"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "kvswitch")
+def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: kvswitch")
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _all_parsers(sub)
+    return found
+
+
+def test_every_option_and_command_is_explained() -> None:
+    parsers = _all_parsers(build_parser())
+    assert len(parsers) == 5
+    for parser in parsers:
+        assert parser.description, f"{parser.prog} has no description"
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help"
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    assert choice.help, f"{parser.prog} {choice.dest}: no help"
+
+
+def test_console_script_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvswitch.cli", "--version"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert result.stdout.startswith("kvswitch ")
+
+
+def test_option_defaults_come_from_config() -> None:
+    from benchmarks.pool import PoolBenchConfig
+
+    args = build_parser().parse_args(["bench", "pool"])
+    assert args.num_blocks == PoolBenchConfig.num_blocks
+    assert args.duration_s == PoolBenchConfig.duration_s
+
+
+def test_invalid_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "pool", "--num-blocks", "8"])
+    assert exit_info.value.code == 2
+    assert "do not fit in 8 blocks" in capsys.readouterr().err
+
+
+def test_bench_pool_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "pool.json"
+    main(["bench", "pool", "--duration-s", "0.2", "--num-requests", "64", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures == json.loads(capsys.readouterr().out)
+    assert figures["block_ops_per_s"] > 0
+    assert 0.5 < figures["hit_block_fraction"] < 1.0
+
+
+def test_bench_hash_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "hash.json"
+    main(["bench", "hash", "--duration-s", "0.1", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["tokens_per_s"] > 0
+    assert figures["tokens_per_s_list_input"] > 0
+    assert figures["num_tokens"] == 8192
+
+
+def test_demo_shows_reuse_and_thrashing(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvswitch import demo
+
+    figures = demo.run(demo.DemoConfig())
+    out = capsys.readouterr().out
+    assert "doc 1 q2" in out and "chat turn 3" in out
+    # Documents fit in the default cache: every later question reuses its document.
+    assert figures["hit_rate"] > 0.6
+    # Half the cache cannot hold three documents: LRU evicts each before its next question.
+    assert figures["small_cache_hit_rate"] < 0.1
