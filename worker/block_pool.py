@@ -53,6 +53,36 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_free_blocks
 
+    def popleft_n(self, num_blocks: int) -> list[KVBlock]:
+        """Unlink the first ``num_blocks`` blocks in one pass and return them in queue order."""
+        if num_blocks > self.num_free_blocks:
+            raise IndexError(f"cannot pop {num_blocks} blocks: {self.num_free_blocks} are free")
+        blocks = []
+        append = blocks.append
+        block = self._head.next_free
+        for _ in range(num_blocks):
+            append(block)
+            next_block = block.next_free
+            block.prev_free = block.next_free = None
+            block = next_block
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= num_blocks
+        return blocks
+
+    def append_n(self, blocks: Sequence[KVBlock]) -> None:
+        """Append ``blocks`` at the tail, in order."""
+        last = self._tail.prev_free
+        for block in blocks:
+            if block.prev_free is not None:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_free_blocks += len(blocks)
+
     def popleft(self) -> KVBlock:
         block = self._head.next_free
         if block is self._tail:
@@ -133,7 +163,7 @@ class BlockPool:
     # -- actions --------------------------------------------------------------------------------
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on prefix-hit blocks, reviving any that were waiting in the free queue."""
+        """Take a reference on prefix-hit blocks, reviving any waiting in the free queue."""
         free_queue = self.free_queue
         for block in blocks:
             if block.ref_cnt == 0:
@@ -142,16 +172,25 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue, evicting cached ones."""
-        if num_blocks > self.free_queue.num_free_blocks:
+        if not 0 <= num_blocks <= self.free_queue.num_free_blocks:
             raise ValueError(
                 f"cannot take {num_blocks} blocks: only {self.free_queue.num_free_blocks} are free"
             )
-        popleft = self.free_queue.popleft
-        blocks = [popleft() for _ in range(num_blocks)]
+        blocks = self.free_queue.popleft_n(num_blocks)
+        removed: list[bytes] = []
+        hash_to_block, duplicates = self._hash_to_block, self._duplicates
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if block_hash in duplicates:
+                    self._evict_copy(block)
+                else:
+                    del hash_to_block[block_hash]
+                    removed.append(block_hash)
+                    block.block_hash = None
             block.ref_cnt = 1
+        if removed:
+            self._events.append(BlockRemoved(tuple(removed)))
         return blocks
 
     def cache_full_blocks(
@@ -197,18 +236,21 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks that reach 0 join the tail in this order."""
-        append = self.free_queue.append
+        released = []
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} is already free")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                append(block)
+                released.append(block)
+        self.free_queue.append_n(released)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        if not self.enable_caching:
+            return True
         for block in self.blocks:
             block.block_hash = None
         self._hash_to_block.clear()
@@ -223,20 +265,16 @@ class BlockPool:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict_copy(self, block: KVBlock) -> None:
+        """Evict one of several blocks holding the same hash: the hash stays cached."""
         block_hash = block.block_hash
         block.block_hash = None
-        duplicates = self._duplicates.get(block_hash)
+        duplicates = self._duplicates[block_hash]
         if self._hash_to_block[block_hash] is block:
-            if duplicates:
-                # Another block still holds these tokens: the hash stays cached.
-                self._hash_to_block[block_hash] = duplicates.pop()
-            else:
-                del self._hash_to_block[block_hash]
-                self._events.append(BlockRemoved((block_hash,)))
+            self._hash_to_block[block_hash] = duplicates.pop()
         else:
             duplicates.remove(block)
-        if duplicates is not None and not duplicates:
+        if not duplicates:
             del self._duplicates[block_hash]
 
     def _emit_stored(
@@ -281,6 +319,7 @@ class BlockPool:
                 mapped[duplicate.block_id] = block_hash
         assert set(self._duplicates) <= set(self._hash_to_block), "duplicate of an uncached hash"
         for block in self.blocks:
-            assert mapped.get(block.block_id) == block.block_hash, (
-                f"block {block.block_id}: hash {block.block_hash!r} vs map {mapped.get(block.block_id)!r}"
+            in_map = mapped.get(block.block_id)
+            assert in_map == block.block_hash, (
+                f"block {block.block_id}: hash {block.block_hash!r} vs map {in_map!r}"
             )

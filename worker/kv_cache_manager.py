@@ -74,10 +74,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.stats.num_query_tokens += request.num_tokens
-        self.stats.num_hit_tokens += num_hit_tokens
-        return blocks, num_hit_tokens
+        return blocks, len(blocks) * self.block_size
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
@@ -104,6 +101,9 @@ class KVCacheManager:
         request_id = request.request_id
         req_blocks = self._req_to_blocks.get(request_id)
         if req_blocks is None:
+            # NOTE: counted on admission, not lookup, so a refused and retried request counts once.
+            self.stats.num_query_tokens += request.num_tokens
+            self.stats.num_hit_tokens += len(computed_blocks) * self.block_size
             req_blocks = self._req_to_blocks[request_id] = []
             self._req_to_num_cached_blocks[request_id] = 0
         if computed_blocks:
@@ -189,9 +189,9 @@ class KVCacheManager:
         hasher = request.hasher
         hashes = request.block_hashes
         parent = hashes[num_cached - 1] if num_cached else hasher.root
-        extra_keys = (
-            [hasher.block_extra(i) for i in range(num_cached, num_full)] if hasher.has_extras else ()
-        )
+        extra_keys = ()
+        if hasher.has_extras:
+            extra_keys = [hasher.block_extra(i) for i in range(num_cached, num_full)]
         self.pool.cache_full_blocks(
             blocks[num_cached:num_full],
             hashes[num_cached:num_full],

@@ -17,7 +17,9 @@ class Request:
     __slots__ = ("block_hashes", "hasher", "num_computed_tokens", "num_prompt_tokens",
                  "request_id", "token_ids")
 
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], hasher: BlockHasher) -> None:
+    def __init__(
+        self, request_id: str, prompt_token_ids: Sequence[int], hasher: BlockHasher
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
         self.request_id = request_id

@@ -513,3 +513,39 @@ def test_check_integrity_detects_lost_free_block() -> None:
     pool.free_queue.remove(pool.blocks[2])  # ref 0 but not in the queue
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_queue_popleft_n_and_append_n_keep_order() -> None:
+    blocks, queue = make_queue(6)
+    taken = queue.popleft_n(4)
+    assert [b.block_id for b in taken] == [0, 1, 2, 3]
+    assert all(b.prev_free is None and b.next_free is None for b in taken)
+    assert queue.block_ids() == [4, 5]
+    queue.append_n([taken[3], taken[1]])
+    assert queue.block_ids() == [4, 5, 3, 1]
+    assert len(queue) == 4
+    assert queue.popleft_n(0) == []
+    with pytest.raises(IndexError):
+        queue.popleft_n(5)
+    assert queue.block_ids() == [4, 5, 3, 1]
+    with pytest.raises(ValueError, match="already in the free queue"):
+        queue.append_n([blocks[4]])
+    assert queue.popleft_n(4) == [blocks[4], blocks[5], blocks[3], blocks[1]]
+    assert len(queue) == 0
+    queue.append_n([blocks[2]])
+    assert queue.block_ids() == [2]
+
+
+def test_evictions_of_one_allocation_are_one_event_in_queue_order() -> None:
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(4)
+    for i, block in enumerate(blocks):
+        cache_one(pool, block, h(10 + i))
+    pool.free_blocks(reversed(blocks))  # queue: 3, 2, 1, 0
+    pool.take_events()
+    pool.get_new_blocks(3)
+    assert pool.take_events() == [BlockRemoved((h(13), h(12), h(11)))]
+    assert pool.cached_block_hashes() == [h(10)]
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(-1)
+    pool.check_integrity()
