@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.timing import rate_per_s
+from benchmarks.timing import machine_info, rate_per_s
 from cache_index.hashing import hash_prompt_blocks
 
 
@@ -43,5 +43,6 @@ def run(config: HashBenchConfig) -> dict[str, float | int]:
         "tokens_per_s": from_array["median_per_s"],
         "tokens_per_s_list_input": from_list["median_per_s"],
         "num_tokens": config.num_tokens,
+        "machine": machine_info(),
         "block_size": config.block_size,
     }

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.timing import rate_per_s
+from benchmarks.timing import machine_info, rate_per_s
 from cache_index.hashing import BlockHasher
 from worker.kv_cache_manager import KVCacheManager
 from worker.request import Request
@@ -105,5 +105,6 @@ def run(config: PoolBenchConfig) -> dict[str, float | int]:
         "best_block_ops_per_s": rate["best_per_s"],
         "hit_block_fraction": counts["hit_blocks"] / num_taken,
         "num_blocks": config.num_blocks,
+        "machine": machine_info(),
         "block_size": config.block_size,
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import sys
 import time
@@ -23,10 +25,29 @@ def rate_per_s(run_once: Callable[[], int], *, duration_s: float, label: str) ->
         now = time.perf_counter()
         rates.append(num_units / (now - start))
         if now >= next_report:
-            print(f"  {label}: {statistics.median(rates):,.0f}/s over {len(rates)} runs",
-                  file=sys.stderr)
+            print(
+                f"  {label}: {statistics.median(rates):,.0f}/s over {len(rates)} runs",
+                file=sys.stderr,
+            )
             next_report = now + 1.0
         if now >= deadline and len(rates) >= 3:
             break
-    return {"median_per_s": statistics.median(rates), "best_per_s": max(rates),
-            "num_runs": len(rates)}
+    return {
+        "median_per_s": statistics.median(rates),
+        "best_per_s": max(rates),
+        "num_runs": len(rates),
+    }
+
+
+def machine_info() -> dict[str, str | int]:
+    """What the figures were measured on, recorded beside them."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "num_cpus": os.cpu_count() or 0, "python": platform.python_version()}

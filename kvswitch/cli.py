@@ -108,13 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
         dest="bench", metavar="BENCH", required=True, help="what to measure"
     )
     for name, module, config_cls, helps, summary in [
-        ("pool", pool_bench, pool_bench.PoolBenchConfig, POOL_HELP,
-         "block operations per second of the block pool and KV cache manager"),
-        ("hash", hash_bench, hash_bench.HashBenchConfig, HASH_HELP,
-         "tokens per second of block hashing on one long prompt"),
+        (
+            "pool",
+            pool_bench,
+            pool_bench.PoolBenchConfig,
+            POOL_HELP,
+            "block operations per second of the block pool and KV cache manager",
+        ),
+        (
+            "hash",
+            hash_bench,
+            hash_bench.HashBenchConfig,
+            HASH_HELP,
+            "tokens per second of block hashing on one long prompt",
+        ),
     ]:
         sub = benches.add_parser(
-            name, help=summary, description=module.__doc__,
+            name,
+            help=summary,
+            description=module.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_config_args(sub, config_cls, helps)

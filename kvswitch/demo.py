@@ -82,16 +82,23 @@ class Worker:
 def make_jobs(config: DemoConfig) -> list[tuple[str, str, str]]:
     """(label, prompt, answer) for every request of the demo, in arrival order."""
     rng = random.Random(config.seed)
-    documents = [make_document(rng, f"Staff list {i + 1}", config.rows_per_document)
-                 for i in range(config.num_documents)]
+    documents = [
+        make_document(rng, f"Staff list {i + 1}", config.rows_per_document)
+        for i in range(config.num_documents)
+    ]
     # Questions about several documents, interleaved: each document is prefilled once and its
     # blocks are reused by every later question about it, for as long as they stay cached.
     jobs = []
     for q in range(config.questions_per_document):
         for d, (text, people) in enumerate(documents):
             name, age = people[(q * 7 + d) % len(people)]
-            jobs.append((f"doc {d + 1} q{q + 1}", f"{text}\nQuestion: how old is {name}?\n",
-                         f"{name} is {age}."))
+            jobs.append(
+                (
+                    f"doc {d + 1} q{q + 1}",
+                    f"{text}\nQuestion: how old is {name}?\n",
+                    f"{name} is {age}.",
+                )
+            )
     # A multi-turn chat: each turn's prompt is the whole conversation so far, answers included.
     history = "System: you answer questions about the staff lists.\n"
     for turn in range(config.chat_turns):
@@ -103,8 +110,9 @@ def make_jobs(config: DemoConfig) -> list[tuple[str, str, str]]:
     return jobs
 
 
-def serve(config: DemoConfig, num_blocks: int, jobs: list[tuple[str, str, str]],
-          *, verbose: bool) -> float:
+def serve(
+    config: DemoConfig, num_blocks: int, jobs: list[tuple[str, str, str]], *, verbose: bool
+) -> float:
     """Run the jobs on one worker with ``num_blocks`` blocks; returns the prompt-token hit rate."""
     worker = Worker(config, num_blocks)
     if verbose:
@@ -115,24 +123,34 @@ def serve(config: DemoConfig, num_blocks: int, jobs: list[tuple[str, str, str]],
         row = worker.run(prompt, answer)
         if verbose:
             hit = row["cached_tokens"] / row["prompt_tokens"]
-            print(f"{label:<14}{row['prompt_tokens']:>8}{row['cached_tokens']:>8}{hit:>7.0%}"
-                  f"{row['stored_blocks']:>8}{row['evicted_blocks']:>9}")
+            print(
+                f"{label:<14}{row['prompt_tokens']:>8}{row['cached_tokens']:>8}{hit:>7.0%}"
+                f"{row['stored_blocks']:>8}{row['evicted_blocks']:>9}"
+            )
     worker.manager.check_integrity()
     return worker.manager.stats.hit_rate
 
 
 def run(config: DemoConfig) -> dict[str, float]:
     jobs = make_jobs(config)
-    print(f"One worker, {config.num_blocks} KV blocks of {config.block_size} tokens "
-          f"({config.num_blocks * config.block_size:,} tokens), byte-level tokens.\n")
+    print(
+        f"One worker, {config.num_blocks} KV blocks of {config.block_size} tokens "
+        f"({config.num_blocks * config.block_size:,} tokens), byte-level tokens.\n"
+    )
     hit_rate = serve(config, config.num_blocks, jobs, verbose=True)
-    print("\n'cached': prompt tokens whose KV was reused; 'stored': blocks newly cached (prompt "
-          "and answer);\n'evicted': cached blocks taken back for new ones.\n")
+    print(
+        "\n'cached': prompt tokens whose KV was reused; 'stored': blocks newly cached (prompt "
+        "and answer);\n'evicted': cached blocks taken back for new ones.\n"
+    )
     small = max(config.num_blocks // 2, 1)
     small_hit_rate = serve(config, small, jobs, verbose=False)
-    print(f"Prompt tokens served from cache: {hit_rate:.0%} with {config.num_blocks} blocks, "
-          f"{small_hit_rate:.0%} with {small} blocks.")
-    print("A cache too small for its working set evicts documents before their next question; "
-          "kvswitch\nspreads documents over workers and sends each question where its document "
-          "is cached.")
+    print(
+        f"Prompt tokens served from cache: {hit_rate:.0%} with {config.num_blocks} blocks, "
+        f"{small_hit_rate:.0%} with {small} blocks."
+    )
+    print(
+        "A cache too small for its working set evicts documents before their next question; "
+        "kvswitch\nspreads documents over workers and sends each question where its document "
+        "is cached."
+    )
     return {"hit_rate": hit_rate, "small_cache_hit_rate": small_hit_rate}

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from concurrent import futures
 from pathlib import Path
 
@@ -17,17 +16,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # the repo may not be pip-installed in the test env
-    sys.path.insert(0, str(REPO_ROOT))
-
-from kvswitch.v1 import (  # noqa: E402
+from kvswitch.v1 import (
     common_pb2,
     router_pb2,
     router_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 GENERATED_DIR = REPO_ROOT / "kvswitch" / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")

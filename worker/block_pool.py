@@ -213,7 +213,7 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
-        run_start = None  # first index of the current run of newly cached hashes
+        runs: list[list[int]] = []  # [start, end) of each run of newly cached hashes
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block.block_hash is not None:
                 raise ValueError(f"block {block.block_id} is already cached")
@@ -222,17 +222,24 @@ class BlockPool:
                 # NOTE: block tables are append-only, so an identical block computed by another
                 # request stays until freed; the index already knows this hash.
                 self._duplicates.setdefault(block_hash, []).append(block)
-                if run_start is not None:
-                    self._emit_stored(run_start, i, block_hashes, parent_block_hash, token_ids,
-                                      block_size, lora, extra_keys)
-                    run_start = None
                 continue
             self._hash_to_block[block_hash] = block
-            if run_start is None:
-                run_start = i
-        if run_start is not None:
-            self._emit_stored(run_start, len(blocks), block_hashes, parent_block_hash, token_ids,
-                              block_size, lora, extra_keys)
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        for start, end in runs:
+            parent = block_hashes[start - 1] if start else parent_block_hash
+            self._events.append(
+                BlockStored(
+                    block_hashes=tuple(block_hashes[start:end]),
+                    parent_block_hash=parent,
+                    token_ids=tuple(token_ids[start * block_size : end * block_size]),
+                    block_size=block_size,
+                    lora=lora,
+                    extra_keys=tuple(extra_keys[start:end]),
+                )
+            )
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks that reach 0 join the tail in this order."""
@@ -276,29 +283,6 @@ class BlockPool:
             duplicates.remove(block)
         if not duplicates:
             del self._duplicates[block_hash]
-
-    def _emit_stored(
-        self,
-        start: int,
-        end: int,
-        block_hashes: Sequence[bytes],
-        parent_block_hash: bytes,
-        token_ids: Sequence[int],
-        block_size: int,
-        lora: str | None,
-        extra_keys: Sequence[bytes],
-    ) -> None:
-        parent = block_hashes[start - 1] if start else parent_block_hash
-        self._events.append(
-            BlockStored(
-                block_hashes=tuple(block_hashes[start:end]),
-                parent_block_hash=parent,
-                token_ids=tuple(token_ids[start * block_size : end * block_size]),
-                block_size=block_size,
-                lora=lora,
-                extra_keys=tuple(extra_keys[start:end]),
-            )
-        )
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the pool is broken."""

@@ -14,8 +14,14 @@ class Request:
     that was scheduled for them has run).
     """
 
-    __slots__ = ("block_hashes", "hasher", "num_computed_tokens", "num_prompt_tokens",
-                 "request_id", "token_ids")
+    __slots__ = (
+        "block_hashes",
+        "hasher",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "request_id",
+        "token_ids",
+    )
 
     def __init__(
         self, request_id: str, prompt_token_ids: Sequence[int], hasher: BlockHasher

@@ -6,6 +6,7 @@ import pytest
 
 from cache_index.events import BlockRemoved, BlockStored, replay
 from cache_index.hashing import BlockHasher, MMItem, hash_block_tokens
+from tests.worker.driver import admit, decode
 from worker.kv_cache_manager import KVCacheManager
 from worker.request import Request
 
@@ -15,20 +16,6 @@ HASHER = BlockHasher("mgr-model", block_size=B)
 
 def toks(n: int, start: int = 1000) -> list[int]:
     return list(range(start, start + n))
-
-
-def admit(manager: KVCacheManager, request: Request) -> list[int]:
-    """Schedule a new request's whole prompt; returns the ids of its prefix-hit blocks."""
-    hit, num_hit_tokens = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hit) is not None
-    request.num_computed_tokens = request.num_tokens
-    return [b.block_id for b in hit]
-
-
-def decode(manager: KVCacheManager, request: Request, token_id: int) -> None:
-    request.append_token_ids([token_id])
-    assert manager.allocate_slots(request, 1) is not None
-    request.num_computed_tokens = request.num_tokens
 
 
 def state(manager: KVCacheManager, *requests: Request) -> tuple:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cache_index.events import BlockRemoved, BlockStored, replay
 from cache_index.hashing import BlockHasher
+from tests.worker.driver import admit, decode
 from worker.kv_cache_manager import KVCacheManager
 from worker.request import Request
 
@@ -16,22 +17,6 @@ def cached_ids(manager: KVCacheManager) -> list[int]:
 
 def free_ids(manager: KVCacheManager) -> list[int]:
     return manager.pool.free_queue.block_ids()
-
-
-def admit(manager: KVCacheManager, request: Request) -> list[int]:
-    """Schedule a new request's whole prompt; returns the ids of the prefix-hit blocks."""
-    hit, num_hit_tokens = manager.get_computed_blocks(request)
-    num_new = request.num_tokens - num_hit_tokens
-    assert manager.allocate_slots(request, num_new, hit) is not None
-    request.num_computed_tokens = request.num_tokens
-    return [b.block_id for b in hit]
-
-
-def decode(manager: KVCacheManager, request: Request, token_id: int) -> None:
-    """Append a sampled token and schedule the step that computes its KV."""
-    request.append_token_ids([token_id])
-    assert manager.allocate_slots(request, 1) is not None
-    request.num_computed_tokens = request.num_tokens
 
 
 def test_duplicated_blocks() -> None:
@@ -73,6 +58,7 @@ def test_duplicated_blocks() -> None:
     manager.free(r1)
     manager.free(r2)
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9, 2, 1, 3, 0]
+
     def removed(events: list) -> list[bytes]:
         return [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
