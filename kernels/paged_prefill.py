@@ -1,0 +1,203 @@
+"""paged_prefill: a varlen batch of new tokens attending to their paged context.
+
+A sequence's new tokens are the last ``q_len`` of its ``seq_len``-token context, and their K/V
+are already stored in its pages (``store_kv`` runs first). Each query attends to the cached
+prefix and causally to the new tokens, so a prefix hit and a chunk of a chunked prefill are the
+same case::
+
+    context      | cached prefix (seq_len - q_len)  | new tokens (q_len)      |
+    query i      | all of it                        | new[0] .. new[i]        |
+
+One program handles a tile of ``BLOCK_M`` queries of one sequence and one query head, and walks
+the context in tiles of ``BLOCK_N`` tokens up to the causal limit of its last query.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.layout import (
+    check_index,
+    check_kv_cache,
+    check_rows,
+    interpreting,
+    min_dot_size,
+    next_pow2,
+)
+from kernels.paged_decode import LOG2_E
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_q_lens_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_cache_b,
+    stride_cache_s,
+    stride_cache_h,
+    stride_bt_s,
+    block_size,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_head = tl.program_id(2)
+    kv_head = q_head // GROUP
+    q_first = tl.load(cu_q_lens_ptr + seq)
+    q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_first
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < q_len
+    dim_mask = dims < head_dim
+    q_offsets = (q_first + rows).to(tl.int64)[:, None] * stride_q_t + q_head * stride_q_h
+    query = tl.load(
+        query_ptr + q_offsets + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        query = query.to(tl.float32)
+    positions = prefix_len + rows  # where each query sits in the context
+
+    # The last query of this tile sees up to its own position; a tile past q_len sees nothing.
+    kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
+    kv_end = tl.where(q_tile * BLOCK_M < q_len, kv_end, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
+    for tok_start in range(0, kv_end, BLOCK_N):
+        toks = tok_start + tl.arange(0, BLOCK_N)
+        tok_mask = toks < kv_end
+        pages = tl.load(block_table + toks // block_size, mask=tok_mask, other=0).to(tl.int64)
+        kv_rows = pages * stride_cache_b + (toks % block_size) * stride_cache_s
+        kv_offsets = kv_rows[:, None] + kv_head * stride_cache_h + dims[None, :]
+        kv_mask = tok_mask[:, None] & dim_mask[None, :]
+        key = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        value = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+
+        if DOT_FP32:
+            # NOTE: also the interpreter's path: its low-precision dot is wrong.
+            scores = tl.dot(query, tl.trans(key.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(query, tl.trans(key))
+        visible = tok_mask[None, :] & (toks[None, :] <= positions[:, None])
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))  # log2 units
+        # Every row sees token 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        probs = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(probs, 1)
+        if DOT_FP32:
+            pv = tl.dot(probs, value.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(probs.to(value.dtype), value)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offsets = (q_first + rows).to(tl.int64)[:, None] * stride_o_t + q_head * stride_o_h
+    tl.store(
+        out_ptr + o_offsets + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch of new tokens over their paged contexts.
+
+    ``query`` is [num_tokens, num_q_heads, head_dim]; sequence s owns rows
+    ``cu_q_lens[s]:cu_q_lens[s+1]`` (int32, ``num_seqs + 1`` entries) and has ``seq_lens[s]``
+    context tokens in all, the new ones included and already stored. ``max_q_len`` spares a
+    device sync when the caller knows it.
+    """
+    check_kv_cache(k_cache, v_cache)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = query.shape[1] if query.dim() == 3 else 0
+    check_rows("query", query, num_q_heads, head_dim, k_cache.dtype)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
+    check_index("block_tables", block_tables, 2, k_cache.device)
+    check_index("cu_q_lens", cu_q_lens, 1, k_cache.device)
+    check_index("seq_lens", seq_lens, 1, k_cache.device)
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or cu_q_lens.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"seq_lens has {num_seqs} sequences, block_tables {block_tables.shape[0]}, "
+            f"cu_q_lens {cu_q_lens.shape[0]} entries (want {num_seqs + 1})"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        check_rows("out", out, num_q_heads, head_dim, query.dtype)
+    if num_seqs == 0 or query.shape[0] == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item())
+    if block_m is None:
+        block_m = max(min_dot_size(), min(64, next_pow2(max_q_len)))
+    if block_n is None:
+        block_n = max(min_dot_size(), min(64, next_pow2(block_size)))
+    grid = (math.ceil(max_q_len / block_m), num_seqs, num_q_heads)
+    _paged_prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_q_lens,
+        seq_lens,
+        out,
+        scale * LOG2_E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        block_size,
+        head_dim,
+        GROUP=num_q_heads // num_kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=next_pow2(head_dim),
+        DOT_FP32=interpreting() or k_cache.dtype == torch.float32,
+    )
+    return out

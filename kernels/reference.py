@@ -1,0 +1,104 @@
+"""Pure-torch references of the paged-attention kernels; also the worker's CPU execution path.
+
+Layout shared with the kernels (see ``kernels/layout.py``)::
+
+    k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables      [num_seqs, max_blocks] int32   (page i of sequence s is block_tables[s, i])
+    slot              block_id * block_size + offset
+
+Scores and softmax are computed in fp32; outputs are cast back to the query dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key[i]`` / ``value[i]`` ([num_tokens, num_kv_heads, head_dim]) to slot
+    ``slot_mapping[i]``; slot -1 is padding and is skipped."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[valid].to(
+        k_cache.dtype
+    )
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[valid].to(
+        v_cache.dtype
+    )
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` rows of one sequence: [num_tokens, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_pages = -(-num_tokens // block_size)
+    pages = cache[block_table[:num_pages].long()]  # [num_pages, block_size, heads, dim]
+    return pages.reshape(-1, *cache.shape[2:])[:num_tokens]
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, q_start: int
+) -> torch.Tensor:
+    """query [q_len, Hq, D] at positions q_start.. over key/value [kv_len, Hkv, D], causal."""
+    num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_q_heads // num_kv_heads
+    k = key.float().repeat_interleave(group, dim=1)  # [kv_len, Hq, D]
+    v = value.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    q_pos = torch.arange(query.shape[0]).unsqueeze(1) + q_start
+    k_pos = torch.arange(key.shape[0]).unsqueeze(0)
+    scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+
+
+def paged_decode_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence ([num_seqs, num_q_heads, head_dim]) over its whole context of
+    ``seq_lens[s]`` tokens (the query's own K/V already stored)."""
+    out = torch.empty_like(query)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        key = gather_pages(k_cache, block_tables[s], seq_len)
+        value = gather_pages(v_cache, block_tables[s], seq_len)
+        out[s] = _attend(query[s : s + 1], key, value, scale, q_start=seq_len - 1)[0]
+    return out
+
+
+def paged_prefill_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen prefill: sequence s has query rows ``cu_q_lens[s]:cu_q_lens[s+1]`` of ``query``
+    ([num_tokens, num_q_heads, head_dim]), the last tokens of its ``seq_lens[s]``-token context.
+    Each attends to the cached prefix and causally to the new tokens (all stored in pages)::
+
+        context  | cached prefix (seq_len - q_len) | new tokens (q_len) |
+        query i  | sees all                        | sees new[0..i]     |
+    """
+    out = torch.empty_like(query)
+    cu = cu_q_lens.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        q = query[cu[s] : cu[s + 1]]
+        if q.shape[0] == 0:
+            continue
+        key = gather_pages(k_cache, block_tables[s], seq_len)
+        value = gather_pages(v_cache, block_tables[s], seq_len)
+        out[cu[s] : cu[s + 1]] = _attend(q, key, value, scale, q_start=seq_len - q.shape[0])
+    return out

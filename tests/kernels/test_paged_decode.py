@@ -1,0 +1,89 @@
+"""paged_decode against its reference and against dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_decode, paged_decode_ref
+from tests.kernels.paged_case import (
+    DEVICE,
+    DTYPES,
+    TOLERANCES,
+    dense_attention,
+    gpu_test,
+    make_case,
+)
+
+
+def run_case(
+    seq_lens: list[int],
+    *,
+    group: int,
+    dtype: torch.dtype,
+    block_size: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    num_splits: int | None = None,
+) -> None:
+    case = make_case(
+        seq_lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    )
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    query = query.to(dtype).to(DEVICE)
+    scale = head_dim**-0.5
+    out = paged_decode(
+        query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        scale,
+        num_splits=num_splits,
+    )
+    ref = paged_decode_ref(
+        query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+    for s in range(len(seq_lens)):
+        dense = dense_attention(query[s : s + 1], case.keys[s], case.values[s], scale)[0]
+        torch.testing.assert_close(ref[s], dense, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_odd_lengths(dtype: torch.dtype, group: int, num_splits: int) -> None:
+    # 1 token, a partial last page, an exactly full page run, a longer odd length.
+    run_case([1, 7, 8, 13], group=group, dtype=dtype, num_splits=num_splits)
+
+
+def test_decode_more_splits_than_tiles_leaves_empty_splits() -> None:
+    """Short sequences in a batch with a long one get splits with no tokens at all."""
+    run_case([2, 3, 29], group=2, dtype=torch.float32, num_splits=6)
+
+
+def test_decode_block_size_larger_than_tile() -> None:
+    run_case([5, 21], group=4, dtype=torch.float16, block_size=16, head_dim=32)
+
+
+def test_decode_rejects_bad_group() -> None:
+    case = make_case([3], block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    query = torch.zeros(1, 3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="do not group"):
+        paged_decode(query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 1.0)
+
+
+@gpu_test
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+def test_decode_gpu_shapes(group: int) -> None:
+    run_case(
+        [1, 17, 255, 1000, 4097],
+        group=group,
+        dtype=torch.bfloat16,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=128,
+    )

@@ -1,0 +1,103 @@
+"""paged_prefill against its reference and against dense causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_prefill, paged_prefill_ref
+from tests.kernels.paged_case import (
+    DEVICE,
+    DTYPES,
+    TOLERANCES,
+    dense_attention,
+    gpu_test,
+    make_case,
+)
+
+# (seq_len, q_len) per sequence: a whole prompt (empty prefix), a prefix hit ending on a page
+# boundary, a chunk of a chunked prefill starting and ending mid-page, one new token, a sequence
+# with no new tokens in this batch, and a prompt filling its pages exactly (full prefix of 0).
+MIXED = [(7, 7), (13, 5), (22, 9), (6, 1), (5, 0), (8, 8)]
+
+
+def run_case(
+    seqs: list[tuple[int, int]],
+    *,
+    group: int,
+    dtype: torch.dtype,
+    block_size: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    seq_lens = [seq_len for seq_len, _ in seqs]
+    q_lens = [q_len for _, q_len in seqs]
+    case = make_case(
+        seq_lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    )
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen)
+    query = query.to(dtype).to(DEVICE)
+    cu_q_lens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q_lens = cu_q_lens.to(DEVICE)
+    scale = head_dim**-0.5
+    args = (query, case.k_cache, case.v_cache, case.block_tables, cu_q_lens, case.seq_lens, scale)
+    out = paged_prefill(*args, block_m=block_m, block_n=block_n)
+    ref = paged_prefill_ref(*args)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+    cu = cu_q_lens.tolist()
+    for s, q_len in enumerate(q_lens):
+        if q_len:
+            dense = dense_attention(query[cu[s] : cu[s + 1]], case.keys[s], case.values[s], scale)
+            torch.testing.assert_close(ref[cu[s] : cu[s + 1]], dense, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_mixed_batch(dtype: torch.dtype, group: int) -> None:
+    run_case(MIXED, group=group, dtype=dtype)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(2, 4), (4, 2), (16, 16)])
+def test_prefill_tile_sizes(block_m: int, block_n: int) -> None:
+    """Query tiles smaller than a sequence's new tokens, key tiles smaller than a page."""
+    run_case(MIXED, group=2, dtype=torch.float32, block_m=block_m, block_n=block_n)
+
+
+def test_prefill_full_prefix_single_token_matches_decode() -> None:
+    """Prefill of one token on top of a cached prefix is a decode step."""
+    from kernels import paged_decode
+
+    case = make_case([11, 16], block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    query = torch.randn(2, 4, 16, device=DEVICE)
+    cu_q_lens = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    args = (case.k_cache, case.v_cache, case.block_tables)
+    prefill = paged_prefill(query, *args, cu_q_lens, case.seq_lens, 0.25)
+    decode = paged_decode(query, *args, case.seq_lens, 0.25)
+    torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rejects_bad_cu_q_lens() -> None:
+    case = make_case([3, 4], block_size=4, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    query = torch.zeros(7, 1, 16, device=DEVICE)
+    cu_q_lens = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="want 3"):
+        paged_prefill(
+            query, case.k_cache, case.v_cache, case.block_tables, cu_q_lens, case.seq_lens, 1.0
+        )
+
+
+@gpu_test
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_gpu_shapes(group: int) -> None:
+    run_case(
+        [(300, 300), (1000, 200), (777, 129), (64, 1)],
+        group=group,
+        dtype=torch.bfloat16,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=128,
+    )
