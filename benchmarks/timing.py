@@ -51,3 +51,7 @@ def machine_info() -> dict[str, str | int]:
     except OSError:
         pass
     return {"cpu": cpu, "num_cpus": os.cpu_count() or 0, "python": platform.python_version()}
+
+
+class BenchmarkUnavailable(RuntimeError):
+    """This machine cannot run the benchmark (e.g. it needs a GPU)."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.timing import BenchmarkUnavailable
 from kvswitch import __version__
 from kvswitch.cli_args import ConfigError, add_config_args, config_from_args
 
@@ -26,6 +27,7 @@ examples:
   kvswitch demo                       prefix caching on one worker, request by request
   kvswitch bench pool --json out.json block operations per second of the block pool
   kvswitch bench hash                 block-hashing throughput
+  kvswitch bench kernels              paged-attention kernels (needs a CUDA GPU)
 
 run 'kvswitch COMMAND --help' for the options of a command.
 """
@@ -40,6 +42,18 @@ POOL_HELP = {
     "num_running": "requests holding blocks at once; the oldest is freed as a new one arrives",
     "duration_s": "seconds to measure for",
     "seed": "random seed of the workload",
+}
+KERNEL_HELP = {
+    "decode_batch": "paged_decode: sequences in the batch",
+    "decode_context": "paged_decode: context tokens per sequence",
+    "prefill_batch": "paged_prefill: sequences in the batch",
+    "prefill_tokens": "paged_prefill: new tokens per sequence (causal, no cached prefix)",
+    "num_q_heads": "query heads",
+    "num_kv_heads": "KV heads (query heads share them in groups)",
+    "head_dim": "dimension of each head",
+    "block_size": "tokens per KV page",
+    "store_tokens": "store_kv: tokens written per call",
+    "seed": "random seed of the data",
 }
 HASH_HELP = {
     "num_tokens": "prompt length in tokens",
@@ -76,6 +90,7 @@ def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Ca
 
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks import hashing as hash_bench
+    from benchmarks import kernels as kernel_bench
     from benchmarks import pool as pool_bench
     from kvswitch import demo
 
@@ -116,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
             "block operations per second of the block pool and KV cache manager",
         ),
         (
+            "kernels",
+            kernel_bench,
+            kernel_bench.KernelBenchConfig,
+            KERNEL_HELP,
+            "paged-attention kernels on a CUDA GPU: bandwidth, TFLOP/s against SDPA",
+        ),
+        (
             "hash",
             hash_bench,
             hash_bench.HashBenchConfig,
@@ -142,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except ConfigError as e:
         parser.error(str(e))
+    except BenchmarkUnavailable as e:
+        print(f"kvswitch: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

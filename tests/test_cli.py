@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvswitch.cli import build_parser, main
 
-COMMANDS = [[], ["demo"], ["bench"], ["bench", "pool"], ["bench", "hash"]]
+COMMANDS = [[], ["demo"], ["bench"], ["bench", "pool"], ["bench", "hash"], ["bench", "kernels"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "kvswitch")
@@ -34,7 +35,7 @@ def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParse
 
 def test_every_option_and_command_is_explained() -> None:
     parsers = _all_parsers(build_parser())
-    assert len(parsers) == 5
+    assert len(parsers) == len(COMMANDS)
     for parser in parsers:
         assert parser.description, f"{parser.prog} has no description"
         for action in parser._actions:
@@ -95,3 +96,11 @@ def test_demo_shows_reuse_and_thrashing(capsys: pytest.CaptureFixture[str]) -> N
     assert figures["hit_rate"] > 0.6
     # Half the cache cannot hold three documents: LRU evicts each before its next question.
     assert figures["small_cache_hit_rate"] < 0.1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this runs the real benchmark")
+def test_bench_kernels_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "kernels"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "needs a CUDA GPU" in captured.err
