@@ -6,7 +6,8 @@ Layout shared with the kernels (see ``kernels/layout.py``)::
     block_tables      [num_seqs, max_blocks] int32   (page i of sequence s is block_tables[s, i])
     slot              block_id * block_size + offset
 
-Scores and softmax are computed in fp32; outputs are cast back to the query dtype.
+Attention runs in fp32 through torch's ``scaled_dot_product_attention`` on the gathered pages;
+outputs are cast back to the query dtype.
 """
 
 from __future__ import annotations
@@ -46,16 +47,20 @@ def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, q_start: int
 ) -> torch.Tensor:
     """query [q_len, Hq, D] at positions q_start.. over key/value [kv_len, Hkv, D], causal."""
-    num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
-    group = num_q_heads // num_kv_heads
-    k = key.float().repeat_interleave(group, dim=1)  # [kv_len, Hq, D]
-    v = value.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
-    q_pos = torch.arange(query.shape[0]).unsqueeze(1) + q_start
-    k_pos = torch.arange(key.shape[0]).unsqueeze(0)
-    scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    q_len, kv_len = query.shape[0], key.shape[0]
+    q = query.float().transpose(0, 1)  # [Hq, q_len, D]
+    k = key.float().transpose(0, 1)  # [Hkv, kv_len, D]
+    v = value.float().transpose(0, 1)
+    if q_start == 0 and q_len == kv_len:
+        mask, causal = None, True
+    else:
+        # Query i sits at position q_start + i and sees keys 0 .. q_start + i.
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(q_start)
+        causal = False
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1).to(query.dtype)
 
 
 def paged_decode_ref(

@@ -1,0 +1,89 @@
+"""Paged attention for the model: one switch between the Triton kernels and the torch references.
+
+The model calls ``PagedAttention.forward`` per layer; the step's ``AttentionMetadata`` says where
+each new token's K/V goes and which pages each sequence reads. The kernels run on CUDA tensors;
+everything else (CPU) takes the pure-torch references, with identical semantics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch, as attention sees it::
+
+    query rows   | seq 0 new tokens | seq 1 new tokens | ...   (cu_q_lens marks the boundaries)
+    context      | seq s: seq_lens[s] tokens, the last q_len of them new; pages in block_tables[s]
+    """
+
+    slot_mapping: torch.Tensor  # int32 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    cu_q_lens: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    max_q_len: int
+    max_seq_len: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_q_len == 1
+
+
+def use_triton(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class PagedAttention:
+    """Stores a layer's new K/V into its pages, then attends over each sequence's pages."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [num_tokens, num_q_heads, head_dim], key/value [num_tokens, num_kv_heads,
+        head_dim] -> [num_tokens, num_q_heads, head_dim]."""
+        if use_triton(query.device):
+            from kernels import paged_decode, paged_prefill, store_kv
+
+            store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+            if meta.is_decode_only:
+                return paged_decode(
+                    query,
+                    k_cache,
+                    v_cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    self.scale,
+                    max_seq_len=meta.max_seq_len,
+                )
+            return paged_prefill(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_q_lens,
+                meta.seq_lens,
+                self.scale,
+                max_q_len=meta.max_q_len,
+            )
+        reference.store_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return reference.paged_decode_ref(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+        return reference.paged_prefill_ref(
+            query, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, self.scale
+        )
