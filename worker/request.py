@@ -1,30 +1,64 @@
-"""A request's token stream and the hashes of its full blocks, as the KV cache manager sees it."""
+"""A request: its token stream, the hashes of its full blocks, and where it is in its life."""
 
 from __future__ import annotations
 
+import enum
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cache_index.hashing import BlockHasher
+
+if TYPE_CHECKING:
+    import torch
+
+    from worker.sampler import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token (or EOS) was produced
+    LENGTH = "length"  # max_tokens, or the model's context length
+    ABORT = "abort"  # cancelled
 
 
 class Request:
     """Prompt plus generated tokens, with the chain of hashes of every full block.
 
     ``num_computed_tokens`` counts the tokens whose KV is in the cache (or will be, once the step
-    that was scheduled for them has run).
+    that was scheduled for them has run). The KV cache manager needs only the token stream; the
+    scheduler and engine use the rest.
     """
 
     __slots__ = (
+        "arrival_s",
         "block_hashes",
+        "finish_reason",
+        "first_token_s",
+        "generator",
         "hasher",
+        "num_cached_tokens",
         "num_computed_tokens",
+        "num_preemptions",
         "num_prompt_tokens",
+        "params",
         "request_id",
+        "status",
         "token_ids",
     )
 
     def __init__(
-        self, request_id: str, prompt_token_ids: Sequence[int], hasher: BlockHasher
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        hasher: BlockHasher,
+        params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
@@ -34,10 +68,31 @@ class Request:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.block_hashes: list[bytes] = hasher.hash_blocks(self.token_ids)
+        self.params = params
+        self.generator = generator
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        # Prompt tokens found in the prefix cache when the request was first admitted.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.arrival_s = time.monotonic()
+        self.first_token_s: float | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
 
     @property
     def block_size(self) -> int:

@@ -1,0 +1,130 @@
+"""``kvswitch bench ttft`` and ``kvswitch bench decode``: the worker engine on its default model.
+
+ttft: time to first token of a prompt whose leading blocks are already cached, against the same
+length cold. Each trial uses fresh random tokens, so a cold prompt never hits.
+
+decode: output tokens per second of batches of requests that all decode at once (prefill time
+excluded).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from benchmarks.timing import machine_info
+from worker.engine import EngineConfig, LLMEngine
+from worker.sampler import SamplingParams
+
+
+@dataclass(frozen=True)
+class TTFTBenchConfig:
+    model: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_prompt_tokens: int = 4096
+    num_cached_tokens: int = 3968
+    num_trials: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_cached_tokens < self.num_prompt_tokens:
+            raise ValueError("num_cached_tokens must be positive and below num_prompt_tokens")
+        if self.num_trials <= 0:
+            raise ValueError("num_trials must be positive")
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    model: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_sizes: str = "1,32"
+    num_prompt_tokens: int = 128
+    num_output_tokens: int = 64
+    seed: int = 0
+
+
+def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=model or None,
+            device=device,
+            dtype=dtype,
+            kv_cache_bytes=1 << 30,
+            max_num_batched_tokens=max(num_tokens, 2048),
+        )
+    )
+
+
+def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    if engine.runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_ttft(config: TTFTBenchConfig) -> dict:
+    engine = _engine(config.model, config.device, config.dtype, config.num_prompt_tokens)
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(config.seed)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(0, vocab, n).tolist()
+
+    _time_to_first_token(engine, "warmup", tokens(config.num_prompt_tokens))
+    cold, warm = [], []
+    num_new = config.num_prompt_tokens - config.num_cached_tokens
+    for trial in range(config.num_trials):
+        cold.append(_time_to_first_token(engine, f"cold-{trial}", tokens(config.num_prompt_tokens)))
+        prefix = tokens(config.num_cached_tokens)
+        _time_to_first_token(engine, f"prime-{trial}", prefix + tokens(num_new))
+        warm.append(_time_to_first_token(engine, f"warm-{trial}", prefix + tokens(num_new)))
+        print(f"  trial {trial + 1}: cold {cold[-1]:.3f}s  warm {warm[-1]:.3f}s", file=sys.stderr)
+    cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    return {
+        "cold_ttft_s": cold_s,
+        "warm_ttft_s": warm_s,
+        "speedup": cold_s / warm_s,
+        "num_prompt_tokens": config.num_prompt_tokens,
+        "num_cached_tokens": config.num_cached_tokens,
+        "model": config.model or engine.model_config.name,
+        "device": config.device,
+        "dtype": config.dtype,
+        "machine": machine_info(),
+    }
+
+
+def run_decode(config: DecodeBenchConfig) -> dict:
+    batch_sizes = [int(b) for b in config.batch_sizes.split(",") if b.strip()]
+    if not batch_sizes or min(batch_sizes) <= 0:
+        raise ValueError(f"batch_sizes must list positive integers, got {config.batch_sizes!r}")
+    results: dict = {"machine": machine_info(), "device": config.device, "dtype": config.dtype}
+    rng = np.random.default_rng(config.seed)
+    for batch in batch_sizes:
+        engine = _engine(
+            config.model, config.device, config.dtype, batch * config.num_prompt_tokens
+        )
+        vocab = engine.model_config.vocab_size
+        params = SamplingParams(max_tokens=config.num_output_tokens)
+        for i in range(batch):
+            engine.add_request(
+                f"r{i}", rng.integers(0, vocab, config.num_prompt_tokens).tolist(), params
+            )
+        engine.step()  # every prompt prefills in this one step
+        num_tokens, start = 0, time.perf_counter()
+        while engine.has_unfinished():
+            num_tokens += len(engine.step())
+        elapsed = time.perf_counter() - start
+        results[f"decode_tokens_per_s_batch_{batch}"] = num_tokens / elapsed
+        print(f"  batch {batch}: {num_tokens / elapsed:,.0f} tokens/s", file=sys.stderr)
+    return results

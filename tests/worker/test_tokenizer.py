@@ -1,0 +1,215 @@
+"""Tokenizers and streaming decode: the built-in byte tokenizer and a Hugging Face one the tests
+train themselves on a few sentences."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from worker.tokenizer import (
+    REPLACEMENT_CHAR,
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDecoder,
+    load_tokenizer,
+)
+
+EMOJI = "\U0001f600"  # four UTF-8 bytes: F0 9F 98 80
+TEXTS = ["hello world", "naïve café, déjà vu", f"smile {EMOJI} done", "日本語のテキスト"]
+TRAINING_SENTENCES = [
+    "the cache-aware router sends each request to the worker that holds its prompt",
+    "a worker keeps the key and value cache of recent prompts in blocks",
+    "hello world, hello router, hello worker",
+] * 3
+
+
+# -- the byte tokenizer ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_tokenizer_round_trips(text: str) -> None:
+    tokenizer = ByteTokenizer()
+    token_ids = tokenizer.encode(text)
+    assert token_ids == [256, *text.encode("utf-8")]
+    assert tokenizer.decode(token_ids) == text
+
+
+def test_byte_tokenizer_bos_and_vocabulary() -> None:
+    tokenizer = ByteTokenizer()
+    assert tokenizer.vocab_size == 257
+    assert tokenizer.bos_token_id == 256 and tokenizer.eos_token_id is None
+    assert tokenizer.stop_token_ids == ()
+    assert tokenizer.encode("hi", add_bos=False) == [104, 105]
+    assert tokenizer.decode([256, 104, 256, 105]) == "hi"  # BOS is skipped wherever it is
+    assert tokenizer.decode([104, 0xFF, 105]) == f"h{REPLACEMENT_CHAR}i"
+    with pytest.raises(ValueError, match="257"):
+        tokenizer.decode([300])
+
+
+def test_load_tokenizer_without_a_model_is_the_byte_tokenizer() -> None:
+    assert isinstance(load_tokenizer(None), ByteTokenizer)
+
+
+def test_load_tokenizer_says_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.json is missing.*token ids"):
+        load_tokenizer(tmp_path)
+
+
+# -- streaming with the byte tokenizer -------------------------------------------------------------
+
+
+def stream(decoder: IncrementalDecoder, token_ids: list[int], step: int = 1) -> list[str]:
+    pieces = [decoder.push(token_ids[i : i + step]) for i in range(0, len(token_ids), step)]
+    return [*pieces, decoder.flush()]
+
+
+def test_an_emoji_arriving_byte_by_byte_is_emitted_whole() -> None:
+    tokenizer = ByteTokenizer()
+    token_ids = tokenizer.encode(f"a{EMOJI}b{EMOJI}", add_bos=False)
+    pieces = stream(IncrementalDecoder(tokenizer), token_ids)
+    assert pieces == ["a", "", "", "", EMOJI, "b", "", "", "", EMOJI, ""]
+    assert "".join(pieces) == tokenizer.decode(token_ids)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_byte_stream_concatenates_to_the_full_decode(step: int) -> None:
+    tokenizer = ByteTokenizer()
+    token_ids = tokenizer.encode(" / ".join(TEXTS), add_bos=False)
+    pieces = stream(IncrementalDecoder(tokenizer, [256, 65]), token_ids, step)
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(token_ids)
+
+
+def test_a_character_split_between_prompt_and_output_is_emitted_with_the_output() -> None:
+    tokenizer = ByteTokenizer()
+    emoji_bytes = list(EMOJI.encode("utf-8"))
+    decoder = IncrementalDecoder(tokenizer, [256, 65, *emoji_bytes[:2]])
+    assert decoder.push(emoji_bytes[2:3]) == ""
+    assert decoder.push([*emoji_bytes[3:], 66]) == f"{EMOJI}B"
+
+
+def test_flush_hands_over_an_unfinished_character() -> None:
+    decoder = IncrementalDecoder(ByteTokenizer())
+    assert decoder.push([104, 0xF0, 0x9F]) == "h"
+    assert decoder.flush() == REPLACEMENT_CHAR
+
+
+# -- a Hugging Face tokenizer ----------------------------------------------------------------------
+
+
+def build_tokenizer_json(model_dir: Path, *, template_bos: bool) -> tokenizers.Tokenizer:
+    """A byte-level BPE trained on a few sentences, so most characters outside them (the emoji,
+    the Japanese) are split into several byte tokens. ``<s>`` is id 0 and ``</s>`` is id 1."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_SENTENCES, trainer)
+    if template_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 0)]
+        )
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return tokenizer
+
+
+def write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content), encoding="utf-8")
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path) -> Path:
+    build_tokenizer_json(tmp_path, template_bos=False)
+    write_json(tmp_path / "tokenizer_config.json", {"bos_token": "<s>", "eos_token": "</s>"})
+    return tmp_path
+
+
+def test_hf_tokenizer_round_trips_and_reads_bos_eos(hf_dir: Path) -> None:
+    tokenizer = load_tokenizer(hf_dir)
+    assert isinstance(tokenizer, HFTokenizer)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
+    assert tokenizer.stop_token_ids == (1,)
+    trained = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert tokenizer.vocab_size == trained.get_vocab_size() > 256
+    for text in TEXTS:
+        token_ids = tokenizer.encode(text)
+        assert token_ids[0] == 0 and 0 not in token_ids[1:]
+        assert token_ids[1:] == tokenizer.encode(text, add_bos=False)
+        assert tokenizer.decode(token_ids) == text
+    assert tokenizer.decode([0, *tokenizer.encode("hello", add_bos=False), 1]) == "hello"
+
+
+def test_bos_from_the_template_is_not_added_twice(tmp_path: Path) -> None:
+    build_tokenizer_json(tmp_path, template_bos=True)
+    write_json(tmp_path / "tokenizer_config.json", {"bos_token": {"content": "<s>"}})
+    tokenizer = HFTokenizer(tmp_path)
+    assert tokenizer.bos_token_id == 0
+    token_ids = tokenizer.encode("hello world")
+    assert token_ids[0] == 0 and token_ids.count(0) == 1
+    assert tokenizer.encode("hello world", add_bos=False) == token_ids[1:]
+
+
+def test_eos_list_in_config_json(tmp_path: Path) -> None:
+    build_tokenizer_json(tmp_path, template_bos=False)
+    write_json(tmp_path / "config.json", {"bos_token_id": 0, "eos_token_id": [1, 5, 7]})
+    tokenizer = HFTokenizer(tmp_path)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
+    assert tokenizer.stop_token_ids == (1, 5, 7)
+    assert tokenizer.encode("hello")[0] == 0
+
+
+def test_tokenizer_config_eos_leads_the_stop_ids(tmp_path: Path) -> None:
+    build_tokenizer_json(tmp_path, template_bos=False)
+    write_json(tmp_path / "tokenizer_config.json", {"eos_token": "</s>"})
+    write_json(tmp_path / "config.json", {"eos_token_id": [7, 1]})
+    tokenizer = HFTokenizer(tmp_path)
+    assert tokenizer.eos_token_id == 1
+    assert tokenizer.stop_token_ids == (1, 7)
+
+
+def test_no_bos_is_added_when_the_model_is_trained_without_one(tmp_path: Path) -> None:
+    build_tokenizer_json(tmp_path, template_bos=False)
+    write_json(tmp_path / "tokenizer_config.json", {"bos_token": "<s>", "add_bos_token": False})
+    tokenizer = HFTokenizer(tmp_path)
+    assert tokenizer.encode("hello") == tokenizer.encode("hello", add_bos=False)
+
+
+def test_without_any_bos_nothing_is_prepended(tmp_path: Path) -> None:
+    build_tokenizer_json(tmp_path, template_bos=False)
+    tokenizer = HFTokenizer(tmp_path)
+    assert tokenizer.bos_token_id is None and tokenizer.eos_token_id is None
+    assert tokenizer.stop_token_ids == ()
+    assert tokenizer.encode("hello") == tokenizer.encode("hello", add_bos=False)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_hf_stream_concatenates_to_the_full_decode(hf_dir: Path, step: int) -> None:
+    tokenizer = load_tokenizer(hf_dir)
+    prompt_ids = tokenizer.encode("hello router")
+    output_ids = tokenizer.encode(" / ".join(TEXTS) + f" {EMOJI}", add_bos=False)
+    # The emoji must really be split across tokens for this test to mean anything.
+    assert all(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in output_ids[-4:])
+    pieces = stream(IncrementalDecoder(tokenizer, prompt_ids), output_ids, step)
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(output_ids)
+    full = tokenizer.decode(prompt_ids + output_ids)
+    assert full == tokenizer.decode(prompt_ids) + "".join(pieces)
+
+
+def test_hf_stream_holds_a_broken_character_until_flush(hf_dir: Path) -> None:
+    tokenizer = load_tokenizer(hf_dir)
+    emoji_ids = tokenizer.encode(EMOJI, add_bos=False)
+    decoder = IncrementalDecoder(tokenizer)
+    assert decoder.push(tokenizer.encode("hello", add_bos=False)) == "hello"
+    assert decoder.push(emoji_ids[:2]) == ""
+    assert decoder.flush().endswith(REPLACEMENT_CHAR)

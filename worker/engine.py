@@ -1,0 +1,247 @@
+"""The inference engine: schedule, run the model, sample, and hand out what each request produced.
+
+``step()`` is the whole loop body::
+
+    scheduled = scheduler.schedule()        # who computes how many tokens
+    logits = runner.execute(scheduled)      # one forward pass over the packed batch
+    outputs = postprocess(scheduled, logits)   # sample, stop, free finished requests
+
+The engine is synchronous and single-threaded; the gRPC server drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cache_index.events import CacheEvent
+from cache_index.hashing import BlockHasher
+from worker.kv_cache_manager import KVCacheManager
+from worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
+from worker.request import FinishReason, Request
+from worker.sampler import Sampler, SamplingParams, make_generator
+from worker.scheduler import Scheduler, SchedulerConfig
+from worker.weights import load_model
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a Hugging Face checkpoint directory; None = built-in tiny model
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    ttft_s: float | None = None  # set on the step that produced the first token
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    step_tokens: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        dtype = getattr(torch, config.dtype)
+        self.model = load_model(config.model, device=config.device, dtype=dtype)
+        self.model_config = self.model.config
+        num_blocks = num_blocks_for_budget(
+            self.model, config.block_size, dtype, config.kv_cache_bytes
+        )
+        self.namespace = str(config.model) if config.model else self.model_config.name
+        self.kv_cache = KVCacheManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest context (prompt plus output) one request may reach."""
+        return min(
+            self.model_config.max_position_embeddings,
+            self.kv_cache.pool.num_blocks * self.config.block_size,
+        )
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError, saying what is wrong, for a request that can
+        never run; nothing is queued then."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if lora is not None:
+            raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this worker's context length "
+                f"is {self.max_model_len}"
+            )
+        hasher = BlockHasher(self.namespace, self.config.block_size, cache_salt=cache_salt)
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            hasher,
+            params,
+            make_generator(params, self.runner.device),
+        )
+        # NOTE: output that would pass the context length ends the request with LENGTH instead.
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is not running."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish_reason = FinishReason.ABORT
+        self.scheduler.remove(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def take_events(self) -> list[CacheEvent]:
+        return self.kv_cache.take_events()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        self.stats.num_preemptions += len(scheduled.preempted)
+        if not scheduled.scheduled:
+            return []
+        seqs = []
+        for request, num_new in scheduled.scheduled:
+            start = request.num_computed_tokens
+            seqs.append(
+                ScheduledSeq(
+                    request.token_ids[start : start + num_new],
+                    start,
+                    self.kv_cache.get_block_ids(request.request_id),
+                )
+            )
+        logits = self.runner.execute(seqs)
+        self.stats.num_steps += 1
+        self.stats.step_tokens.append(scheduled.num_tokens)
+        return self._postprocess(scheduled.scheduled, logits)
+
+    def _postprocess(
+        self, scheduled: list[tuple[Request, int]], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        # Only requests whose whole context is now computed produce a token; a prefill chunk
+        # that stops short of the end throws its logits away.
+        sampling_rows = []
+        for row, (request, num_new) in enumerate(scheduled):
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens:
+                sampling_rows.append(row)
+        if not sampling_rows:
+            return []
+        requests = [scheduled[row][0] for row in sampling_rows]
+        token_ids = self.sampler.sample(
+            logits[sampling_rows],
+            [r.params for r in requests],
+            [r.generator for r in requests],
+        ).tolist()
+        now = time.monotonic()
+        outputs = []
+        for request, token_id in zip(requests, token_ids, strict=True):
+            ttft_s = None
+            if request.first_token_s is None:
+                request.first_token_s = now
+                ttft_s = now - request.arrival_s
+                self.stats.num_prompt_tokens += request.num_prompt_tokens
+                self.stats.num_cached_tokens += request.num_cached_tokens
+            request.append_token_ids([token_id])
+            reason = self._finish_reason(request, token_id)
+            if reason is not None:
+                request.finish_reason = reason
+                self.scheduler.remove(request)
+                del self.requests[request.request_id]
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    [token_id],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    ttft_s=ttft_s,
+                )
+            )
+        return outputs
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.params
+        if token_id in params.stop_token_ids or token_id in self.model_config.eos_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- convenience --------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns each one's output token ids."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        while self.has_unfinished():
+            for output in self.step():
+                outputs[output.request_id].extend(output.new_token_ids)
+        return [outputs[request_id] for request_id in ids]

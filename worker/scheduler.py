@@ -1,0 +1,128 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each computes.
+
+Every step has a token budget. Running requests go first, in arrival order: a decoding request
+needs one token, a request still prefilling takes its next chunk. Waiting requests are admitted
+after them, with their cached prefix skipped, while budget, sequence slots and KV blocks last.
+When a running request cannot get a block, the most recently admitted running request is
+preempted: its blocks are freed and it waits again at the head of the queue, to be recomputed
+(mostly from the prefix cache) later. The scheduler never blocks and never fails a request for
+lack of blocks unless the request could not fit even in an empty cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.kv_cache_manager import KVCacheManager
+from worker.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's work: ``(request, num_new_tokens)`` in batch order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute, waiting requests counted whole (hits not known yet)."""
+        running = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+        return running + sum(r.num_tokens for r in self.waiting)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request (finished or aborted) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv_cache = self.kv_cache
+
+        # Running requests first: decodes and the next chunk of unfinished prefills.
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it can run either
+
+        # Then admit waiting requests, oldest first, as long as everything fits.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and not out.preempted
+        ):
+            request = self.waiting[0]
+            computed, num_cached = kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if kv_cache.allocate_slots(request, num_new, computed) is None:
+                break  # head-of-line: keep arrival order
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)

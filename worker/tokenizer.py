@@ -1,0 +1,193 @@
+"""Text to token ids and back: a built-in byte tokenizer, a Hugging Face ``tokenizer.json`` one,
+and an incremental decoder that streams text without breaking characters.
+
+The worker itself runs on token ids; a tokenizer is only needed where text comes in or goes out.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
+
+
+class Tokenizer(ABC):
+    """Maps text to token ids and back.
+
+    ``decode`` skips special tokens (BOS, EOS, ...) and writes U+FFFD for bytes that do not form
+    valid UTF-8. ``encode`` never fails on text.
+    """
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation; EOS first."""
+        return () if self.eos_token_id is None else (self.eos_token_id,)
+
+    @abstractmethod
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``, led by BOS when ``add_bos`` and the tokenizer has one."""
+
+    @abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens left out."""
+
+
+class ByteTokenizer(Tokenizer):
+    """The built-in model's tokenizer: token ``b`` (0..255) is the byte ``b``; 256 is BOS."""
+
+    BOS_TOKEN_ID = 256
+
+    def __init__(self) -> None:
+        self.vocab_size = 257
+        self.bos_token_id = self.BOS_TOKEN_ID
+        self.eos_token_id = None
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS_TOKEN_ID, *ids] if add_bos else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.to_bytes(token_ids).decode("utf-8", errors="replace")
+
+    def to_bytes(self, token_ids: Sequence[int]) -> bytes:
+        """The bytes of ``token_ids``, BOS left out; ValueError for ids outside the vocabulary."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the byte vocabulary [0, 257)")
+        return bytes(t for t in token_ids if t != self.BOS_TOKEN_ID)
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face fast tokenizer read from ``<model_dir>/tokenizer.json``.
+
+    BOS and EOS come from ``tokenizer_config.json`` (``bos_token`` / ``eos_token``) and, where it
+    names none, from ``config.json`` (``bos_token_id`` / ``eos_token_id``). ``config.json``'s EOS
+    may be a list: every entry is a stop token, and the first is ``eos_token_id`` unless the
+    tokenizer config names its own.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        model_config = _read_json(model_dir / "config.json")
+
+        config_bos = model_config.get("bos_token_id")
+        config_eos = model_config.get("eos_token_id")
+        config_eos_ids = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
+        bos = self._special_token_id(tokenizer_config.get("bos_token"))
+        eos = self._special_token_id(tokenizer_config.get("eos_token"))
+        self.bos_token_id = bos if bos is not None else config_bos
+        self.eos_token_id = eos if eos is not None else next(iter(config_eos_ids), None)
+        stop_ids = [] if self.eos_token_id is None else [self.eos_token_id]
+        self._stop_token_ids = tuple(dict.fromkeys([*stop_ids, *config_eos_ids]))
+        # NOTE: some models (Qwen2) name a BOS token but are trained without one.
+        self._prepend_bos = bool(tokenizer_config.get("add_bos_token", True))
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stop_token_ids
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_bos).ids
+        # The post-processor (a template in tokenizer.json) may already have put BOS first.
+        bos = self.bos_token_id
+        if add_bos and self._prepend_bos and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _special_token_id(self, token: str | dict[str, Any] | None) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        if not token:
+            return None
+        return self._tokenizer.token_to_id(token)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
+    """The byte tokenizer for the built-in model (``model_dir`` None), else the checkpoint's
+    ``tokenizer.json``; ValueError when the checkpoint has none."""
+    if model_dir is None:
+        return ByteTokenizer()
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{path} is missing, so this model cannot turn text into tokens; add the "
+            "checkpoint's tokenizer.json, or send prompts as token ids, which need no tokenizer"
+        )
+    return HFTokenizer(model_dir)
+
+
+class IncrementalDecoder:
+    """Streams the text of generated tokens, a few tokens at a time.
+
+    ``push`` returns only the text that is new and never ends partway through a character: text
+    that ends in U+FFFD (a character whose bytes have not all arrived) is held back until it
+    completes, and ``flush`` hands over whatever is still held once generation ends. The pushes
+    plus the flush concatenate to the text the generated tokens add after the prompt.
+    """
+
+    # How many tokens before the unread ones are decoded with them, so that tokens whose text
+    # depends on their neighbours (a leading space, a merged byte sequence) decode as in context.
+    NUM_CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        if isinstance(tokenizer, ByteTokenizer):
+            # NOTE: bytes decode one at a time, so the codec's own pending buffer is the whole
+            # state; seeding it with the prompt completes a character split across the boundary.
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._utf8.decode(tokenizer.to_bytes(prompt_token_ids[-3:]))
+            return
+        self._token_ids = list(prompt_token_ids)
+        # Window: tokens [prefix_offset, read_offset) were emitted and give context; tokens from
+        # read_offset on are not emitted yet.
+        self._read_offset = len(self._token_ids)
+        self._prefix_offset = max(self._read_offset - self.NUM_CONTEXT_TOKENS, 0)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The new, complete text that ``token_ids`` add; may be empty."""
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self._utf8.decode(self.tokenizer.to_bytes(token_ids))
+        self._token_ids.extend(token_ids)
+        return self._read(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (possibly ending in U+FFFD); call once, at the end."""
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self._utf8.decode(b"", final=True)
+        return self._read(final=True)
+
+    def _read(self, *, final: bool) -> str:
+        decode = self.tokenizer.decode
+        emitted_text = decode(self._token_ids[self._prefix_offset : self._read_offset])
+        window_text = decode(self._token_ids[self._prefix_offset :])
+        if len(window_text) <= len(emitted_text):
+            return ""
+        if window_text.endswith(REPLACEMENT_CHAR) and not final:
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        return window_text[len(emitted_text) :]
