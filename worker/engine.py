@@ -97,7 +97,7 @@ class LLMEngine:
             self.kv_cache.pool.num_blocks * self.config.block_size,
         )
 
-    # -- requests ---------------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -152,7 +152,7 @@ class LLMEngine:
     def take_events(self) -> list[CacheEvent]:
         return self.kv_cache.take_events()
 
-    # -- the loop ---------------------------------------------------------------------------------
+    # -- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
@@ -230,7 +230,7 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    # -- convenience --------------------------------------------------------------------------------
+    # -- convenience ----------------------------------------------------------------------------
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
