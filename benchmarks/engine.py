@@ -13,12 +13,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from benchmarks.timing import machine_info
-from worker.engine import EngineConfig, LLMEngine
-from worker.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class DecodeBenchConfig:
 
 
 def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
+    # NOTE: imported here so that `kvswitch --help` does not load torch.
+    from worker.engine import EngineConfig, LLMEngine
+
     return LLMEngine(
         EngineConfig(
             model=model or None,
@@ -62,6 +67,8 @@ def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
 
 
 def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
+    from worker.sampler import SamplingParams
+
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
     while engine.has_unfinished():
@@ -109,6 +116,8 @@ def run_decode(config: DecodeBenchConfig) -> dict:
     if not batch_sizes or min(batch_sizes) <= 0:
         raise ValueError(f"batch_sizes must list positive integers, got {config.batch_sizes!r}")
     results: dict = {"machine": machine_info(), "device": config.device, "dtype": config.dtype}
+    from worker.sampler import SamplingParams
+
     rng = np.random.default_rng(config.seed)
     for batch in batch_sizes:
         engine = _engine(

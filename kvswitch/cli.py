@@ -55,6 +55,24 @@ KERNEL_HELP = {
     "store_tokens": "store_kv: tokens written per call",
     "seed": "random seed of the data",
 }
+TTFT_HELP = {
+    "model": "Hugging Face checkpoint directory; empty = the built-in tiny model",
+    "device": "cpu or cuda",
+    "dtype": "float32, float16 or bfloat16",
+    "num_prompt_tokens": "prompt length in tokens",
+    "num_cached_tokens": "leading prompt tokens already cached in the warm case",
+    "num_trials": "cold/warm pairs to take the median of",
+    "seed": "random seed of the prompts",
+}
+DECODE_HELP = {
+    "model": TTFT_HELP["model"],
+    "device": TTFT_HELP["device"],
+    "dtype": TTFT_HELP["dtype"],
+    "batch_sizes": "comma-separated batch sizes to measure",
+    "num_prompt_tokens": "prompt length of every request",
+    "num_output_tokens": "tokens each request decodes",
+    "seed": "random seed of the prompts",
+}
 HASH_HELP = {
     "num_tokens": "prompt length in tokens",
     "block_size": "tokens per block",
@@ -89,6 +107,7 @@ def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Ca
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from benchmarks import engine as engine_bench
     from benchmarks import hashing as hash_bench
     from benchmarks import kernels as kernel_bench
     from benchmarks import pool as pool_bench
@@ -122,24 +141,38 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(
         dest="bench", metavar="BENCH", required=True, help="what to measure"
     )
-    for name, module, config_cls, helps, summary in [
+    for name, run, config_cls, helps, summary in [
         (
             "pool",
-            pool_bench,
+            pool_bench.run,
             pool_bench.PoolBenchConfig,
             POOL_HELP,
             "block operations per second of the block pool and KV cache manager",
         ),
         (
             "kernels",
-            kernel_bench,
+            kernel_bench.run,
             kernel_bench.KernelBenchConfig,
             KERNEL_HELP,
             "paged-attention kernels on a CUDA GPU: bandwidth, TFLOP/s against SDPA",
         ),
         (
+            "ttft",
+            engine_bench.run_ttft,
+            engine_bench.TTFTBenchConfig,
+            TTFT_HELP,
+            "worker time to first token, prompt mostly cached against cold",
+        ),
+        (
+            "decode",
+            engine_bench.run_decode,
+            engine_bench.DecodeBenchConfig,
+            DECODE_HELP,
+            "worker decode tokens per second at several batch sizes",
+        ),
+        (
             "hash",
-            hash_bench,
+            hash_bench.run,
             hash_bench.HashBenchConfig,
             HASH_HELP,
             "tokens per second of block hashing on one long prompt",
@@ -148,12 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub = benches.add_parser(
             name,
             help=summary,
-            description=module.__doc__,
+            description=sys.modules[run.__module__].__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_config_args(sub, config_cls, helps)
         sub.add_argument("--json", type=Path, metavar="OUT", help="also write the figures here")
-        sub.set_defaults(func=_bench_command(module.run, config_cls))
+        sub.set_defaults(func=_bench_command(run, config_cls))
     return parser
 
 

@@ -13,7 +13,16 @@ import torch
 
 from kvswitch.cli import build_parser, main
 
-COMMANDS = [[], ["demo"], ["bench"], ["bench", "pool"], ["bench", "hash"], ["bench", "kernels"]]
+COMMANDS = [
+    [],
+    ["demo"],
+    ["bench"],
+    ["bench", "pool"],
+    ["bench", "hash"],
+    ["bench", "kernels"],
+    ["bench", "ttft"],
+    ["bench", "decode"],
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "kvswitch")
@@ -104,3 +113,19 @@ def test_bench_kernels_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "needs a CUDA GPU" in captured.err
+
+
+def test_bench_ttft_and_decode_write_json(tmp_path: Path) -> None:
+    out = tmp_path / "ttft.json"
+    args = ["--num-prompt-tokens", "256", "--num-cached-tokens", "192", "--num-trials", "1"]
+    main(["bench", "ttft", *args, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["cold_ttft_s"] > 0 and figures["warm_ttft_s"] > 0
+    assert figures["speedup"] == pytest.approx(figures["cold_ttft_s"] / figures["warm_ttft_s"])
+    out = tmp_path / "decode.json"
+    main(
+        ["bench", "decode", "--batch-sizes", "1,2", "--num-output-tokens", "4", "--json", str(out)]
+    )
+    figures = json.loads(out.read_text())
+    assert figures["decode_tokens_per_s_batch_1"] > 0
+    assert figures["decode_tokens_per_s_batch_2"] > 0
