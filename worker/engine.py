@@ -33,6 +33,9 @@ class EngineConfig:
     dtype: str = "float32"
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20
+    # On CUDA, a fraction in (0, 1) sizes the KV cache from the GPU memory free after loading
+    # the model instead of kv_cache_bytes.
+    gpu_memory_fraction: float = 0.0
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -44,6 +47,21 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 <= self.gpu_memory_fraction < 1.0:
+            raise ValueError(
+                f"gpu_memory_fraction must be in [0, 1), got {self.gpu_memory_fraction}"
+            )
+        if self.gpu_memory_fraction and not self.device.startswith("cuda"):
+            raise ValueError(
+                "gpu_memory_fraction sizes a GPU's KV cache: use it with a cuda device"
+            )
+
+    def kv_cache_budget_bytes(self) -> int:
+        """Bytes for the KV cache, decided once the model is loaded."""
+        if self.gpu_memory_fraction:
+            free_bytes, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            return int(free_bytes * self.gpu_memory_fraction)
+        return self.kv_cache_bytes
 
 
 @dataclass(slots=True)
@@ -75,7 +93,7 @@ class LLMEngine:
         self.model = load_model(config.model, device=config.device, dtype=dtype)
         self.model_config = self.model.config
         num_blocks = num_blocks_for_budget(
-            self.model, config.block_size, dtype, config.kv_cache_bytes
+            self.model, config.block_size, dtype, config.kv_cache_budget_bytes()
         )
         self.namespace = str(config.model) if config.model else self.model_config.name
         self.kv_cache = KVCacheManager(

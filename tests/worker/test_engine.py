@@ -135,3 +135,11 @@ def test_engine_config_is_validated() -> None:
         EngineConfig(dtype="int8")
     with pytest.raises(ValueError, match="holds no block"):
         make_engine(kv_cache_bytes=100)
+
+
+def test_gpu_memory_fraction_needs_a_gpu_and_a_sane_value() -> None:
+    with pytest.raises(ValueError, match="cuda device"):
+        EngineConfig(gpu_memory_fraction=0.5)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        EngineConfig(device="cuda", gpu_memory_fraction=1.5)
+    assert EngineConfig(kv_cache_bytes=1 << 20).kv_cache_budget_bytes() == 1 << 20
