@@ -29,6 +29,7 @@ from kernels.layout import (
     next_pow2,
 )
 from kernels.paged_decode import LOG2_E
+from kernels.tile import load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -91,31 +92,24 @@ def _paged_prefill_kernel(
     for tok_start in range(0, kv_end, BLOCK_N):
         toks = tok_start + tl.arange(0, BLOCK_N)
         tok_mask = toks < kv_end
-        pages = tl.load(block_table + toks // block_size, mask=tok_mask, other=0).to(tl.int64)
-        kv_rows = pages * stride_cache_b + (toks % block_size) * stride_cache_s
-        kv_offsets = kv_rows[:, None] + kv_head * stride_cache_h + dims[None, :]
-        kv_mask = tok_mask[:, None] & dim_mask[None, :]
-        key = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        value = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-
-        if DOT_FP32:
-            # NOTE: also the interpreter's path: its low-precision dot is wrong.
-            scores = tl.dot(query, tl.trans(key.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(query, tl.trans(key))
+        key, value = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            toks,
+            tok_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            block_size,
+            stride_cache_b,
+            stride_cache_s,
+            stride_cache_h,
+        )
         visible = tok_mask[None, :] & (toks[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))  # log2 units
-        # Every row sees token 0 in the first tile, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        probs = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(probs, 1)
-        if DOT_FP32:
-            pv = tl.dot(probs, value.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(probs.to(value.dtype), value)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(
+            query, key, value, visible, qk_scale, m_i, l_i, acc, DOT_FP32
+        )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offsets = (q_first + rows).to(tl.int64)[:, None] * stride_o_t + q_head * stride_o_h

@@ -1,0 +1,59 @@
+"""The steps every paged-attention kernel takes per tile of context tokens.
+
+``load_kv_tile`` gathers a tile's K/V rows through the block table (rows past the mask read as 0,
+so whatever sits in unused slots never reaches the math); ``online_softmax_step`` folds the tile
+into the running max ``m``, normalizer ``l`` and unnormalized output ``acc`` (scores in log2
+units, so ``exp2`` does the exponentials).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    toks,
+    tok_mask,
+    kv_head,
+    dims,
+    dim_mask,
+    block_size,
+    stride_cache_b,
+    stride_cache_s,
+    stride_cache_h,
+):
+    pages = tl.load(block_table + toks // block_size, mask=tok_mask, other=0).to(tl.int64)
+    rows = pages * stride_cache_b + (toks % block_size) * stride_cache_s
+    offsets = rows[:, None] + kv_head * stride_cache_h + dims[None, :]
+    mask = tok_mask[:, None] & dim_mask[None, :]
+    key = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    value = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+    return key, value
+
+
+@triton.jit
+def online_softmax_step(
+    query, key, value, visible, qk_scale, m_i, l_i, acc, DOT_FP32: tl.constexpr
+):
+    if DOT_FP32:
+        # NOTE: also the interpreter's path: its low-precision dot is wrong.
+        scores = tl.dot(query, tl.trans(key.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(query, tl.trans(key))
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    # A row that sees nothing in this tile keeps its max; every row sees a token in its first
+    # tile, so m_new is finite and no exp2(-inf - -inf) arises.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    probs = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(probs, 1)
+    if DOT_FP32:
+        pv = tl.dot(probs, value.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(probs.to(value.dtype), value)
+    return m_new, l_i, acc * alpha[:, None] + pv
