@@ -75,12 +75,31 @@ def paged_decode_ref(
 ) -> torch.Tensor:
     """One query token per sequence ([num_seqs, num_q_heads, head_dim]) over its whole context of
     ``seq_lens[s]`` tokens (the query's own K/V already stored)."""
-    out = torch.empty_like(query)
-    for s, seq_len in enumerate(seq_lens.tolist()):
-        key = gather_pages(k_cache, block_tables[s], seq_len)
-        value = gather_pages(v_cache, block_tables[s], seq_len)
-        out[s] = _attend(query[s : s + 1], key, value, scale, q_start=seq_len - 1)[0]
-    return out
+    num_seqs = query.shape[0]
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    block_size = k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    num_pages = -(-max_len // block_size)
+    # All sequences at once: gather every page up to the longest context, mask the rest (table
+    # entries past a sequence's last page are clamped: they may hold anything).
+    pages = block_tables[:, :num_pages].long().clamp_(0, k_cache.shape[0] - 1)
+    key = k_cache[pages].flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, Hkv, D]
+    value = v_cache[pages].flatten(1, 2)[:, :max_len]
+    positions = torch.arange(max_len, device=query.device)
+    visible = positions[None, :] < seq_lens[:, None].to(positions.dtype)  # [num_seqs, max_len]
+    # Masked rows may hold anything, NaN included: zero them so that 0 * NaN cannot leak in.
+    key = torch.where(visible[:, :, None, None], key, 0).float()
+    value = torch.where(visible[:, :, None, None], value, 0).float()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float().unsqueeze(2),  # [num_seqs, Hq, 1, D]
+        key.transpose(1, 2),  # [num_seqs, Hkv, max_len, D]
+        value.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2).to(query.dtype)
 
 
 def paged_prefill_ref(
