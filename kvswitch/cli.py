@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,9 @@ prefix of its prompt is already cached, weighing load.
 EPILOG = """\
 examples:
   kvswitch demo                       prefix caching on one worker, request by request
+  kvswitch worker --port 50061        serve the built-in model on CPU over gRPC
+  kvswitch worker --model DIR --device cuda --port 50062
+                                      serve a Hugging Face checkpoint on a GPU
   kvswitch bench pool --json out.json block operations per second of the block pool
   kvswitch bench hash                 block-hashing throughput
   kvswitch bench kernels              paged-attention kernels (needs a CUDA GPU)
@@ -79,6 +83,36 @@ HASH_HELP = {
     "duration_s": "seconds to measure each input kind for",
     "seed": "random seed of the prompt",
 }
+WORKER_DESCRIPTION = """\
+Run one worker: a model with its paged KV cache, behind a gRPC server (kvswitch.v1.Worker and the
+standard grpc.health.v1 health service; see docs/PROTOCOL.md).
+
+The router sends it tokenized prompts; the worker streams the generated tokens back, reports its
+load, and can list the KV blocks it holds, so that requests whose prompt prefix is cached here are
+sent here. It runs until Ctrl-C or SIGTERM, then gives running requests --grace-s seconds to finish.
+"""
+WORKER_HELP = {
+    "host": "address to listen on; 0.0.0.0 listens on every network interface",
+    "port": "TCP port to listen on; 0 picks a free one (the address is printed at start)",
+    "worker_id": "name the worker reports in its replies; empty = HOST:PORT",
+    "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+    "empty = the built-in tiny model, which needs no files",
+    "device": "where the model runs: cpu, cuda or cuda:N",
+    "dtype": "number type of the weights and the KV cache: float32, float16 or bfloat16",
+    "block_size": "tokens per KV cache block; the router and cache index must use the same",
+    "kv_cache_bytes": "memory for the KV cache in bytes; divided into blocks, it sets how many "
+    "tokens the worker can hold",
+    "gpu_memory_fraction": "on a GPU, a fraction in (0, 1) of the memory left free after "
+    "loading the model to use for the KV cache, instead of --kv-cache-bytes; 0 = off",
+    "enable_prefix_caching": "reuse the KV blocks of earlier prompts that share a prefix",
+    "max_num_seqs": "most requests computed together in one step",
+    "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
+    "prefilled in chunks",
+    "max_hashes_per_chunk": "block hashes per message of a cache snapshot, when the "
+    "client asks for none",
+    "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM before they are "
+    "cancelled",
+}
 DEMO_HELP = {
     "num_blocks": "KV blocks on the worker (small, so that eviction shows)",
     "block_size": "tokens per block",
@@ -106,12 +140,26 @@ def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Ca
     return command
 
 
+def _worker_command(args: argparse.Namespace) -> None:
+    from worker import server as worker_server
+
+    config = config_from_args(worker_server.WorkerConfig, args)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        worker_server.run(config)
+    except worker_server.WorkerStartError as e:
+        sys.exit(f"kvswitch worker: {e}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks import engine as engine_bench
     from benchmarks import hashing as hash_bench
     from benchmarks import kernels as kernel_bench
     from benchmarks import pool as pool_bench
     from kvswitch import demo
+    from worker import server as worker_server
 
     parser = argparse.ArgumentParser(
         prog="kvswitch",
@@ -132,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_args(demo_parser, demo.DemoConfig, DEMO_HELP)
     demo_parser.set_defaults(func=lambda args: demo.run(config_from_args(demo.DemoConfig, args)))
+
+    worker_parser = commands.add_parser(
+        "worker",
+        help="run a GPU (or CPU) worker: the model behind a gRPC server",
+        description=WORKER_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(worker_parser, worker_server.WorkerConfig, WORKER_HELP)
+    worker_parser.set_defaults(func=_worker_command)
 
     bench = commands.add_parser(
         "bench",

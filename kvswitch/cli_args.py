@@ -16,18 +16,26 @@ def add_config_args(
 ) -> None:
     """One ``--field-name`` option per field of ``config_cls``, default taken from the field.
 
-    Every field needs a help text in ``helps``: an option nobody explained is no help to a newcomer.
+    A ``bool`` field becomes a pair, ``--field-name`` / ``--no-field-name``. Every field needs a
+    help text in ``helps``: an option nobody explained is no help to a newcomer.
     """
     for field in dataclasses.fields(config_cls):
         type_name = field.type if isinstance(field.type, str) else field.type.__name__
-        if type_name not in _PARSERS:
+        option = "--" + field.name.replace("_", "-")
+        help_text = f"{helps[field.name]} (default: %(default)s)"
+        if type_name == "bool":
+            parser.add_argument(
+                option,
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=help_text,
+            )
+        elif type_name in _PARSERS:
+            parser.add_argument(
+                option, type=_PARSERS[type_name], default=field.default, help=help_text
+            )
+        else:
             raise TypeError(f"{config_cls.__name__}.{field.name}: unsupported type {type_name}")
-        parser.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=_PARSERS[type_name],
-            default=field.default,
-            help=f"{helps[field.name]} (default: %(default)s)",
-        )
 
 
 class ConfigError(ValueError):

@@ -16,6 +16,7 @@ from kvswitch.cli import build_parser, main
 COMMANDS = [
     [],
     ["demo"],
+    ["worker"],
     ["bench"],
     ["bench", "pool"],
     ["bench", "hash"],

@@ -1,0 +1,316 @@
+"""The worker's gRPC server, over real gRPC on 127.0.0.1, with the built-in model on CPU.
+
+The server runs in-process on its own event-loop thread; the tests are plain gRPC clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cache_index.events import replay
+from cache_index.hashing import hash_prompt_blocks
+from kvswitch.cli import main
+from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker.engine import EngineConfig, LLMEngine
+from worker.engine_loop import EngineLoop
+from worker.sampler import SamplingParams
+from worker.server import WorkerConfig, WorkerServer, WorkerStartError, start_worker
+from worker.tokenizer import ByteTokenizer
+
+BLOCK_SIZE = 16
+BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
+NUM_BLOCKS = 64  # a context of 1024 tokens
+CONFIG = WorkerConfig(port=0, kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES, grace_s=0.0)
+
+# 36 tokens: two full blocks and four tokens of a third; with 4 output tokens no new block fills.
+PROMPT = [256, *b"Q: what is the capital of France?  "]
+assert len(PROMPT) == 36
+
+
+class BackgroundWorker:
+    """A worker on its own event-loop thread, with a blocking client channel to it."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server: WorkerServer = self._run(start_worker(config))
+        self.channel = grpc.insecure_channel(self.server.address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=60)
+
+    def close(self) -> None:
+        self.channel.close()
+        self._run(self.server.stop(grace_s=0))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def generate(
+        self, prompt: list[int], *, timeout: float = 30, **kwargs
+    ) -> tuple[list[int], str, worker_pb2.WorkerGenerateFinal]:
+        """(output tokens, their text, the final message) of one Generate call."""
+        lora = kwargs.pop("lora", "")
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=kwargs.pop("request_id", ""),
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(**kwargs),
+            lora=lora,
+        )
+        responses = list(self.stub.Generate(request, timeout=timeout))
+        assert all(r.HasField("chunk") for r in responses[:-1])
+        assert responses[-1].HasField("final")
+        tokens = [t for r in responses[:-1] for t in r.chunk.token_ids]
+        text = "".join(r.chunk.text for r in responses[:-1])
+        return tokens, text, responses[-1].final
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        return self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+
+    def wait_until_idle(self, timeout_s: float = 5.0) -> worker_pb2.WorkerLoad:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            load = self.load()
+            idle = load.num_running_requests == 0 and load.num_waiting_requests == 0
+            if (idle and load.num_free_blocks == load.num_total_blocks) or (
+                time.monotonic() > deadline
+            ):
+                return load
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[BackgroundWorker]:
+    background = BackgroundWorker(CONFIG)
+    yield background
+    background.close()
+
+
+@pytest.fixture
+def fresh_worker() -> Iterator[BackgroundWorker]:
+    background = BackgroundWorker(CONFIG)
+    yield background
+    background.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine(CONFIG.engine_config())
+
+
+def test_config_defaults_match_the_engine() -> None:
+    engine_defaults = dataclasses.asdict(EngineConfig())
+    engine_defaults["model"] = ""
+    worker_defaults = dataclasses.asdict(WorkerConfig())
+    missing = set(engine_defaults) - set(worker_defaults)
+    assert not missing, f"add {missing} to WorkerConfig (and their help to the CLI)"
+    assert {k: worker_defaults[k] for k in engine_defaults} == engine_defaults
+
+
+def test_generate_streams_the_engines_tokens(
+    worker: BackgroundWorker, reference: LLMEngine
+) -> None:
+    [expected] = reference.generate([PROMPT], SamplingParams(max_tokens=8))
+    tokens, text, final = worker.generate(PROMPT, max_tokens=8, request_id="first")
+    assert tokens == expected
+    assert text == ByteTokenizer().decode(expected)
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert final.stats.worker_id == worker.server.worker_id
+    assert final.stats.num_prompt_tokens == len(PROMPT)
+    assert final.stats.num_output_tokens == 8
+    assert final.stats.ttft_s > 0
+
+    # The same prompt again finds its two full blocks cached; max_tokens 0 means 16.
+    tokens, _, final = worker.generate(PROMPT, request_id="second")
+    assert final.stats.num_cached_tokens == 2 * BLOCK_SIZE
+    assert final.stats.num_output_tokens == 16
+    assert tokens[:8] == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "message"),
+    [
+        ([], {}, "the prompt is empty"),
+        ([256, 65, 257], {}, "token id 257 is outside the vocabulary [0, 257)"),
+        (PROMPT, {"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        (PROMPT, {"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ([256] + [65] * 1100, {}, "the prompt has 1101 tokens; this worker's context length is"),
+        (PROMPT, {"lora": "sql-adapter"}, "unknown LoRA adapter 'sql-adapter'"),
+    ],
+    ids=["empty", "vocab", "temperature", "top_p", "too-long", "lora"],
+)
+def test_bad_requests_are_invalid_argument(
+    worker: BackgroundWorker, prompt: list[int], kwargs: dict, message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        worker.generate(prompt, request_id="bad", **kwargs)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = error.value.details()
+    assert details.startswith("request bad: ") and message in details
+    # The worker keeps serving.
+    tokens, _, final = worker.generate(PROMPT, max_tokens=2)
+    assert len(tokens) == 2 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_load_and_snapshot(fresh_worker: BackgroundWorker, reference: LLMEngine) -> None:
+    load = fresh_worker.load()
+    assert load.worker_id == fresh_worker.server.worker_id
+    assert (load.num_total_blocks, load.num_free_blocks, load.block_size) == (64, 64, BLOCK_SIZE)
+    assert (load.num_running_requests, load.num_waiting_requests) == (0, 0)
+    [empty] = fresh_worker.stub.Snapshot(worker_pb2.SnapshotRequest())
+    assert (empty.event_seq, list(empty.block_hashes)) == (0, [])
+
+    fresh_worker.generate(PROMPT, max_tokens=4)
+    assert fresh_worker.load().num_free_blocks == 64  # cached blocks are free blocks
+    expected = hash_prompt_blocks(PROMPT, BLOCK_SIZE, reference.namespace)
+    assert len(expected) == 2
+    chunks = list(fresh_worker.stub.Snapshot(worker_pb2.SnapshotRequest(max_hashes_per_chunk=1)))
+    assert [len(c.block_hashes) for c in chunks] == [1, 1]
+    assert sorted(h for c in chunks for h in c.block_hashes) == sorted(expected)
+    for chunk in chunks:
+        assert chunk.worker_id == fresh_worker.server.worker_id
+        assert chunk.model == reference.namespace == "kvswitch-tiny"
+        assert chunk.block_size == BLOCK_SIZE
+        assert chunk.event_seq == chunks[0].event_seq > 0
+
+    # The event batches replay to the snapshot, and the last one is its event_seq.
+    batches = fresh_worker.server.engine_loop.take_cache_events()
+    assert [b.seq for b in batches] == list(range(1, chunks[0].event_seq + 1))
+    assert replay([e for b in batches for e in b.events]) == set(expected)
+
+
+def test_health_reports_serving(worker: BackgroundWorker) -> None:
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    for service in ("kvswitch.v1.Worker", ""):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_cancelled_and_timed_out_requests_free_their_blocks(worker: BackgroundWorker) -> None:
+    request = worker_pb2.WorkerGenerateRequest(
+        request_id="cancelled",
+        prompt_token_ids=[256, *b"tell me a long story " * 4],
+        sampling=common_pb2.SamplingParams(max_tokens=900),
+    )
+    engine_stats = worker.server.engine_loop.engine.stats
+    call = worker.stub.Generate(request)
+    first = next(call)
+    assert first.chunk.token_ids
+    call.cancel()
+    num_steps = engine_stats.num_steps
+    load = worker.wait_until_idle()
+    assert load.num_running_requests == 0 and load.num_free_blocks == load.num_total_blocks
+    # Aborted, not run to its end.
+    assert engine_stats.num_steps - num_steps < 100
+
+    with pytest.raises(grpc.RpcError) as error:
+        list(worker.stub.Generate(request, timeout=0.3))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    load = worker.wait_until_idle()
+    assert load.num_running_requests == 0 and load.num_free_blocks == load.num_total_blocks
+
+
+def test_concurrent_requests(worker: BackgroundWorker, reference: LLMEngine) -> None:
+    prompts = [[256, *f"request number {i} asks something".encode()] for i in range(4)]
+    expected = reference.generate(prompts, SamplingParams(max_tokens=6))
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: worker.generate(p, max_tokens=6), prompts))
+    assert [tokens for tokens, _, _ in results] == expected
+    assert all(final.stats.num_output_tokens == 6 for _, _, final in results)
+
+
+def test_event_buffer_keeps_the_newest_batches() -> None:
+    engine_loop = EngineLoop(LLMEngine(CONFIG.engine_config()), max_event_batches=2)
+    engine_loop.start()
+
+    async def run_requests() -> None:
+        for i in range(4):
+            prompt = [256, *bytes([65 + i]) * 40]  # two full blocks, new ones each time
+            queue = await engine_loop.submit(f"r{i}", prompt, SamplingParams(max_tokens=1))
+            output = await queue.get()
+            assert output.finished
+
+    try:
+        asyncio.run(run_requests())
+    finally:
+        engine_loop.stop()
+    event_seq = engine_loop.event_seq
+    assert event_seq >= 4
+    assert [b.seq for b in engine_loop.take_cache_events()] == [event_seq - 1, event_seq]
+    assert engine_loop.num_dropped_event_batches == event_seq - 2
+    assert engine_loop.take_cache_events() == []
+
+
+def test_fetch_blocks_is_unimplemented(worker: BackgroundWorker) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        list(worker.stub.FetchBlocks(worker_pb2.FetchBlocksRequest(request_id="f")))
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "disaggregated prefill" in error.value.details()
+
+
+def test_a_taken_port_fails_to_start(worker: BackgroundWorker) -> None:
+    port = int(worker.server.address.rsplit(":", 1)[1])
+    with pytest.raises(WorkerStartError, match=f"cannot listen on 127.0.0.1:{port}"):
+        asyncio.run(start_worker(dataclasses.replace(CONFIG, port=port)))
+
+
+def test_worker_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["worker", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--port" in out and "--no-enable-prefix-caching" in out
+
+
+def test_worker_rejects_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["worker", "--dtype", "int8"])
+    assert exit_info.value.code == 2
+    assert "dtype must be float32, float16 or bfloat16" in capsys.readouterr().err
+
+
+def test_worker_command_serves_until_sigterm() -> None:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvswitch.cli",
+            "worker",
+            "--port",
+            "0",
+            "--kv-cache-bytes",
+            str(NUM_BLOCKS * BLOCK_BYTES),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = process.stdout.readline()
+        assert " listening on 127.0.0.1:" in line, process.stderr.read()
+        address = line.split(" listening on ")[1].strip()
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(service="kvswitch.v1.Worker"))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+        process.wait()

@@ -1,0 +1,373 @@
+"""The worker's gRPC server: ``kvswitch.v1.Worker`` plus the standard health service.
+
+The servicer only translates between protobuf and the engine's types; the engine runs on the
+``EngineLoop``'s thread, so a model step never blocks the event loop that serves RPCs.
+
+``serve(config)`` runs a worker until SIGINT/SIGTERM; ``start_worker(config)`` starts one and
+hands back a ``WorkerServer`` to stop later (tests, embedding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import socket
+import uuid
+from typing import TYPE_CHECKING, cast
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
+from worker.request import FinishReason
+from worker.scheduler import SchedulerConfig
+from worker.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+
+# NOTE: worker.engine and worker.sampler import torch; they are imported where they are used, so
+# that `kvswitch --help` (which reads WorkerConfig for its options) stays fast.
+if TYPE_CHECKING:
+    from worker.engine import EngineConfig, RequestOutput
+    from worker.sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvswitch.v1.Worker"  # its health-check name
+DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this
+# 64K hashes of 16 bytes make a 1 MiB message, well under gRPC's default 4 MiB limit.
+MAX_HASHES_PER_CHUNK = 65536
+
+_FINISH_REASON_TO_PROTO = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Where a worker listens and how its engine is built (see ``EngineConfig``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50061  # 0 = a free port chosen by the OS
+    worker_id: str = ""  # empty = "<host>:<port>" (the machine's name for a wildcard host)
+    model: str = ""  # a Hugging Face checkpoint directory; empty = the built-in tiny model
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20
+    gpu_memory_fraction: float = 0.0  # on CUDA, in (0, 1): size the KV cache from free memory
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
+    grace_s: float = 5.0  # on shutdown, how long running requests may finish
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 < self.max_hashes_per_chunk <= MAX_HASHES_PER_CHUNK:
+            raise ValueError(
+                f"max_hashes_per_chunk must be in [1, {MAX_HASHES_PER_CHUNK}], "
+                f"got {self.max_hashes_per_chunk}"
+            )
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        # The engine's own configs check the rest, with their messages.
+        self.engine_config()
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's config: every ``EngineConfig`` field has a field of the same name here."""
+        from worker.engine import EngineConfig
+
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**{**values, "model": self.model or None})
+
+
+# -- protobuf <-> domain ---------------------------------------------------------------------------
+
+
+def sampling_params_from_proto(sampling: common_pb2.SamplingParams) -> SamplingParams:
+    """The engine's params; 0 means the default for max_tokens and top_p. ValueError if invalid."""
+    from worker.sampler import SamplingParams
+
+    return SamplingParams(
+        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p or 1.0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop_token_ids=tuple(sampling.stop_token_ids),
+    )
+
+
+def load_to_proto(load: LoadReport, worker_id: str) -> worker_pb2.WorkerLoad:
+    return worker_pb2.WorkerLoad(
+        worker_id=worker_id,
+        num_running_requests=load.num_running_requests,
+        num_waiting_requests=load.num_waiting_requests,
+        num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+        num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks,
+        block_size=load.block_size,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """``kvswitch.v1.Worker`` over an ``EngineLoop``.
+
+    A request the engine rejects ends with INVALID_ARGUMENT and the engine's message; a cancelled
+    RPC (client gone, deadline passed) aborts its request, which frees the request's blocks.
+    """
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        *,
+        worker_id: str,
+        tokenizer: Tokenizer | None,
+        max_hashes_per_chunk: int = 4096,
+    ) -> None:
+        self._engine_loop = engine_loop
+        self._worker_id = worker_id
+        self._tokenizer = tokenizer  # None: chunks carry no text
+        self._max_hashes_per_chunk = max_hashes_per_chunk
+
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        # NOTE: written with context.write, not as an async generator, so that cancelling the RPC
+        # raises CancelledError inside this coroutine and the `finally` below always runs.
+        request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
+        prompt_token_ids = list(request.prompt_token_ids)
+        try:
+            params = sampling_params_from_proto(request.sampling)
+            queue = await self._engine_loop.submit(
+                request_id,
+                prompt_token_ids,
+                params,
+                lora=request.lora or None,
+                cache_salt=request.cache_salt or None,
+            )
+        except EngineStopped:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
+        except ValueError as e:
+            logger.info("request %s: rejected: %s", request_id, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id}: {e}")
+        logger.debug("request %s: %d prompt tokens", request_id, len(prompt_token_ids))
+
+        decoder = IncrementalDecoder(self._tokenizer, prompt_token_ids) if self._tokenizer else None
+        stats = common_pb2.RequestStats(
+            worker_id=self._worker_id, num_prompt_tokens=len(prompt_token_ids)
+        )
+        done = False  # the engine is finished with the request
+        try:
+            while not done:
+                outputs, error = await _next_outputs(queue)
+                if error is not None:
+                    done = True
+                    await context.abort(_error_code(error), f"request {request_id}: {error}")
+                last = outputs[-1]
+                done = last.finished
+                token_ids = [t for output in outputs for t in output.new_token_ids]
+                text = ""
+                if decoder is not None:
+                    text = decoder.push(token_ids) + (decoder.flush() if done else "")
+                stats.num_output_tokens += len(token_ids)
+                for output in outputs:
+                    if output.ttft_s is not None:
+                        stats.ttft_s = output.ttft_s
+                    stats.num_cached_tokens = max(output.num_cached_tokens, 0)
+                chunk = common_pb2.TokenChunk(token_ids=token_ids, text=text)
+                await context.write(worker_pb2.WorkerGenerateResponse(chunk=chunk))
+            assert last.finish_reason is not None
+            reason = _FINISH_REASON_TO_PROTO[last.finish_reason]
+            final = worker_pb2.WorkerGenerateFinal(finish_reason=reason, stats=stats)
+            await context.write(worker_pb2.WorkerGenerateResponse(final=final))
+            logger.info(
+                "request %s: %s after %d tokens (%d of %d prompt tokens cached, ttft %.3f s)",
+                request_id,
+                last.finish_reason.value,
+                stats.num_output_tokens,
+                stats.num_cached_tokens,
+                stats.num_prompt_tokens,
+                stats.ttft_s,
+            )
+        finally:
+            if not done:
+                logger.info(
+                    "request %s: cancelled (client gone, deadline passed or worker stopping)",
+                    request_id,
+                )
+                self._engine_loop.abort(request_id)
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
+        return load_to_proto(self._engine_loop.load, self._worker_id)
+
+    async def Snapshot(
+        self, request: worker_pb2.SnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            event_seq, block_hashes = await asyncio.wrap_future(self._engine_loop.snapshot())
+        except EngineStopped:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
+        size = min(request.max_hashes_per_chunk or self._max_hashes_per_chunk, MAX_HASHES_PER_CHUNK)
+        # Always at least one chunk: an empty cache still reports its event_seq.
+        for start in range(0, max(len(block_hashes), 1), size):
+            chunk = worker_pb2.SnapshotChunk(
+                worker_id=self._worker_id,
+                model=self._engine_loop.namespace,
+                block_size=self._engine_loop.block_size,
+                event_seq=event_seq,
+                block_hashes=block_hashes[start : start + size],
+            )
+            await context.write(chunk)
+
+    async def FetchBlocks(
+        self, request: worker_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "FetchBlocks is not implemented yet: KV block transfer comes with disaggregated "
+            "prefill",
+        )
+
+
+async def _next_outputs(
+    queue: asyncio.Queue[RequestOutput | EngineLoopError],
+) -> tuple[list[RequestOutput], EngineLoopError | None]:
+    """Wait for one output, then take every one already queued: a client that reads slower than
+    the engine decodes gets several tokens per chunk instead of falling behind. An error, if one
+    came, is the queue's last item."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    if isinstance(items[-1], EngineLoopError):
+        return [], items[-1]
+    return cast("list[RequestOutput]", items), None
+
+
+def _error_code(error: EngineLoopError) -> grpc.StatusCode:
+    if isinstance(error, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WorkerServer:
+    """A started worker; ``stop`` it when done."""
+
+    worker_id: str
+    address: str  # "host:port" as bound
+    engine_loop: EngineLoop
+    server: grpc.aio.Server
+    health_servicer: health.aio.HealthServicer
+
+    async def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING, give running RPCs ``grace_s`` to finish, cancel the rest, then stop
+        the engine thread."""
+        await self.health_servicer.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await asyncio.to_thread(self.engine_loop.stop)
+
+
+class WorkerStartError(Exception):
+    """The worker could not start: its port is taken, or its model does not load."""
+
+
+async def start_worker(config: WorkerConfig) -> WorkerServer:
+    """Bind the port, build the engine and start serving; ``WorkerStartError`` says why not."""
+    from worker.engine import LLMEngine
+
+    # NOTE: without so_reuseport 0, gRPC lets a second server bind the same port and share its
+    # traffic. Binding before the model loads makes a taken port fail at once.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    try:
+        port = server.add_insecure_port(_host_port(config.host, config.port))
+    except RuntimeError as e:
+        raise WorkerStartError(
+            f"cannot listen on {_host_port(config.host, config.port)}: the port is taken or the "
+            "address is not one of this machine's"
+        ) from e
+    address = _host_port(config.host, port)
+    worker_id = config.worker_id or _host_port(_public_host(config.host), port)
+    try:
+        engine = LLMEngine(config.engine_config())
+    except (ValueError, OSError) as e:
+        raise WorkerStartError(f"cannot load the model: {e}") from e
+    tokenizer = _load_tokenizer(config.model)
+
+    engine_loop = EngineLoop(engine)
+    servicer = WorkerServicer(
+        engine_loop,
+        worker_id=worker_id,
+        tokenizer=tokenizer,
+        max_hashes_per_chunk=config.max_hashes_per_chunk,
+    )
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in (SERVICE_NAME, ""):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    engine_loop.start()
+    await server.start()
+    logger.info(
+        "worker %s listening on %s: model %s, %d KV blocks of %d tokens",
+        worker_id,
+        address,
+        engine_loop.namespace,
+        engine.kv_cache.pool.num_blocks,
+        config.block_size,
+    )
+    return WorkerServer(worker_id, address, engine_loop, server, health_servicer)
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Run a worker until SIGINT or SIGTERM, then shut it down gracefully."""
+    worker = await start_worker(config)
+    print(f"kvswitch worker {worker.worker_id} listening on {worker.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        # A second Ctrl-C then interrupts a shutdown that hangs.
+        loop.remove_signal_handler(sig)
+    logger.info("shutting down: %.1f s for running requests to finish", config.grace_s)
+    await worker.stop(config.grace_s)
+    logger.info("worker %s stopped", worker.worker_id)
+
+
+def run(config: WorkerConfig) -> None:
+    """``serve`` on uvloop where it is installed, else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+
+
+def _load_tokenizer(model: str) -> Tokenizer | None:
+    try:
+        return load_tokenizer(model or None)
+    except ValueError as e:
+        # The worker runs on token ids; without a tokenizer its chunks just carry no text.
+        logger.warning("%s; streaming token ids without text", e)
+        return None
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _public_host(host: str) -> str:
+    return socket.gethostname() if host in ("", "0.0.0.0", "::", "[::]") else host
