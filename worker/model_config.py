@@ -74,6 +74,30 @@ class ModelConfig:
         )
 
     @classmethod
+    def random_preset(cls, name: str) -> ModelConfig:
+        """Shapes for benchmarks with random weights (``--model random:NAME``); no tokenizer."""
+        presets = {
+            "tiny": cls.tiny(),
+            # The shape of a 1B-class Llama (16 layers, hidden 2048, 32/8 heads of 64).
+            "llama-1b": cls(
+                vocab_size=128256,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_layers=16,
+                num_q_heads=32,
+                num_kv_heads=8,
+                head_dim=64,
+                max_position_embeddings=131072,
+                rope_theta=500000.0,
+                tie_word_embeddings=True,
+                name="random-llama-1b",
+            ),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown random model {name!r}; choose from {', '.join(presets)}")
+        return presets[name]
+
+    @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
         """Read a Hugging Face ``config.json`` of a supported architecture."""
         architectures = hf.get("architectures") or ["LlamaForCausalLM"]

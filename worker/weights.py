@@ -11,6 +11,7 @@ from worker.model import CausalLM
 from worker.model_config import ModelConfig
 
 DEFAULT_SEED = 0
+RANDOM_PREFIX = "random:"
 
 
 def load_model(
@@ -19,10 +20,12 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> CausalLM:
-    """The checkpoint in ``model_dir`` (``config.json`` + ``*.safetensors``), or with None the
-    built-in tiny model with deterministic random weights."""
-    if model_dir is None:
-        model = CausalLM(ModelConfig.tiny())
+    """The checkpoint in ``model_dir`` (``config.json`` + ``*.safetensors``); with None the
+    built-in tiny model, and with ``random:NAME`` a preset shape (``ModelConfig.random_preset``),
+    both with deterministic random weights."""
+    if model_dir is None or str(model_dir).startswith(RANDOM_PREFIX):
+        name = str(model_dir)[len(RANDOM_PREFIX) :] if model_dir else "tiny"
+        model = CausalLM(ModelConfig.random_preset(name))
         init_random_weights(model, seed=DEFAULT_SEED)
     else:
         model = CausalLM(ModelConfig.from_dir(model_dir))

@@ -125,3 +125,13 @@ def test_bad_checkpoints_are_reported(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         load_model(tmp_path)
+
+
+def test_random_presets() -> None:
+    tiny = load_model("random:tiny")
+    assert tiny.config == ModelConfig.tiny()
+    assert torch.equal(tiny.lm_head.weight, load_model(None).lm_head.weight)
+    big = ModelConfig.random_preset("llama-1b")
+    assert (big.num_layers, big.hidden_size, big.num_kv_heads) == (16, 2048, 8)
+    with pytest.raises(ValueError, match="unknown random model"):
+        load_model("random:nope")
