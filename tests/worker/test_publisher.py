@@ -1,0 +1,140 @@
+"""The event publisher keeps the index equal to the worker's cache, whatever goes missing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cache_index.hashing import hash_prompt_blocks
+from cache_index.index import BlockIndex, WorkerInfo
+from cache_index.memory_index import MemoryIndex
+from worker.engine import EngineConfig, LLMEngine
+from worker.engine_loop import EngineLoop
+from worker.publisher import Backoff, EventPublisher, PublisherConfig
+from worker.sampler import SamplingParams
+
+FAST = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=0.5)
+
+
+async def generate(engine_loop: EngineLoop, request_id: str, prompt: list[int]) -> None:
+    queue = await engine_loop.submit(request_id, prompt, SamplingParams(max_tokens=3))
+    while not (await queue.get()).finished:
+        pass
+
+
+async def index_matches_worker(index: BlockIndex, engine_loop: EngineLoop, timeout_s: float = 5.0):
+    """Wait until the index holds exactly the worker's cached hashes."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        _, cached = await asyncio.wrap_future(engine_loop.snapshot())
+        matches = await index.match(engine_loop.namespace, cached)
+        # Every cached hash is held (a "chain" of all of them matches in full) and nothing else.
+        if (
+            cached
+            and matches.get("w") == len(cached)
+            and (await index.stats()).num_entries == len(set(cached))
+        ):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"index {matches} never matched {len(cached)} cached blocks")
+        await asyncio.sleep(0.02)
+
+
+def make_loop(num_blocks: int = 64, max_event_batches: int = 10_000) -> EngineLoop:
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=num_blocks * (32 << 10)))
+    engine_loop = EngineLoop(engine, max_event_batches=max_event_batches)
+    engine_loop.start()
+    return engine_loop
+
+
+def test_publisher_follows_the_cache_and_recovers_from_lost_batches() -> None:
+    engine_loop = make_loop(num_blocks=24, max_event_batches=1)
+
+    async def main() -> None:
+        index = MemoryIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
+        publisher = EventPublisher(index, engine_loop, info, FAST)
+        publisher.start()
+        prompt = [256, *b"a long shared document " * 4]
+        await generate(engine_loop, "r0", prompt)
+        await index_matches_worker(index, engine_loop)
+        chain = hash_prompt_blocks(prompt, 16, engine_loop.namespace)
+        assert (await index.match(engine_loop.namespace, chain))["w"] == len(chain)
+        # Several requests before the publisher looks again: the one-batch buffer drops
+        # batches, the publisher sees the gap and resyncs from a snapshot.
+        await publisher.stop()
+        publisher = EventPublisher(index, engine_loop, info, FAST)
+        for i in range(5):
+            await generate(engine_loop, f"r{i + 1}", [256, *bytes([66 + i]) * 60])
+        resyncs = publisher.num_resyncs
+        publisher.start()
+        await index_matches_worker(index, engine_loop)
+        assert publisher.num_resyncs > resyncs
+        await publisher.stop()
+        assert await index.live_workers() == []
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine_loop.stop()
+
+
+class FlakyIndex(MemoryIndex):
+    """An index that loses everything and refuses calls for a while, like a restarted Redis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    async def apply(self, *args, **kwargs):
+        if self.down:
+            raise ConnectionError("index down")
+        return await super().apply(*args, **kwargs)
+
+    async def heartbeat(self, *args, **kwargs):
+        if self.down:
+            raise ConnectionError("index down")
+        return await super().heartbeat(*args, **kwargs)
+
+    async def register(self, *args, **kwargs):
+        if self.down:
+            raise ConnectionError("index down")
+        return await super().register(*args, **kwargs)
+
+
+def test_publisher_survives_an_index_restart() -> None:
+    engine_loop = make_loop()
+
+    async def main() -> None:
+        index = FlakyIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
+        publisher = EventPublisher(index, engine_loop, info, FAST, Backoff(0.01, 0.05))
+        publisher.start()
+        await generate(engine_loop, "r0", [256, *b"before the restart " * 3])
+        await index_matches_worker(index, engine_loop)
+        index.down = True
+        await index.deregister("w")  # the restarted index starts empty
+        await generate(engine_loop, "r1", [256, *b"while it was down " * 3])
+        await asyncio.sleep(0.2)
+        assert publisher.num_errors > 0
+        index.down = False
+        await generate(engine_loop, "r2", [256, *b"after the restart " * 3])
+        await index_matches_worker(index, engine_loop)
+        await publisher.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine_loop.stop()
+
+
+def test_publisher_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="interval_s <= heartbeat_s < ttl_s"):
+        PublisherConfig(interval_s=1.0, heartbeat_s=0.5, ttl_s=2.0)
+    backoff = Backoff(initial_s=0.1, max_s=0.3)
+    delays = [backoff.next_delay_s() for _ in range(5)]
+    assert all(0.05 <= d <= 0.3 for d in delays)
+    assert max(delays[3:]) <= 0.3
+    backoff.reset()
+    assert backoff.next_delay_s() <= 0.1

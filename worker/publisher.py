@@ -1,0 +1,139 @@
+"""Publishes a worker's cache events to the global block-hash index, off the hot path.
+
+The engine thread only appends numbered event batches to the ``EngineLoop``'s buffer; this
+publisher, a task on the server's event loop, takes them in order and applies them to the index.
+Whenever the index cannot be trusted to hold the worker's exact set (first start, a lost batch,
+a lapsed registration, a Redis restart), it registers again and resyncs from a snapshot::
+
+    connect -> register -> resync(snapshot) -> loop: apply batches / heartbeat
+                  ^                                   |
+                  +---- UNKNOWN_WORKER, NEEDS_RESYNC, connection errors (after a backoff)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class EventSource(Protocol):
+    """What the publisher reads from a worker (``EngineLoop`` is one)."""
+
+    def take_cache_events(self) -> list: ...  # EventBatch(seq, events), oldest first
+
+    def snapshot(self): ...  # a concurrent Future of (event_seq, cached block hashes)
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    interval_s: float = 0.02  # how often to look for new event batches
+    heartbeat_s: float = 1.0
+    ttl_s: float = 5.0  # a registration lapses this long after the last heartbeat
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s <= self.heartbeat_s < self.ttl_s:
+            raise ValueError(
+                "publisher timings must satisfy 0 < interval_s <= heartbeat_s < ttl_s, got "
+                f"{self.interval_s}, {self.heartbeat_s}, {self.ttl_s}"
+            )
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with jitter between reconnection attempts."""
+
+    initial_s: float = 0.05
+    max_s: float = 5.0
+    attempt: int = 0
+
+    def next_delay_s(self) -> float:
+        delay = min(self.max_s, self.initial_s * 2**self.attempt)
+        self.attempt += 1
+        return delay * random.uniform(0.5, 1.0)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class EventPublisher:
+    def __init__(
+        self,
+        index: BlockIndex,
+        source: EventSource,
+        info: WorkerInfo,
+        config: PublisherConfig | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.index = index
+        self.source = source
+        self.info = info
+        self.config = config or PublisherConfig()
+        self.backoff = backoff or Backoff()
+        self.num_resyncs = 0
+        self.num_errors = 0
+        self._synced = False  # the index holds exactly our set as of the last applied batch
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="event-publisher")
+
+    async def stop(self) -> None:
+        """Stop publishing and remove this worker from the index (best effort)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        try:
+            await self.index.deregister(self.info.worker_id)
+        except Exception as e:  # the index may be the thing that is down
+            logger.warning("could not deregister %s from the index: %s", self.info.worker_id, e)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_heartbeat = 0.0
+        while True:
+            try:
+                if not self._synced:
+                    await self._register_and_resync()
+                    next_heartbeat = loop.time() + self.config.heartbeat_s
+                await self.publish_pending()
+                if loop.time() >= next_heartbeat and self._synced:
+                    if not await self.index.heartbeat(self.info.worker_id, self.config.ttl_s):
+                        self._synced = False
+                    next_heartbeat = loop.time() + self.config.heartbeat_s
+                self.backoff.reset()
+                await asyncio.sleep(self.config.interval_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # connection refused, Redis restarting, timeouts, ...
+                self.num_errors += 1
+                self._synced = False
+                delay_s = self.backoff.next_delay_s()
+                logger.warning("index unavailable (%s); retrying in %.2fs", e, delay_s)
+                await asyncio.sleep(delay_s)
+
+    async def publish_pending(self) -> None:
+        """Apply every buffered batch, in order; on any doubt, fall back to a resync."""
+        for batch in self.source.take_cache_events():
+            if not self._synced:
+                break  # a resync below covers this batch and the ones after it
+            status = await self.index.apply(self.info.worker_id, batch.seq, batch.events)
+            if status in (ApplyStatus.NEEDS_RESYNC, ApplyStatus.UNKNOWN_WORKER):
+                logger.info("index says %s for batch %d: resyncing", status.value, batch.seq)
+                self._synced = False
+        if not self._synced:
+            await self._register_and_resync()
+
+    async def _register_and_resync(self) -> None:
+        await self.index.register(self.info, self.config.ttl_s)
+        seq, block_hashes = await asyncio.wrap_future(self.source.snapshot())
+        await self.index.resync(self.info.worker_id, seq, block_hashes)
+        self.num_resyncs += 1
+        self._synced = True
