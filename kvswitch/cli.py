@@ -77,6 +77,16 @@ DECODE_HELP = {
     "num_output_tokens": "tokens each request decodes",
     "seed": "random seed of the prompts",
 }
+INDEX_HELP = {
+    "backend": "memory (embedded), redis (starts a local redis-server) or cluster (3 local nodes)",
+    "num_workers": "workers holding overlapping prefixes of the prompt",
+    "num_prompt_tokens": "prompt length in tokens (its chain is what every lookup matches)",
+    "block_size": "tokens per block",
+    "num_other_blocks": "unrelated blocks each worker also holds",
+    "num_lookups": "match calls timed",
+    "num_event_batches": "event batches applied to time ingestion (128 block events each)",
+    "seed": "random seed",
+}
 HASH_HELP = {
     "num_tokens": "prompt length in tokens",
     "block_size": "tokens per block",
@@ -156,6 +166,7 @@ def _worker_command(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks import engine as engine_bench
     from benchmarks import hashing as hash_bench
+    from benchmarks import index as index_bench
     from benchmarks import kernels as kernel_bench
     from benchmarks import pool as pool_bench
     from kvswitch import demo
@@ -226,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
             engine_bench.DecodeBenchConfig,
             DECODE_HELP,
             "worker decode tokens per second at several batch sizes",
+        ),
+        (
+            "index",
+            index_bench.run,
+            index_bench.IndexBenchConfig,
+            INDEX_HELP,
+            "block-hash index: lookup latency, event ingestion, bytes per entry",
         ),
         (
             "hash",

@@ -23,6 +23,7 @@ COMMANDS = [
     ["bench", "kernels"],
     ["bench", "ttft"],
     ["bench", "decode"],
+    ["bench", "index"],
 ]
 
 
@@ -130,3 +131,13 @@ def test_bench_ttft_and_decode_write_json(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["decode_tokens_per_s_batch_1"] > 0
     assert figures["decode_tokens_per_s_batch_2"] > 0
+
+
+def test_bench_index_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "index.json"
+    main(["bench", "index", "--num-lookups", "20", "--num-event-batches", "10", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["backend"] == "memory"
+    assert 0 < figures["lookup_p50_ms"] <= figures["lookup_p99_ms"]
+    assert figures["events_per_s"] > 0
+    assert figures["bytes_per_entry"] >= 16
