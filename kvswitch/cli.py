@@ -122,6 +122,9 @@ WORKER_HELP = {
     "client asks for none",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM before they are "
     "cancelled",
+    "index": "block-hash index to publish this worker's cache to: redis://HOST:PORT, "
+    "rediss://... (TLS), redis+cluster://HOST:PORT; empty = publish nothing",
+    "role": "what the router may send here: both, prefill or decode",
 }
 DEMO_HELP = {
     "num_blocks": "KV blocks on the worker (small, so that eviction shows)",

@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING, cast
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cache_index.connect import connect_index
+from cache_index.index import ROLES, WorkerInfo
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
+from worker.publisher import EventPublisher
 from worker.request import FinishReason
 from worker.scheduler import SchedulerConfig
 from worker.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
@@ -63,6 +66,8 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
+    index: str = ""  # block-hash index URL to publish cache events to; empty = none
+    role: str = "both"  # what the router may send here: both, prefill or decode
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
 
     def __post_init__(self) -> None:
@@ -75,6 +80,8 @@ class WorkerConfig:
             )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         # The engine's own configs check the rest, with their messages.
         self.engine_config()
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
@@ -269,10 +276,14 @@ class WorkerServer:
     engine_loop: EngineLoop
     server: grpc.aio.Server
     health_servicer: health.aio.HealthServicer
+    publisher: EventPublisher | None = None
 
     async def stop(self, grace_s: float) -> None:
-        """Report NOT_SERVING, give running RPCs ``grace_s`` to finish, cancel the rest, then stop
-        the engine thread."""
+        """Leave the index, report NOT_SERVING, give running RPCs ``grace_s`` to finish, cancel
+        the rest, then stop the engine thread."""
+        if self.publisher is not None:
+            await self.publisher.stop()
+            await self.publisher.index.close()
         await self.health_servicer.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await asyncio.to_thread(self.engine_loop.stop)
@@ -318,6 +329,24 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     engine_loop.start()
     await server.start()
+    publisher = None
+    if config.index:
+        try:
+            index = await connect_index(config.index)
+        except (ValueError, OSError) as e:
+            await server.stop(0)
+            engine_loop.stop()
+            raise WorkerStartError(f"cannot open the block index {config.index!r}: {e}") from e
+        info = WorkerInfo(
+            worker_id,
+            _host_port(_public_host(config.host), port),
+            engine_loop.namespace,
+            config.block_size,
+            config.role,
+            engine.kv_cache.pool.num_blocks,
+        )
+        publisher = EventPublisher(index, engine_loop, info)
+        publisher.start()
     logger.info(
         "worker %s listening on %s: model %s, %d KV blocks of %d tokens",
         worker_id,
@@ -326,7 +355,7 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         engine.kv_cache.pool.num_blocks,
         config.block_size,
     )
-    return WorkerServer(worker_id, address, engine_loop, server, health_servicer)
+    return WorkerServer(worker_id, address, engine_loop, server, health_servicer, publisher)
 
 
 async def serve(config: WorkerConfig) -> None:

@@ -314,3 +314,36 @@ def test_worker_command_serves_until_sigterm() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_worker_publishes_its_cache_to_the_index() -> None:
+    worker = BackgroundWorker(dataclasses.replace(CONFIG, index="memory://", role="prefill"))
+    try:
+        publisher = worker.server.publisher
+        assert publisher is not None
+        worker.generate(PROMPT, max_tokens=4)
+        chain = hash_prompt_blocks(PROMPT, BLOCK_SIZE, worker.server.engine_loop.namespace)
+
+        async def matched() -> dict[str, int]:
+            return await publisher.index.match(worker.server.engine_loop.namespace, chain)
+
+        deadline = time.monotonic() + 5
+        while worker._run(matched()) != {worker.server.worker_id: len(chain)}:
+            assert time.monotonic() < deadline, worker._run(matched())
+            time.sleep(0.02)
+        (info,) = worker._run(publisher.index.live_workers())
+        assert (info.role, info.block_size, info.num_blocks) == ("prefill", 16, NUM_BLOCKS)
+    finally:
+        worker.close()
+    assert worker._loop.is_closed()
+
+
+def test_worker_refuses_a_bad_index_url() -> None:
+    with pytest.raises(ValueError, match="role must be one of"):
+        dataclasses.replace(CONFIG, role="router")
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(WorkerStartError, match="cannot open the block index"):
+            loop.run_until_complete(start_worker(dataclasses.replace(CONFIG, index="etcd://x")))
+    finally:
+        loop.close()
