@@ -100,6 +100,11 @@ class BlockIndex(ABC):
         ``block_hashes`` it holds (stopping at its first miss; 0 included)."""
 
     @abstractmethod
+    async def worker_block_hashes(self, worker_id: str) -> set[bytes]:
+        """Every hash the index holds for a worker (empty if it holds none or is unknown); for
+        audits, not for the request path."""
+
+    @abstractmethod
     async def stats(self) -> IndexStats: ...
 
     @abstractmethod

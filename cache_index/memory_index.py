@@ -101,6 +101,10 @@ class MemoryIndex(BlockIndex):
             result[worker_id] = num_matched
         return result
 
+    async def worker_block_hashes(self, worker_id: str) -> set[bytes]:
+        entry = self._live(worker_id)
+        return set(entry.block_hashes) if entry else set()
+
     async def stats(self) -> IndexStats:
         now = self._clock()
         live = [e for e in self._workers.values() if e.expires_at > now]

@@ -31,6 +31,8 @@ examples:
                                       serve a Hugging Face checkpoint on a GPU
   kvswitch bench pool --json out.json block operations per second of the block pool
   kvswitch bench hash                 block-hashing throughput
+  kvswitch index audit --index redis://127.0.0.1:6380
+                                      the index against the workers' own caches
   kvswitch bench kernels              paged-attention kernels (needs a CUDA GPU)
 
 run 'kvswitch COMMAND --help' for the options of a command.
@@ -86,6 +88,10 @@ INDEX_HELP = {
     "num_lookups": "match calls timed",
     "num_event_batches": "event batches applied to time ingestion (128 block events each)",
     "seed": "random seed",
+}
+INDEX_TOOL_HELP = {
+    "index": "the index: redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT",
+    "prefix": "key prefix of the deployment (several may share one Redis)",
 }
 HASH_HELP = {
     "num_tokens": "prompt length in tokens",
@@ -166,6 +172,18 @@ def _worker_command(args: argparse.Namespace) -> None:
         sys.exit(f"kvswitch worker: {e}")
 
 
+def _index_command(report: Callable) -> Callable:
+    def command(args: argparse.Namespace) -> None:
+        import asyncio
+
+        from cache_index.audit import IndexToolConfig
+
+        config = config_from_args(IndexToolConfig, args)
+        _write_json(asyncio.run(report(config)), None)
+
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks import engine as engine_bench
     from benchmarks import hashing as hash_bench
@@ -203,6 +221,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_args(worker_parser, worker_server.WorkerConfig, WORKER_HELP)
     worker_parser.set_defaults(func=_worker_command)
+
+    index_parser = commands.add_parser(
+        "index",
+        help="inspect a block-hash index: its size, and whether it agrees with the workers",
+        description="Tools for the global block-hash index. Each prints JSON.",
+    )
+    index_tools = index_parser.add_subparsers(
+        dest="index_tool", metavar="TOOL", required=True, help="what to do"
+    )
+    from cache_index import audit as index_audit
+
+    for name, report, summary in [
+        ("stats", index_audit.stats_report, "live workers, entries and memory of the index"),
+        (
+            "audit",
+            index_audit.audit_report,
+            "compare the index with every live worker's own snapshot: stale and missing entries",
+        ),
+    ]:
+        sub = index_tools.add_parser(
+            name,
+            help=summary,
+            description=index_audit.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_config_args(sub, index_audit.IndexToolConfig, INDEX_TOOL_HELP)
+        sub.set_defaults(func=_index_command(report))
 
     bench = commands.add_parser(
         "bench",

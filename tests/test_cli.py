@@ -24,6 +24,9 @@ COMMANDS = [
     ["bench", "ttft"],
     ["bench", "decode"],
     ["bench", "index"],
+    ["index"],
+    ["index", "stats"],
+    ["index", "audit"],
 ]
 
 

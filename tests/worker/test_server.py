@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_index.events import replay
 from cache_index.hashing import hash_prompt_blocks
 from kvswitch.cli import main
-from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.v1 import common_pb2, worker_pb2
+from tests.worker.background import BackgroundWorker
 from worker.engine import EngineConfig, LLMEngine
 from worker.engine_loop import EngineLoop
 from worker.sampler import SamplingParams
-from worker.server import WorkerConfig, WorkerServer, WorkerStartError, start_worker
+from worker.server import WorkerConfig, WorkerStartError, start_worker
 from worker.tokenizer import ByteTokenizer
 
 BLOCK_SIZE = 16
@@ -38,60 +38,6 @@ CONFIG = WorkerConfig(port=0, kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES, grace_s=0
 # 36 tokens: two full blocks and four tokens of a third; with 4 output tokens no new block fills.
 PROMPT = [256, *b"Q: what is the capital of France?  "]
 assert len(PROMPT) == 36
-
-
-class BackgroundWorker:
-    """A worker on its own event-loop thread, with a blocking client channel to it."""
-
-    def __init__(self, config: WorkerConfig) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self.server: WorkerServer = self._run(start_worker(config))
-        self.channel = grpc.insecure_channel(self.server.address)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=60)
-
-    def close(self) -> None:
-        self.channel.close()
-        self._run(self.server.stop(grace_s=0))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def generate(
-        self, prompt: list[int], *, timeout: float = 30, **kwargs
-    ) -> tuple[list[int], str, worker_pb2.WorkerGenerateFinal]:
-        """(output tokens, their text, the final message) of one Generate call."""
-        lora = kwargs.pop("lora", "")
-        request = worker_pb2.WorkerGenerateRequest(
-            request_id=kwargs.pop("request_id", ""),
-            prompt_token_ids=prompt,
-            sampling=common_pb2.SamplingParams(**kwargs),
-            lora=lora,
-        )
-        responses = list(self.stub.Generate(request, timeout=timeout))
-        assert all(r.HasField("chunk") for r in responses[:-1])
-        assert responses[-1].HasField("final")
-        tokens = [t for r in responses[:-1] for t in r.chunk.token_ids]
-        text = "".join(r.chunk.text for r in responses[:-1])
-        return tokens, text, responses[-1].final
-
-    def load(self) -> worker_pb2.WorkerLoad:
-        return self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-
-    def wait_until_idle(self, timeout_s: float = 5.0) -> worker_pb2.WorkerLoad:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            load = self.load()
-            idle = load.num_running_requests == 0 and load.num_waiting_requests == 0
-            if (idle and load.num_free_blocks == load.num_total_blocks) or (
-                time.monotonic() > deadline
-            ):
-                return load
-            time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

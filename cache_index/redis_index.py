@@ -1,0 +1,384 @@
+"""The block-hash index in Redis (or a Redis Cluster), shared by every router replica.
+
+Each worker's state lives in three keys that share one hash tag, and every read-check-write on
+them is one Lua script (``cache_index/redis_scripts.py``), so a worker's entries are consistent
+on a cluster too. A registry of worker ids (all of them, and per namespace) lets match, stats
+and reclaim find the workers. docs/INDEX.md has the key layout and the round trips per call.
+
+While the server is unreachable every call raises ``redis.exceptions.ConnectionError`` once the
+injected retry policy gives up. A server that comes back empty (a restart without persistence)
+knows no workers: ``apply`` answers UNKNOWN_WORKER, and the worker registers and resyncs.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+from cache_index import redis_scripts
+from cache_index.events import AllBlocksCleared, BlockStored, CacheEvent
+from cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
+
+AnyPipeline = Pipeline | ClusterPipeline
+
+# A snapshot key outlives its RESYNC only when the caller died half-way through writing it.
+_SNAPSHOT_TTL_MS = 60_000
+_SADD_SLICE = 10_000  # hashes per SADD when a snapshot is written
+
+
+def default_retry() -> Retry:
+    """Three more tries on connection errors and timeouts, after 0.1, 0.2 and 0.4 s."""
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerKeys:
+    """One worker's keys; they share the hash tag, so one script may touch them all."""
+
+    meta: str
+    alive: str
+    blocks: str
+
+    @property
+    def all(self) -> list[str]:
+        """In the order every per-worker script takes them as KEYS."""
+        return [self.meta, self.alive, self.blocks]
+
+    def new_snapshot(self) -> str:
+        """A fresh name, in the same slot, for a snapshot that RESYNC renames onto blocks."""
+        return f"{self.blocks}:snapshot:{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchema:
+    """Every key name the index uses; all start with ``prefix:``."""
+
+    prefix: str
+
+    def __post_init__(self) -> None:
+        if not self.prefix or "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(f"prefix must be non-empty and free of '{{' and '}}': {self.prefix!r}")
+
+    @property
+    def worker_key_prefix(self) -> str:
+        return f"{self.prefix}:w:{{"
+
+    @property
+    def registry(self) -> str:
+        """HASH worker id -> namespace, of every worker that may have keys."""
+        return f"{self.prefix}:workers"
+
+    def namespace(self, namespace: str) -> str:
+        """SET of the ids of the workers registered under ``namespace``."""
+        return f"{self.prefix}:ns:{namespace}:workers"
+
+    def worker(self, worker_id: str) -> WorkerKeys:
+        base = f"{self.worker_key_prefix}{hash_tag(worker_id)}}}:"
+        return WorkerKeys(base + "meta", base + "alive", base + "blocks")
+
+
+def hash_tag(worker_id: str) -> str:
+    """``worker_id`` with ``%``, ``{`` and ``}`` percent-encoded, so that it is a whole hash tag.
+
+    MATCH_NAMESPACE does the same in Lua; the two must agree."""
+    return worker_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+
+
+class RedisIndex(BlockIndex):
+    """``BlockIndex`` on ``redis.asyncio``; build one with ``await RedisIndex.connect(url)``."""
+
+    def __init__(self, client: Redis | RedisCluster, keys: KeySchema, *, cluster: bool) -> None:
+        self._client = client
+        self._keys = keys
+        self._cluster = cluster
+        self._register = client.register_script(redis_scripts.REGISTER)
+        self._apply = client.register_script(redis_scripts.APPLY)
+        self._resync = client.register_script(redis_scripts.RESYNC)
+        self._drop = client.register_script(redis_scripts.DROP)
+        self._match_worker = client.register_script(redis_scripts.MATCH_WORKER)
+        self._match_namespace = client.register_script(redis_scripts.MATCH_NAMESPACE)
+        self._worker_stats = client.register_script(redis_scripts.WORKER_STATS)
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        prefix: str = "kvswitch",
+        cluster: bool = False,
+        retry: Retry | None = None,
+        socket_timeout_s: float | None = 5.0,
+    ) -> RedisIndex:
+        """Connect to ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS) and load
+        the scripts; a wrong address or password fails here. ``cluster=True`` takes the URL of
+        any one node of a Redis Cluster."""
+        keys = KeySchema(prefix)
+        options: dict[str, Any] = {
+            "retry": retry or default_retry(),
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": socket_timeout_s,
+        }
+        client_class = RedisCluster if cluster else Redis
+        client = client_class.from_url(url, **options)
+        index = cls(client, keys, cluster=cluster)
+        try:
+            await index._load_scripts()
+        except BaseException:
+            await client.aclose()
+            raise
+        return index
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        keys = self._keys.worker(info.worker_id)
+        old_namespace = await self._register(
+            keys=keys.all, args=[_ttl_ms(ttl_s), *_info_to_fields(info)]
+        )
+        # NOTE: listed only after the script ran, which _unlist's re-check relies on.
+        old = None if old_namespace is None else old_namespace.decode()
+        await self._pipeline(lambda pipe: self._list(pipe, info.worker_id, info.namespace, old))
+
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
+        ttl_ms = _ttl_ms(ttl_s)
+        return bool(await self._client.pexpire(self._keys.worker(worker_id).alive, ttl_ms))
+
+    async def deregister(self, worker_id: str) -> None:
+        def build(pipe: AnyPipeline) -> None:
+            self._queue(pipe, self._drop, self._keys.worker(worker_id).all, ["0"])
+            pipe.hget(self._keys.registry, worker_id)
+
+        dropped_namespace, listed_namespace = await self._pipeline(build)
+        namespace = dropped_namespace or listed_namespace
+        await self._unlist({worker_id: None if namespace is None else namespace.decode()})
+
+    async def live_workers(self, namespace: str | None = None) -> list[WorkerInfo]:
+        if namespace is None:
+            listed = await self._client.hkeys(self._keys.registry)
+        else:
+            listed = await self._client.smembers(self._keys.namespace(namespace))
+        worker_ids = sorted(worker_id.decode() for worker_id in listed)
+
+        def build(pipe: AnyPipeline) -> None:
+            for worker_id in worker_ids:
+                keys = self._keys.worker(worker_id)
+                pipe.exists(keys.alive)
+                pipe.hgetall(keys.meta)
+
+        replies = await self._pipeline(build)
+        workers = []
+        for worker_id, alive, meta in zip(worker_ids, replies[::2], replies[1::2], strict=True):
+            if not alive or not meta:
+                continue
+            info = _info_from_fields(worker_id, meta)
+            if namespace is None or info.namespace == namespace:
+                workers.append(info)
+        return workers
+
+    async def apply(self, worker_id: str, seq: int, events: Sequence[CacheEvent]) -> ApplyStatus:
+        check_seq(seq)
+        keys = self._keys.worker(worker_id).all
+        status = await self._apply(keys=keys, args=[seq, *_events_to_args(events)])
+        return ApplyStatus(status.decode())
+
+    async def resync(self, worker_id: str, seq: int, block_hashes: Iterable[bytes]) -> None:
+        if seq < 0:
+            raise ValueError(f"a snapshot's sequence number must be >= 0, got {seq}")
+        keys = self._keys.worker(worker_id)
+        snapshot = keys.new_snapshot()
+        hashes = list(block_hashes)
+
+        def build(pipe: AnyPipeline) -> None:
+            # One pipeline, so one round trip; its commands run in order on the worker's node.
+            for start in range(0, len(hashes), _SADD_SLICE):
+                pipe.sadd(snapshot, *hashes[start : start + _SADD_SLICE])
+                if start == 0:
+                    pipe.pexpire(snapshot, _SNAPSHOT_TTL_MS)
+            self._queue(pipe, self._resync, [*keys.all, snapshot], [seq])
+
+        replies = await self._pipeline(build)
+        if not replies[-1]:
+            raise KeyError(f"worker {worker_id!r} is not registered (or its registration lapsed)")
+
+    async def match(self, namespace: str, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        chain = list(block_hashes)
+        if not self._cluster:
+            reply = await self._match_namespace(
+                keys=[self._keys.namespace(namespace)],
+                args=[self._keys.worker_key_prefix, namespace, *chain],
+            )
+            return {reply[i].decode(): reply[i + 1] for i in range(0, len(reply), 2)}
+        # NOTE: a cluster script may touch only its own slot: read the registry, then ask each
+        # worker's node, all of them at once (one pipeline per node).
+        listed = await self._client.smembers(self._keys.namespace(namespace))
+        worker_ids = [worker_id.decode() for worker_id in listed]
+
+        def build(pipe: AnyPipeline) -> None:
+            for worker_id in worker_ids:
+                worker_keys = self._keys.worker(worker_id).all
+                self._queue(pipe, self._match_worker, worker_keys, [namespace, *chain])
+
+        counts = await self._pipeline(build)
+        return {w: n for w, n in zip(worker_ids, counts, strict=True) if n >= 0}
+
+    async def worker_block_hashes(self, worker_id: str) -> set[bytes]:
+        keys = self._keys.worker(worker_id)
+        if not await self._client.exists(keys.alive):
+            return set()
+        return set(await self._client.smembers(keys.blocks))
+
+    async def stats(self) -> IndexStats:
+        listed = await self._client.hkeys(self._keys.registry)
+        worker_ids = [worker_id.decode() for worker_id in listed]
+
+        def build(pipe: AnyPipeline) -> None:
+            for worker_id in worker_ids:
+                self._queue(pipe, self._worker_stats, self._keys.worker(worker_id).all, [])
+
+        live = [reply for reply in await self._pipeline(build) if reply[0]]
+        return IndexStats(len(live), sum(r[1] for r in live), sum(r[2] for r in live))
+
+    async def reclaim_expired(self) -> int:
+        listed = await self._client.hgetall(self._keys.registry)
+        worker_to_namespace = {w.decode(): ns.decode() for w, ns in listed.items()}
+        worker_ids = list(worker_to_namespace)
+
+        def check(pipe: AnyPipeline) -> None:
+            for worker_id in worker_ids:
+                pipe.exists(self._keys.worker(worker_id).alive)
+
+        alive = await self._pipeline(check)
+        lapsed = [w for w, is_alive in zip(worker_ids, alive, strict=True) if not is_alive]
+        if not lapsed:
+            return 0
+
+        def drop(pipe: AnyPipeline) -> None:
+            for worker_id in lapsed:
+                # '1': a worker that registered again since the check above is left alone.
+                self._queue(pipe, self._drop, self._keys.worker(worker_id).all, ["1"])
+
+        dropped = await self._pipeline(drop)
+        await self._unlist({worker_id: worker_to_namespace[worker_id] for worker_id in lapsed})
+        return sum(namespace is not None for namespace in dropped)
+
+    def _list(
+        self, pipe: AnyPipeline, worker_id: str, namespace: str, old_namespace: str | None
+    ) -> None:
+        pipe.hset(self._keys.registry, worker_id, namespace)
+        pipe.sadd(self._keys.namespace(namespace), worker_id)
+        if old_namespace is not None and old_namespace != namespace:
+            pipe.srem(self._keys.namespace(old_namespace), worker_id)
+
+    async def _unlist(self, worker_to_namespace: dict[str, str | None]) -> None:
+        """Take workers out of the registry, then list again any that is live by now.
+
+        A worker that registers meanwhile lists itself only after its REGISTER script ran: if
+        the re-check, made after the removal, missed that script, its listing came later."""
+        worker_ids = list(worker_to_namespace)
+
+        def remove(pipe: AnyPipeline) -> None:
+            pipe.hdel(self._keys.registry, *worker_ids)
+            for worker_id, namespace in worker_to_namespace.items():
+                if namespace is not None:
+                    pipe.srem(self._keys.namespace(namespace), worker_id)
+
+        def check(pipe: AnyPipeline) -> None:
+            for worker_id in worker_ids:
+                keys = self._keys.worker(worker_id)
+                pipe.exists(keys.alive)
+                pipe.hget(keys.meta, "namespace")
+
+        await self._pipeline(remove)
+        replies = await self._pipeline(check)
+        relist = [
+            (worker_id, namespace.decode())
+            for worker_id, alive, namespace in zip(
+                worker_ids, replies[::2], replies[1::2], strict=True
+            )
+            if alive and namespace is not None
+        ]
+        if relist:
+
+            def restore(pipe: AnyPipeline) -> None:
+                for worker_id, namespace in relist:
+                    self._list(pipe, worker_id, namespace, None)
+
+            await self._pipeline(restore)
+
+    def _queue(
+        self, pipe: AnyPipeline, script: AsyncScript, keys: list[str], args: Sequence[Any]
+    ) -> None:
+        # NOTE: through execute_command: redis-py blocks the evalsha method in cluster pipelines
+        # (it cannot load scripts there), and _pipeline loads them itself.
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def _pipeline(self, build: Callable[[AnyPipeline], None]) -> list[Any]:
+        """Run what ``build`` queues as one pipeline (one per node on a cluster, sent at once).
+
+        A server that lost its scripts (a restart, SCRIPT FLUSH) gets them again, and the
+        pipeline runs once more: every queued command may run twice, so each must be
+        idempotent."""
+        try:
+            return await self._execute(build)
+        except NoScriptError:
+            await self._load_scripts()
+            return await self._execute(build)
+
+    async def _execute(self, build: Callable[[AnyPipeline], None]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        build(pipe)
+        return await pipe.execute()
+
+    async def _load_scripts(self) -> None:
+        # NOTE: on a cluster SCRIPT LOAD goes to every primary.
+        for source in redis_scripts.ALL_SCRIPTS:
+            await self._client.script_load(source)
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+    return max(1, math.ceil(ttl_s * 1000))
+
+
+def _events_to_args(events: Sequence[CacheEvent]) -> list[bytes | str | int]:
+    """The events as APPLY's ARGV[2..]."""
+    args: list[bytes | str | int] = []
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            args.append("cleared")
+        else:
+            kind = "stored" if isinstance(event, BlockStored) else "removed"
+            args += [kind, len(event.block_hashes), *event.block_hashes]
+    return args
+
+
+_INFO_FIELDS = ("address", "namespace", "block_size", "role", "num_blocks")
+
+
+def _info_to_fields(info: WorkerInfo) -> list[str | int]:
+    return [value for name in _INFO_FIELDS for value in (name, getattr(info, name))]
+
+
+def _info_from_fields(worker_id: str, meta: dict[bytes, bytes]) -> WorkerInfo:
+    fields = {name.decode(): value.decode() for name, value in meta.items()}
+    return WorkerInfo(
+        worker_id=worker_id,
+        address=fields["address"],
+        namespace=fields["namespace"],
+        block_size=int(fields["block_size"]),
+        role=fields["role"],
+        num_blocks=int(fields["num_blocks"]),
+    )

@@ -1,0 +1,192 @@
+"""The behaviour every block-index backend shares: embedded, Redis and Redis Cluster alike.
+
+``make_index`` (tests/cache_index/conftest.py) gives a fresh, empty index per test for each
+backend; every test body runs in its own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from cache_index.hashing import hash_prompt_blocks
+from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+
+MakeIndex = Callable[[], Awaitable[BlockIndex]]
+NS = "model-a"
+TTL_S = 30.0
+CHAIN = hash_prompt_blocks(list(range(64)), 4, NS)  # 16 blocks
+OTHER = hash_prompt_blocks(list(range(100, 132)), 4, NS)  # 8 blocks, a different chain
+
+
+def worker(worker_id: str, namespace: str = NS) -> WorkerInfo:
+    return WorkerInfo(worker_id, f"127.0.0.1:{50000 + len(worker_id)}", namespace, 4, "both", 128)
+
+
+def stored(hashes: list[bytes], parent: bytes = b"\x00" * 16) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tuple(range(4 * len(hashes))), 4)
+
+
+def run(make_index: MakeIndex, body: Callable[[BlockIndex], Awaitable[None]]) -> None:
+    async def main() -> None:
+        index = await make_index()
+        try:
+            await body(index)
+        finally:
+            await index.close()
+
+    asyncio.run(main())
+
+
+def test_match_counts_leading_blocks_per_worker(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        for worker_id in ("a", "b", "c"):
+            await index.register(worker(worker_id), TTL_S)
+        assert await index.apply("a", 1, [stored(CHAIN[:10])]) is ApplyStatus.APPLIED
+        assert await index.apply("b", 1, [stored(CHAIN[:3]), stored(OTHER)]) is ApplyStatus.APPLIED
+        # c holds blocks 1.. but not block 0: a hit must start at the chain's first block.
+        assert await index.apply("c", 1, [stored(CHAIN[1:])]) is ApplyStatus.APPLIED
+        assert await index.match(NS, CHAIN) == {"a": 10, "b": 3, "c": 0}
+        assert await index.match(NS, CHAIN[:2]) == {"a": 2, "b": 2, "c": 0}
+        assert await index.match(NS, OTHER) == {"a": 0, "b": 8, "c": 0}
+        assert await index.match(NS, []) == {"a": 0, "b": 0, "c": 0}
+        assert await index.match("model-b", CHAIN) == {}
+
+    run(make_index, body)
+
+
+def test_a_hole_in_a_chain_stops_the_match(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        await index.register(worker("a"), TTL_S)
+        await index.apply("a", 1, [stored(CHAIN)])
+        await index.apply("a", 2, [BlockRemoved((CHAIN[5],))])
+        assert await index.match(NS, CHAIN) == {"a": 5}
+        await index.apply("a", 3, [AllBlocksCleared(), stored(CHAIN[:2])])
+        assert await index.match(NS, CHAIN) == {"a": 2}
+
+    run(make_index, body)
+
+
+def test_sequence_numbers_duplicates_and_gaps(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        await index.register(worker("a"), TTL_S)
+        await index.register(worker("b"), TTL_S)
+        assert await index.apply("a", 1, [stored(CHAIN[:4])]) is ApplyStatus.APPLIED
+        # Applying a batch twice is harmless.
+        assert await index.apply("a", 1, [stored(CHAIN[:8])]) is ApplyStatus.DUPLICATE
+        assert await index.match(NS, CHAIN) == {"a": 4, "b": 0}
+        # Batch 2 was lost: a is untrusted and left out until it resyncs.
+        assert await index.apply("a", 3, [stored(CHAIN[:8])]) is ApplyStatus.NEEDS_RESYNC
+        assert await index.match(NS, CHAIN) == {"b": 0}
+        assert await index.apply("a", 2, [stored(CHAIN[:6])]) is ApplyStatus.NEEDS_RESYNC
+        await index.resync("a", 7, CHAIN[:12])
+        assert await index.match(NS, CHAIN) == {"a": 12, "b": 0}
+        assert await index.apply("a", 7, [BlockRemoved((CHAIN[0],))]) is ApplyStatus.DUPLICATE
+        assert await index.apply("a", 8, [BlockRemoved((CHAIN[11],))]) is ApplyStatus.APPLIED
+        assert await index.match(NS, CHAIN) == {"a": 11, "b": 0}
+        with pytest.raises(ValueError):
+            await index.apply("a", 0, [])
+
+    run(make_index, body)
+
+
+def test_resync_replaces_entries_at_once(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        await index.register(worker("a"), TTL_S)
+        await index.apply("a", 1, [stored(CHAIN), stored(OTHER)])
+        await index.resync("a", 1, OTHER[:3])
+        assert await index.match(NS, CHAIN) == {"a": 0}
+        assert await index.match(NS, OTHER) == {"a": 3}
+        await index.resync("a", 2, [])
+        assert await index.match(NS, OTHER) == {"a": 0}
+        assert (await index.stats()).num_entries == 0
+
+    run(make_index, body)
+
+
+def test_unknown_and_reregistered_workers(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        assert await index.apply("ghost", 1, [stored(CHAIN)]) is ApplyStatus.UNKNOWN_WORKER
+        assert await index.heartbeat("ghost", TTL_S) is False
+        await index.register(worker("a"), TTL_S)
+        await index.apply("a", 1, [stored(CHAIN)])
+        await index.apply("a", 2, [stored(OTHER)])
+        # A restarted worker registers again and starts empty, its sequence from 1.
+        await index.register(worker("a"), TTL_S)
+        assert await index.match(NS, CHAIN) == {"a": 0}
+        assert await index.apply("a", 1, [stored(CHAIN[:2])]) is ApplyStatus.APPLIED
+        assert await index.match(NS, CHAIN) == {"a": 2}
+        await index.deregister("a")
+        assert await index.match(NS, CHAIN) == {}
+        assert await index.live_workers() == []
+        await index.deregister("a")  # twice is fine
+
+    run(make_index, body)
+
+
+def test_lapsed_workers_leave_match_at_once_and_are_reclaimed(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        await index.register(worker("short"), 0.3)
+        await index.register(worker("long"), TTL_S)
+        await index.apply("short", 1, [stored(CHAIN)])
+        await index.apply("long", 1, [stored(CHAIN[:2])])
+        assert await index.heartbeat("short", 0.3) is True
+        assert await index.match(NS, CHAIN) == {"short": 16, "long": 2}
+        await asyncio.sleep(0.5)
+        assert await index.match(NS, CHAIN) == {"long": 2}
+        assert [w.worker_id for w in await index.live_workers()] == ["long"]
+        assert await index.heartbeat("short", TTL_S) is False
+        assert await index.apply("short", 2, [stored(OTHER)]) is ApplyStatus.UNKNOWN_WORKER
+        assert await index.reclaim_expired() == 1
+        stats = await index.stats()
+        assert (stats.num_workers, stats.num_entries) == (1, 2)
+
+    run(make_index, body)
+
+
+def test_workers_by_namespace_and_stats(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        await index.register(worker("a"), TTL_S)
+        await index.register(worker("z", namespace="model-b"), TTL_S)
+        await index.apply("a", 1, [stored(CHAIN)])
+        await index.apply("z", 1, [stored(OTHER)])
+        assert [w.worker_id for w in await index.live_workers()] == ["a", "z"]
+        assert await index.live_workers("model-b") == [worker("z", namespace="model-b")]
+        assert await index.match("model-b", OTHER) == {"z": 8}
+        assert await index.worker_block_hashes("z") == set(OTHER)
+        assert await index.worker_block_hashes("nobody") == set()
+        stats = await index.stats()
+        assert (stats.num_workers, stats.num_entries) == (2, 24)
+        assert stats.memory_bytes >= 24 * 16
+
+    run(make_index, body)
+
+
+def test_replaying_a_worker_event_stream_matches_its_pool() -> None:
+    """The events a real block pool emits, applied in batches, describe its cache exactly."""
+    from cache_index.hashing import BlockHasher
+    from cache_index.memory_index import MemoryIndex
+    from tests.worker.driver import admit
+    from worker.kv_cache_manager import KVCacheManager
+    from worker.request import Request
+
+    async def main() -> None:
+        index = MemoryIndex()
+        await index.register(WorkerInfo("w", "x:1", NS, 4), TTL_S)
+        manager = KVCacheManager(num_blocks=12, block_size=4)
+        hasher = BlockHasher(NS, 4)
+        for seq, i in enumerate(range(6), start=1):
+            request = Request(f"r{i}", [i % 2, *range(i, i + 17)], hasher)
+            admit(manager, request)
+            manager.free(request)
+            assert await index.apply("w", seq, manager.take_events()) is ApplyStatus.APPLIED
+            chain = request.block_hashes
+            num_cached = 0
+            while num_cached < len(chain) and manager.pool.get_cached_block(chain[num_cached]):
+                num_cached += 1
+            assert await index.match(NS, chain) == {"w": num_cached}
+
+    asyncio.run(main())

@@ -1,0 +1,66 @@
+"""A worker server on its own event-loop thread, driven by blocking gRPC clients in tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+
+from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker.server import WorkerConfig, WorkerServer, start_worker
+
+
+class BackgroundWorker:
+    """A worker on its own event-loop thread, with a blocking client channel to it."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server: WorkerServer = self._run(start_worker(config))
+        self.channel = grpc.insecure_channel(self.server.address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=60)
+
+    def close(self) -> None:
+        self.channel.close()
+        self._run(self.server.stop(grace_s=0))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def generate(
+        self, prompt: list[int], *, timeout: float = 30, **kwargs
+    ) -> tuple[list[int], str, worker_pb2.WorkerGenerateFinal]:
+        """(output tokens, their text, the final message) of one Generate call."""
+        lora = kwargs.pop("lora", "")
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=kwargs.pop("request_id", ""),
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(**kwargs),
+            lora=lora,
+        )
+        responses = list(self.stub.Generate(request, timeout=timeout))
+        assert all(r.HasField("chunk") for r in responses[:-1])
+        assert responses[-1].HasField("final")
+        tokens = [t for r in responses[:-1] for t in r.chunk.token_ids]
+        text = "".join(r.chunk.text for r in responses[:-1])
+        return tokens, text, responses[-1].final
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        return self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+
+    def wait_until_idle(self, timeout_s: float = 5.0) -> worker_pb2.WorkerLoad:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            load = self.load()
+            idle = load.num_running_requests == 0 and load.num_waiting_requests == 0
+            if (idle and load.num_free_blocks == load.num_total_blocks) or (
+                time.monotonic() > deadline
+            ):
+                return load
+            time.sleep(0.02)
