@@ -17,12 +17,16 @@ and the sequence number of the last event batch applied to it::
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cache_index.events import CacheEvent
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
 
@@ -118,3 +122,19 @@ class BlockIndex(ABC):
 def check_seq(seq: int) -> None:
     if seq <= 0:
         raise ValueError(f"event batch sequence numbers start at 1, got {seq}")
+
+
+async def reclaim_forever(index: BlockIndex, interval_s: float) -> None:
+    """Every ``interval_s``, delete the entries of workers whose heartbeat lapsed; runs until
+    cancelled. Lapsed workers are out of ``match`` at once; this only frees their memory."""
+    if interval_s <= 0:
+        raise ValueError(f"interval_s must be positive, got {interval_s}")
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            num_reclaimed = await index.reclaim_expired()
+        except Exception as e:  # the index may be restarting: try again next time
+            logger.warning("reclaiming lapsed workers failed: %s", e)
+            continue
+        if num_reclaimed:
+            logger.info("reclaimed the entries of %d lapsed workers", num_reclaimed)

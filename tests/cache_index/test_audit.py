@@ -65,3 +65,43 @@ def test_index_tools_need_a_shared_index(capsys: pytest.CaptureFixture[str]) -> 
             main(["index", "stats", "--index", url])
         assert exit_info.value.code == 2
     assert "Redis URL" in capsys.readouterr().err
+
+
+def test_worker_index_recovers_after_redis_restarts_mid_stream(
+    spawn_redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Redis dies while the worker keeps caching and comes back empty: the publisher
+    re-registers and resyncs, and the audit ends with nothing stale and nothing missing."""
+    server = spawn_redis()
+    worker = BackgroundWorker(dataclasses.replace(CONFIG, index=server.url, worker_id="w2"))
+
+    def converged() -> dict:
+        deadline = time.monotonic() + 15
+        while True:
+            report = run_tool(capsys, "index", "audit", "--index", server.url)
+            workers = report["workers"]
+            if (
+                len(workers) == 1
+                and workers[0]["num_in_index"] == workers[0]["num_on_worker"] > 0
+                and report["num_stale"] == report["num_missing"] == 0
+            ):
+                return workers[0]
+            assert time.monotonic() < deadline, report
+            time.sleep(0.1)
+
+    try:
+        worker.generate(PROMPT, max_tokens=4)
+        before = converged()
+        server.stop()
+        for i in range(3):  # events while the index is down
+            worker.generate([256, *bytes([70 + i]) * 50], max_tokens=4)
+        time.sleep(1.5)  # longer than the client's own retries: the publisher sees errors
+        server.start()
+        worker.generate([256, *b"after the restart " * 4], max_tokens=4)
+        after = converged()
+        assert after["num_on_worker"] > before["num_on_worker"]
+        publisher = worker.server.publisher
+        assert publisher.num_errors > 0
+        assert publisher.num_resyncs >= 2  # the first sync, and the one after the restart
+    finally:
+        worker.close()

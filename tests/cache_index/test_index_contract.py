@@ -13,7 +13,7 @@ import pytest
 
 from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache_index.hashing import hash_prompt_blocks
-from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo, reclaim_forever
 
 MakeIndex = Callable[[], Awaitable[BlockIndex]]
 NS = "model-a"
@@ -190,3 +190,17 @@ def test_replaying_a_worker_event_stream_matches_its_pool() -> None:
             assert await index.match(NS, chain) == {"w": num_cached}
 
     asyncio.run(main())
+
+
+def test_lapsed_entries_are_reclaimed_in_the_background(make_index: MakeIndex) -> None:
+    async def body(index: BlockIndex) -> None:
+        await index.register(worker("gone"), 0.2)
+        await index.apply("gone", 1, [stored(CHAIN)])
+        reclaimer = asyncio.create_task(reclaim_forever(index, 0.05))
+        await asyncio.sleep(0.6)  # the TTL, then several reclaim rounds
+        reclaimer.cancel()
+        # The background task already did it: nothing is left to reclaim.
+        assert await index.reclaim_expired() == 0
+        assert (await index.stats()).num_entries == 0
+
+    run(make_index, body)
