@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -40,20 +41,36 @@ def _is_free(port: int) -> bool:
 
 
 class LocalRedis:
-    """One redis-server process. ``password`` turns on AUTH; ``cluster`` makes it a cluster node."""
+    """One redis-server process. ``password`` turns on AUTH; ``cluster`` makes it a cluster node;
+    ``tls`` serves TLS only, with a self-signed certificate made at start (needs ``openssl``)."""
 
     def __init__(
-        self, *, port: int = 0, password: str | None = None, cluster: bool = False
+        self,
+        *,
+        port: int = 0,
+        password: str | None = None,
+        cluster: bool = False,
+        tls: bool = False,
     ) -> None:
         self.port = port or free_port(with_bus=cluster)
         self.password = password
         self.cluster = cluster
+        self.tls = tls
         self._dir: tempfile.TemporaryDirectory | None = None
         self._process: subprocess.Popen | None = None
 
     @property
+    def cert_path(self) -> Path:
+        """The TLS server's self-signed certificate, which is also its CA."""
+        if self._dir is None:
+            raise RuntimeError("the server is not running")
+        return Path(self._dir.name) / "cert.pem"
+
+    @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}?ssl_ca_certs={self.cert_path}"
         return f"redis://{auth}127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
@@ -75,6 +92,17 @@ class LocalRedis:
         # fmt: on
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            self._make_certificate()
+            cert = str(self.cert_path)
+            args[args.index("--port") + 1] = "0"  # plain TCP off
+            # fmt: off
+            args += [
+                "--tls-port", str(self.port), "--tls-cert-file", cert,
+                "--tls-key-file", str(Path(self._dir.name) / "key.pem"),
+                "--tls-ca-cert-file", cert, "--tls-auth-clients", "no",
+            ]
+            # fmt: on
         if self.cluster:
             args += [
                 "--cluster-enabled",
@@ -95,10 +123,23 @@ class LocalRedis:
             time.sleep(0.02)
         return self
 
+    def _make_certificate(self) -> None:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise RedisNotInstalled("a TLS redis-server needs openssl to make its certificate")
+        # fmt: off
+        subprocess.run(
+            [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-keyout", str(self.cert_path.with_name("key.pem")), "-out", str(self.cert_path),
+             "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True, capture_output=True,
+        )
+        # fmt: on
+
     def ping(self) -> bool:
         """Whether the server answers PING (a raw RESP exchange, no client library needed)."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with self._connect() as s:
                 if self.password:
                     s.sendall(f"AUTH {self.password}\r\n".encode())
                     s.recv(64)
@@ -106,6 +147,13 @@ class LocalRedis:
                 return s.recv(64).startswith(b"+PONG")
         except OSError:
             return False
+
+    def _connect(self) -> socket.socket:
+        raw = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+        if not self.tls:
+            return raw
+        context = ssl.create_default_context(cafile=str(self.cert_path))
+        return context.wrap_socket(raw, server_hostname="127.0.0.1")
 
     def stop(self) -> None:
         if self._process is not None:

@@ -334,3 +334,27 @@ def test_a_server_that_restarts_empty(spawn_redis: Callable[..., LocalRedis]) ->
         await index.close()
 
     run(body())
+
+
+def test_tls_urls_with_auth(spawn_redis: Callable[..., LocalRedis]) -> None:
+    """``rediss://`` with the server's CA certificate and a password: the index works as usual."""
+    server = spawn_redis(tls=True, password="tls-secret")
+    assert server.url.startswith("rediss://:tls-secret@")
+
+    async def main() -> None:
+        index = await RedisIndex.connect(server.url, prefix=unique_prefix())
+        try:
+            info = WorkerInfo("w", "127.0.0.1:1", "m", 4)
+            await index.register(info, 30)
+            chain = [bytes([i]) * 16 for i in range(5)]
+            root = b"\x00" * 16
+            await index.apply("w", 1, [BlockStored(tuple(chain[:3]), root, (), 4)])
+            assert await index.match("m", chain) == {"w": 3}
+        finally:
+            await index.close()
+        # Plain TCP to the TLS port is refused at connect.
+        plain = server.url.replace("rediss://", "redis://").split("?")[0]
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await RedisIndex.connect(plain, prefix=unique_prefix())
+
+    asyncio.run(main())
