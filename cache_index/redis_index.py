@@ -28,6 +28,7 @@ from redis.exceptions import NoScriptError
 
 from cache_index import redis_scripts
 from cache_index.events import AllBlocksCleared, BlockStored, CacheEvent
+from cache_index.hashing import HASH_BYTES
 from cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
 
 AnyPipeline = Pipeline | ClusterPipeline
@@ -213,11 +214,13 @@ class RedisIndex(BlockIndex):
             raise KeyError(f"worker {worker_id!r} is not registered (or its registration lapsed)")
 
     async def match(self, namespace: str, block_hashes: Sequence[bytes]) -> dict[str, int]:
-        chain = list(block_hashes)
+        if any(len(h) != HASH_BYTES for h in block_hashes):
+            raise ValueError(f"block hashes must be {HASH_BYTES} bytes each")
+        chain = b"".join(block_hashes)
         if not self._cluster:
             reply = await self._match_namespace(
                 keys=[self._keys.namespace(namespace)],
-                args=[self._keys.worker_key_prefix, namespace, *chain],
+                args=[self._keys.worker_key_prefix, namespace, chain],
             )
             return {reply[i].decode(): reply[i + 1] for i in range(0, len(reply), 2)}
         # NOTE: a cluster script may touch only its own slot: read the registry, then ask each
@@ -228,7 +231,7 @@ class RedisIndex(BlockIndex):
         def build(pipe: AnyPipeline) -> None:
             for worker_id in worker_ids:
                 worker_keys = self._keys.worker(worker_id).all
-                self._queue(pipe, self._match_worker, worker_keys, [namespace, *chain])
+                self._queue(pipe, self._match_worker, worker_keys, [namespace, chain])
 
         counts = await self._pipeline(build)
         return {w: n for w, n in zip(worker_ids, counts, strict=True) if n >= 0}

@@ -21,17 +21,27 @@ _UNPACK_SLICE = 1000
 # Shared by both match scripts: how many leading chain hashes, ARGV[first..], a worker holds, or
 # -1 where the worker is lapsed, untrusted or of another namespace.
 _LEADING_BLOCKS_FN = """
-local function leading_blocks(meta, alive, blocks, namespace, first)
+-- The chain arrives as one argument, its 16-byte hashes back to back: one bulk string is far
+-- cheaper to send and to hand to Lua than hundreds of small ones.
+local function split_chain(packed)
+    local chain = {}
+    for i = 1, #packed, 16 do
+        chain[#chain + 1] = string.sub(packed, i, i + 15)
+    end
+    return chain
+end
+
+local function leading_blocks(meta, alive, blocks, namespace, chain)
     if redis.call('EXISTS', alive) == 0 then return -1 end
     local state = redis.call('HMGET', meta, 'namespace', 'trusted')
     if state[1] ~= namespace or state[2] ~= '1' then return -1 end
     -- SMISMEMBER over growing slices of the chain: one call answers many hashes, and a short
     -- match stops after a small first slice.
     local num_matched = 0
-    local i, size = first, 32
-    while i <= #ARGV do
-        local last = math.min(i + size - 1, #ARGV)
-        local found = redis.call('SMISMEMBER', blocks, unpack(ARGV, i, last))
+    local i, size = 1, 32
+    while i <= #chain do
+        local last = math.min(i + size - 1, #chain)
+        local found = redis.call('SMISMEMBER', blocks, unpack(chain, i, last))
         for j = 1, #found do
             if found[j] == 0 then return num_matched end
             num_matched = num_matched + 1
@@ -125,26 +135,27 @@ return namespace
 MATCH_WORKER = f"""
 -- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks
 -- ARGV[1] - the namespace
--- ARGV[2..] - the chain of block hashes
+-- ARGV[2] - the chain of block hashes, concatenated (16 bytes each)
 -- returns how many leading chain blocks the worker holds, or -1 if it is lapsed, untrusted or
 --         of another namespace
 {_LEADING_BLOCKS_FN}
-return leading_blocks(KEYS[1], KEYS[2], KEYS[3], ARGV[1], 2)
+return leading_blocks(KEYS[1], KEYS[2], KEYS[3], ARGV[1], split_chain(ARGV[2]))
 """
 
 MATCH_NAMESPACE = f"""
 -- KEYS[1] - the namespace's registry (a SET of worker ids)
 -- ARGV[1] - the worker key prefix, '<prefix>:w:{{'
 -- ARGV[2] - the namespace
--- ARGV[3..] - the chain of block hashes
+-- ARGV[3] - the chain of block hashes, concatenated (16 bytes each)
 -- returns worker id, count, worker id, count, ... for every live, trusted worker of it
 -- Single Redis only: it reads worker keys it derives from the registry, which a cluster forbids.
 {_LEADING_BLOCKS_FN}
 local escapes = {{['%'] = '%25', ['{{'] = '%7B', ['}}'] = '%7D'}}
 local result = {{}}
+local chain = split_chain(ARGV[3])
 for _, worker_id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     local base = ARGV[1] .. (string.gsub(worker_id, '[%%{{}}]', escapes)) .. '}}:'
-    local n = leading_blocks(base .. 'meta', base .. 'alive', base .. 'blocks', ARGV[2], 3)
+    local n = leading_blocks(base .. 'meta', base .. 'alive', base .. 'blocks', ARGV[2], chain)
     if n >= 0 then
         result[#result + 1] = worker_id
         result[#result + 1] = n
