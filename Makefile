@@ -35,6 +35,10 @@ bench: $(STAMP)
 	mkdir -p out
 	$(BIN)/kvswitch bench hash --json out/bench_hash.json
 	$(BIN)/kvswitch bench pool --json out/bench_pool.json
+	$(BIN)/kvswitch bench ttft --json out/bench_ttft.json
+	$(BIN)/kvswitch bench decode --json out/bench_decode.json
+	$(BIN)/kvswitch bench index --backend memory --json out/bench_index_memory.json
+	$(BIN)/kvswitch bench index --backend redis --json out/bench_index_redis.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis
