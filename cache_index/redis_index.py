@@ -3,7 +3,9 @@
 Each worker's state lives in three keys that share one hash tag, and every read-check-write on
 them is one Lua script (``cache_index/redis_scripts.py``), so a worker's entries are consistent
 on a cluster too. A registry of worker ids (all of them, and per namespace) lets match, stats
-and reclaim find the workers. docs/INDEX.md has the key layout and the round trips per call.
+and reclaim find the workers. On a single Redis (not a cluster) the same scripts also keep, per
+namespace, an inverted map block hash -> bitmap of worker slots, which lets ``match`` read the
+chain once for all workers. docs/INDEX.md has the key layout and the round trips per call.
 
 While the server is unreachable every call raises ``redis.exceptions.ConnectionError`` once the
 injected retry policy gives up. A server that comes back empty (a restart without persistence)
@@ -13,6 +15,7 @@ knows no workers: ``apply`` answers UNKNOWN_WORKER, and the worker registers and
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -80,9 +83,26 @@ class KeySchema:
         """HASH worker id -> namespace, of every worker that may have keys."""
         return f"{self.prefix}:workers"
 
+    @property
+    def namespace_prefix(self) -> str:
+        """What the scripts prepend to a namespace to name its map and slot table."""
+        return f"{self.prefix}:ns:"
+
     def namespace(self, namespace: str) -> str:
         """SET of the ids of the workers registered under ``namespace``."""
-        return f"{self.prefix}:ns:{namespace}:workers"
+        return f"{self.namespace_prefix}{namespace}:workers"
+
+    def namespace_map(self, namespace: str) -> str:
+        """Single Redis only: HASH block hash -> bitmap of the slots of the workers holding it."""
+        return f"{self.namespace_prefix}{namespace}:map"
+
+    def namespace_untrusted(self, namespace: str) -> str:
+        """Single Redis only: SET of the ids of the namespace's workers waiting for a resync."""
+        return f"{self.namespace_prefix}{namespace}:untrusted"
+
+    def namespace_slots(self, namespace: str) -> str:
+        """Single Redis only: HASH worker id -> its slot (bit) in the namespace's map."""
+        return f"{self.namespace_prefix}{namespace}:slots"
 
     def worker(self, worker_id: str) -> WorkerKeys:
         base = f"{self.worker_key_prefix}{hash_tag(worker_id)}}}:"
@@ -96,6 +116,10 @@ def hash_tag(worker_id: str) -> str:
     return worker_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
 
 
+# How long a Redis Cluster client trusts its list of a namespace's workers (see _cluster_workers).
+WORKER_LIST_TTL_S = 0.5
+
+
 class RedisIndex(BlockIndex):
     """``BlockIndex`` on ``redis.asyncio``; build one with ``await RedisIndex.connect(url)``."""
 
@@ -103,6 +127,9 @@ class RedisIndex(BlockIndex):
         self._client = client
         self._keys = keys
         self._cluster = cluster
+        # The per-worker scripts keep the namespace maps only when given their prefix: a cluster
+        # cannot, as a worker's keys and its namespace's map sit in different slots.
+        self._map_prefix = "" if cluster else keys.namespace_prefix
         self._register = client.register_script(redis_scripts.REGISTER)
         self._apply = client.register_script(redis_scripts.APPLY)
         self._resync = client.register_script(redis_scripts.RESYNC)
@@ -110,6 +137,9 @@ class RedisIndex(BlockIndex):
         self._match_worker = client.register_script(redis_scripts.MATCH_WORKER)
         self._match_namespace = client.register_script(redis_scripts.MATCH_NAMESPACE)
         self._worker_stats = client.register_script(redis_scripts.WORKER_STATS)
+        # Cluster only: namespace -> (when read, its worker ids), so that a match asks each node
+        # once and nothing else; see _cluster_workers.
+        self._namespace_workers: dict[str, tuple[float, list[str]]] = {}
 
     @classmethod
     async def connect(
@@ -144,9 +174,11 @@ class RedisIndex(BlockIndex):
         await self._client.aclose()
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        self._namespace_workers.clear()
         keys = self._keys.worker(info.worker_id)
         old_namespace = await self._register(
-            keys=keys.all, args=[_ttl_ms(ttl_s), *_info_to_fields(info)]
+            keys=keys.all,
+            args=[_ttl_ms(ttl_s), self._map_prefix, info.worker_id, *_info_to_fields(info)],
         )
         # NOTE: listed only after the script ran, which _unlist's re-check relies on.
         old = None if old_namespace is None else old_namespace.decode()
@@ -157,8 +189,11 @@ class RedisIndex(BlockIndex):
         return bool(await self._client.pexpire(self._keys.worker(worker_id).alive, ttl_ms))
 
     async def deregister(self, worker_id: str) -> None:
+        self._namespace_workers.clear()
+
         def build(pipe: AnyPipeline) -> None:
-            self._queue(pipe, self._drop, self._keys.worker(worker_id).all, ["0"])
+            args = ["0", self._map_prefix, worker_id]
+            self._queue(pipe, self._drop, self._keys.worker(worker_id).all, args)
             pipe.hget(self._keys.registry, worker_id)
 
         dropped_namespace, listed_namespace = await self._pipeline(build)
@@ -191,7 +226,8 @@ class RedisIndex(BlockIndex):
     async def apply(self, worker_id: str, seq: int, events: Sequence[CacheEvent]) -> ApplyStatus:
         check_seq(seq)
         keys = self._keys.worker(worker_id).all
-        status = await self._apply(keys=keys, args=[seq, *_events_to_args(events)])
+        args = [seq, self._map_prefix, worker_id, *_events_to_args(events)]
+        status = await self._apply(keys=keys, args=args)
         return ApplyStatus(status.decode())
 
     async def resync(self, worker_id: str, seq: int, block_hashes: Iterable[bytes]) -> None:
@@ -207,26 +243,32 @@ class RedisIndex(BlockIndex):
                 pipe.sadd(snapshot, *hashes[start : start + _SADD_SLICE])
                 if start == 0:
                     pipe.pexpire(snapshot, _SNAPSHOT_TTL_MS)
-            self._queue(pipe, self._resync, [*keys.all, snapshot], [seq])
+            self._queue(
+                pipe, self._resync, [*keys.all, snapshot], [seq, self._map_prefix, worker_id]
+            )
 
         replies = await self._pipeline(build)
         if not replies[-1]:
             raise KeyError(f"worker {worker_id!r} is not registered (or its registration lapsed)")
 
     async def match(self, namespace: str, block_hashes: Sequence[bytes]) -> dict[str, int]:
-        if any(len(h) != HASH_BYTES for h in block_hashes):
+        if block_hashes and set(map(len, block_hashes)) != {HASH_BYTES}:
             raise ValueError(f"block hashes must be {HASH_BYTES} bytes each")
         chain = b"".join(block_hashes)
         if not self._cluster:
+            # One script over the namespace's map: one HMGET of the chain answers every worker.
             reply = await self._match_namespace(
-                keys=[self._keys.namespace(namespace)],
+                keys=[
+                    self._keys.namespace_slots(namespace),
+                    self._keys.namespace_map(namespace),
+                    self._keys.namespace_untrusted(namespace),
+                ],
                 args=[self._keys.worker_key_prefix, namespace, chain],
             )
             return {reply[i].decode(): reply[i + 1] for i in range(0, len(reply), 2)}
-        # NOTE: a cluster script may touch only its own slot: read the registry, then ask each
-        # worker's node, all of them at once (one pipeline per node).
-        listed = await self._client.smembers(self._keys.namespace(namespace))
-        worker_ids = [worker_id.decode() for worker_id in listed]
+        # NOTE: a cluster script may touch only its own slot: ask each worker's node, all of them
+        # at once (one pipeline per node), for the workers the registry lists.
+        worker_ids = await self._cluster_workers(namespace)
 
         def build(pipe: AnyPipeline) -> None:
             for worker_id in worker_ids:
@@ -236,6 +278,22 @@ class RedisIndex(BlockIndex):
         counts = await self._pipeline(build)
         return {w: n for w, n in zip(worker_ids, counts, strict=True) if n >= 0}
 
+    async def _cluster_workers(self, namespace: str) -> list[str]:
+        """The namespace's registered worker ids, read at most every ``WORKER_LIST_TTL_S``.
+
+        Lapsed, deregistered and untrusted workers answer -1 to MATCH_WORKER, so a stale list
+        never puts a wrong worker in an answer; it can only leave out, for that long, a worker
+        that another client registered meanwhile. This client's own changes refresh it at once.
+        """
+        now = time.monotonic()
+        cached = self._namespace_workers.get(namespace)
+        if cached is not None and now - cached[0] < WORKER_LIST_TTL_S:
+            return cached[1]
+        listed = await self._client.smembers(self._keys.namespace(namespace))
+        worker_ids = sorted(worker_id.decode() for worker_id in listed)
+        self._namespace_workers[namespace] = (now, worker_ids)
+        return worker_ids
+
     async def worker_block_hashes(self, worker_id: str) -> set[bytes]:
         keys = self._keys.worker(worker_id)
         if not await self._client.exists(keys.alive):
@@ -243,17 +301,25 @@ class RedisIndex(BlockIndex):
         return set(await self._client.smembers(keys.blocks))
 
     async def stats(self) -> IndexStats:
-        listed = await self._client.hkeys(self._keys.registry)
+        listed = await self._client.hgetall(self._keys.registry)
         worker_ids = [worker_id.decode() for worker_id in listed]
+        # Single Redis: the namespace maps and slot tables count too.
+        namespaces = [] if self._cluster else sorted({ns.decode() for ns in listed.values()})
 
         def build(pipe: AnyPipeline) -> None:
             for worker_id in worker_ids:
                 self._queue(pipe, self._worker_stats, self._keys.worker(worker_id).all, [])
+            for namespace in namespaces:
+                pipe.memory_usage(self._keys.namespace_map(namespace))
+                pipe.memory_usage(self._keys.namespace_slots(namespace))
 
-        live = [reply for reply in await self._pipeline(build) if reply[0]]
-        return IndexStats(len(live), sum(r[1] for r in live), sum(r[2] for r in live))
+        replies = await self._pipeline(build)
+        live = [reply for reply in replies[: len(worker_ids)] if reply[0]]
+        map_bytes = sum(reply or 0 for reply in replies[len(worker_ids) :])
+        return IndexStats(len(live), sum(r[1] for r in live), sum(r[2] for r in live) + map_bytes)
 
     async def reclaim_expired(self) -> int:
+        self._namespace_workers.clear()
         listed = await self._client.hgetall(self._keys.registry)
         worker_to_namespace = {w.decode(): ns.decode() for w, ns in listed.items()}
         worker_ids = list(worker_to_namespace)
@@ -270,7 +336,8 @@ class RedisIndex(BlockIndex):
         def drop(pipe: AnyPipeline) -> None:
             for worker_id in lapsed:
                 # '1': a worker that registered again since the check above is left alone.
-                self._queue(pipe, self._drop, self._keys.worker(worker_id).all, ["1"])
+                args = ["1", self._map_prefix, worker_id]
+                self._queue(pipe, self._drop, self._keys.worker(worker_id).all, args)
 
         dropped = await self._pipeline(drop)
         await self._unlist({worker_id: worker_to_namespace[worker_id] for worker_id in lapsed})

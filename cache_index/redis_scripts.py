@@ -5,9 +5,16 @@ Each per-worker script names only that worker's keys, which share the hash tag `
 keys, in the order every per-worker script takes them::
 
     KEYS[1] - meta:   HASH address, namespace, block_size, role, num_blocks, last_seq, trusted,
-                      epoch
+                      epoch, and on a single Redis slot (its bit in the namespace's map)
     KEYS[2] - alive:  STRING "1" with a PEXPIRE; its absence means the registration lapsed
     KEYS[3] - blocks: SET of 16-byte block hashes
+
+On a single Redis (not on a cluster) the scripts that change a worker's blocks also keep its
+namespace's inverted map (``<prefix>:ns:<namespace>:map``, block hash -> bitmap of slots) and
+slot table (``<prefix>:ns:<namespace>:slots``, worker id -> slot) in step, in the same script;
+they derive those keys from the map prefix in ARGV and the namespace in meta, which only a
+single Redis allows. MATCH_NAMESPACE answers from the map. On a cluster the map prefix is '':
+no map, and match runs MATCH_WORKER per worker.
 
 Apply statuses come back as the string values of ``ApplyStatus``.
 """
@@ -18,19 +25,25 @@ from __future__ import annotations
 # slices of this many.
 _UNPACK_SLICE = 1000
 
-# Shared by both match scripts: how many leading chain hashes, ARGV[first..], a worker holds, or
-# -1 where the worker is lapsed, untrusted or of another namespace.
-_LEADING_BLOCKS_FN = """
+# Shared by both match scripts: the packed chain split into its hashes. MATCH_WORKER adds how
+# many leading chain hashes a worker holds, or -1 where the worker is lapsed, untrusted or of
+# another namespace.
+_SPLIT_CHAIN_FN = """
 -- The chain arrives as one argument, its 16-byte hashes back to back: one bulk string is far
 -- cheaper to send and to hand to Lua than hundreds of small ones.
 local function split_chain(packed)
-    local chain = {}
+    local chain, n, sub = {}, 0, string.sub
     for i = 1, #packed, 16 do
-        chain[#chain + 1] = string.sub(packed, i, i + 15)
+        n = n + 1
+        chain[n] = sub(packed, i, i + 15)
     end
     return chain
 end
+"""
 
+_LEADING_BLOCKS_FN = (
+    _SPLIT_CHAIN_FN
+    + """
 local function leading_blocks(meta, alive, blocks, namespace, chain)
     if redis.call('EXISTS', alive) == 0 then return -1 end
     local state = redis.call('HMGET', meta, 'namespace', 'trusted')
@@ -51,18 +64,95 @@ local function leading_blocks(meta, alive, blocks, namespace, chain)
     return num_matched
 end
 """
+)
 
-REGISTER = """
+# Shared by the per-worker scripts that change a worker's blocks: the single-Redis inverted map
+# of its namespace. ARGV carries the map prefix, '<prefix>:ns:', or '' (a cluster: no map).
+_MAP_FN = f"""
+-- A namespace's map: HASH block hash -> bitmap string, bit k (byte k // 8 + 1, value
+-- 2 ^ (k % 8)) set while the worker holding slot k of the namespace holds the block.
+local function map_key(map_prefix, namespace)
+    return map_prefix .. namespace .. ':map'
+end
+
+local function slots_key(map_prefix, namespace)
+    return map_prefix .. namespace .. ':slots'
+end
+
+-- SET of the ids of the namespace's workers that wait for a resync (meta's trusted is 0), so
+-- that MATCH_NAMESPACE need not read every worker's meta.
+local function untrusted_key(map_prefix, namespace)
+    return map_prefix .. namespace .. ':untrusted'
+end
+
+-- Sets (on) or clears (not on) the bit of slot in the map entries of hashes[first..last].
+local function update_bits(map, slot, on, hashes, first, last)
+    local b = math.floor(slot / 8) + 1
+    local mask = 2 ^ (slot % 8)
+    for s = first, last, {_UNPACK_SLICE} do
+        local e = math.min(s + {_UNPACK_SLICE - 1}, last)
+        local values = redis.call('HMGET', map, unpack(hashes, s, e))
+        local writes, deletes = {{}}, {{}}
+        for j = 1, #values do
+            local value = values[j] or ''
+            local old = string.byte(value, b) or 0
+            local new
+            if on then new = bit.bor(old, mask) else new = bit.band(old, 255 - mask) end
+            if new ~= old then
+                if #value < b then value = value .. string.rep('\\0', b - #value) end
+                value = string.sub(value, 1, b - 1) .. string.char(new) .. string.sub(value, b + 1)
+                if string.find(value, '[^%z]') then
+                    writes[#writes + 1] = hashes[s + j - 1]
+                    writes[#writes + 1] = value
+                else
+                    deletes[#deletes + 1] = hashes[s + j - 1]
+                end
+            end
+        end
+        if #writes > 0 then redis.call('HSET', map, unpack(writes)) end
+        if #deletes > 0 then redis.call('HDEL', map, unpack(deletes)) end
+    end
+end
+
+-- Clears the worker's bits for every block of its set and frees its slot.
+local function release_slot(map_prefix, worker_id, namespace, slot, blocks)
+    local members = redis.call('SMEMBERS', blocks)
+    update_bits(map_key(map_prefix, namespace), slot, false, members, 1, #members)
+    redis.call('HDEL', slots_key(map_prefix, namespace), worker_id)
+    redis.call('SREM', untrusted_key(map_prefix, namespace), worker_id)
+end
+"""
+
+REGISTER = f"""
 -- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks
 -- ARGV[1] - time to live in milliseconds
--- ARGV[2..] - the WorkerInfo fields, as field, value pairs for meta
+-- ARGV[2] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
+-- ARGV[3] - the worker id
+-- ARGV[4..] - the WorkerInfo fields, as field, value pairs for meta
 -- returns the namespace of the incarnation it replaced, or nil
--- Starts a new incarnation: the old one's blocks and sequence state are gone, last_seq = 0,
--- trusted, epoch one more than before.
-local old = redis.call('HMGET', KEYS[1], 'namespace', 'epoch')
+-- Starts a new incarnation: the old one's blocks (and their map bits), slot and sequence state
+-- are gone, last_seq = 0, trusted, epoch one more than before, and (single Redis) the lowest
+-- free slot of its namespace.
+{_MAP_FN}
+local old = redis.call('HMGET', KEYS[1], 'namespace', 'epoch', 'slot')
+local map_prefix = ARGV[2]
+if map_prefix ~= '' and old[1] and old[3] then
+    release_slot(map_prefix, ARGV[3], old[1], tonumber(old[3]), KEYS[3])
+end
 redis.call('DEL', KEYS[1], KEYS[3])
 local epoch = (tonumber(old[2]) or 0) + 1
-redis.call('HSET', KEYS[1], 'last_seq', '0', 'trusted', '1', 'epoch', epoch, unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], 'last_seq', '0', 'trusted', '1', 'epoch', epoch, unpack(ARGV, 4))
+if map_prefix ~= '' then
+    local namespace = redis.call('HGET', KEYS[1], 'namespace')
+    local slots = slots_key(map_prefix, namespace)
+    local used = {{}}
+    for _, slot in ipairs(redis.call('HVALS', slots)) do used[tonumber(slot)] = true end
+    local slot = 0
+    while used[slot] do slot = slot + 1 end
+    redis.call('HSET', slots, ARGV[3], slot)
+    redis.call('SREM', untrusted_key(map_prefix, namespace), ARGV[3])
+    redis.call('HSET', KEYS[1], 'slot', slot)
+end
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
 return old[1]
 """
@@ -70,30 +160,46 @@ return old[1]
 APPLY = f"""
 -- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks
 -- ARGV[1] - the batch's sequence number
--- ARGV[2..] - its events, in order: 'stored' n h1..hn | 'removed' n h1..hn | 'cleared'
+-- ARGV[2] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
+-- ARGV[3] - the worker id
+-- ARGV[4..] - its events, in order: 'stored' n h1..hn | 'removed' n h1..hn | 'cleared'
 -- returns 'applied', 'duplicate', 'needs_resync' or 'unknown_worker'
--- The seq check, the set changes and the last_seq bump happen together or not at all.
+-- The seq check, the set changes (and the map bits), and the last_seq bump happen together or
+-- not at all.
+{_MAP_FN}
 if redis.call('EXISTS', KEYS[2]) == 0 then return 'unknown_worker' end
-local state = redis.call('HMGET', KEYS[1], 'last_seq', 'trusted')
+local state = redis.call('HMGET', KEYS[1], 'last_seq', 'trusted', 'namespace', 'slot')
 local last_seq = tonumber(state[1])
 local seq = tonumber(ARGV[1])
 if seq <= last_seq then return 'duplicate' end
+local slot = tonumber(state[4])
 if seq > last_seq + 1 or state[2] ~= '1' then
     redis.call('HSET', KEYS[1], 'trusted', '0')
+    if ARGV[2] ~= '' and slot then
+        redis.call('SADD', untrusted_key(ARGV[2], state[3]), ARGV[3])
+    end
     return 'needs_resync'
 end
-local i = 2
+local map = nil
+if ARGV[2] ~= '' and slot then map = map_key(ARGV[2], state[3]) end
+local i = 4
 while i <= #ARGV do
     if ARGV[i] == 'cleared' then
+        if map then
+            local members = redis.call('SMEMBERS', KEYS[3])
+            update_bits(map, slot, false, members, 1, #members)
+        end
         redis.call('DEL', KEYS[3])
         i = i + 1
     else
-        local command = ARGV[i] == 'stored' and 'SADD' or 'SREM'
+        local stored = ARGV[i] == 'stored'
+        local command = stored and 'SADD' or 'SREM'
         local last = i + 1 + tonumber(ARGV[i + 1])
         for first = i + 2, last, {_UNPACK_SLICE} do
             local slice_last = math.min(first + {_UNPACK_SLICE - 1}, last)
             redis.call(command, KEYS[3], unpack(ARGV, first, slice_last))
         end
+        if map then update_bits(map, slot, stored, ARGV, i + 2, last) end
         i = last + 1
     end
 end
@@ -101,16 +207,30 @@ redis.call('HSET', KEYS[1], 'last_seq', ARGV[1])
 return 'applied'
 """
 
-RESYNC = """
+RESYNC = f"""
 -- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks
 -- KEYS[4] - the snapshot, written by the caller just before (a temporary SET in the same slot,
 --           absent for an empty snapshot)
 -- ARGV[1] - the snapshot's sequence number
+-- ARGV[2] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
+-- ARGV[3] - the worker id
 -- returns 1, or 0 if the worker is not live (the snapshot is dropped)
--- The snapshot replaces blocks in one step: match never sees a half-written set.
+-- The snapshot replaces blocks (and the map bits follow) in one step: match never sees a
+-- half-written set.
+{_MAP_FN}
 if redis.call('EXISTS', KEYS[2]) == 0 then
     redis.call('DEL', KEYS[4])
     return 0
+end
+local state = redis.call('HMGET', KEYS[1], 'namespace', 'slot')
+local slot = tonumber(state[2])
+if ARGV[2] ~= '' and slot then
+    local map = map_key(ARGV[2], state[1])
+    local gone = redis.call('SDIFF', KEYS[3], KEYS[4])
+    update_bits(map, slot, false, gone, 1, #gone)
+    local new = redis.call('SDIFF', KEYS[4], KEYS[3])
+    update_bits(map, slot, true, new, 1, #new)
+    redis.call('SREM', untrusted_key(ARGV[2], state[1]), ARGV[3])
 end
 if redis.call('EXISTS', KEYS[4]) == 1 then
     redis.call('RENAME', KEYS[4], KEYS[3])
@@ -122,14 +242,20 @@ redis.call('HSET', KEYS[1], 'last_seq', ARGV[1], 'trusted', '1')
 return 1
 """
 
-DROP = """
+DROP = f"""
 -- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks
 -- ARGV[1] - '1': only if the registration lapsed; '0': in any case
+-- ARGV[2] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
+-- ARGV[3] - the worker id
 -- returns the namespace of the dropped worker, or nil if nothing was dropped
+{_MAP_FN}
 if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return nil end
-local namespace = redis.call('HGET', KEYS[1], 'namespace')
+local state = redis.call('HMGET', KEYS[1], 'namespace', 'slot')
+if ARGV[2] ~= '' and state[1] and state[2] then
+    release_slot(ARGV[2], ARGV[3], state[1], tonumber(state[2]), KEYS[3])
+end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-return namespace
+return state[1]
 """
 
 MATCH_WORKER = f"""
@@ -143,22 +269,103 @@ return leading_blocks(KEYS[1], KEYS[2], KEYS[3], ARGV[1], split_chain(ARGV[2]))
 """
 
 MATCH_NAMESPACE = f"""
--- KEYS[1] - the namespace's registry (a SET of worker ids)
+-- KEYS[1] - the namespace's slot table (HASH worker id -> slot)
+-- KEYS[2] - the namespace's map (HASH block hash -> bitmap of slots)
+-- KEYS[3] - the namespace's untrusted workers (SET of worker ids)
 -- ARGV[1] - the worker key prefix, '<prefix>:w:{{'
 -- ARGV[2] - the namespace
 -- ARGV[3] - the chain of block hashes, concatenated (16 bytes each)
 -- returns worker id, count, worker id, count, ... for every live, trusted worker of it
--- Single Redis only: it reads worker keys it derives from the registry, which a cluster forbids.
-{_LEADING_BLOCKS_FN}
+-- Single Redis only: it reads worker keys it derives from the slot table, which a cluster
+-- forbids, and the map exists only on a single Redis.
+{_SPLIT_CHAIN_FN}
 local escapes = {{['%'] = '%25', ['{{'] = '%7B', ['}}'] = '%7D'}}
-local result = {{}}
+-- The candidates, grouped by the bitmap byte their slot sits in: active[b] has the bits of the
+-- candidates of byte b that hold every chain block so far; members[b] lists them.
+local active, members, bytes = {{}}, {{}}, {{}}
+local slots = redis.call('HGETALL', KEYS[1])
+local bases, alive_keys = {{}}, {{}}
+for i = 1, #slots, 2 do
+    local base = ARGV[1] .. (string.gsub(slots[i], '[%%{{}}]', escapes)) .. '}}:'
+    bases[#bases + 1] = base
+    alive_keys[#alive_keys + 1] = base .. 'alive'
+end
+local alive = #alive_keys > 0 and redis.call('MGET', unpack(alive_keys)) or {{}}
+local untrusted = {{}}
+for _, worker_id in ipairs(redis.call('SMEMBERS', KEYS[3])) do untrusted[worker_id] = true end
+-- The slot table lists exactly the workers whose meta names this namespace and the slot (REGISTER
+-- and DROP change both together), so liveness and trust are all there is left to check.
+for n = 1, #bases do
+    local worker_id, slot = slots[2 * n - 1], tonumber(slots[2 * n])
+    if alive[n] and not untrusted[worker_id] then
+        local b = math.floor(slot / 8) + 1
+        local mask = 2 ^ (slot % 8)
+        if not active[b] then
+            active[b], members[b] = 0, {{}}
+            bytes[#bytes + 1] = b
+        end
+        active[b] = active[b] + mask
+        members[b][#members[b] + 1] = {{worker_id, mask}}
+    end
+end
 local chain = split_chain(ARGV[3])
-for _, worker_id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-    local base = ARGV[1] .. (string.gsub(worker_id, '[%%{{}}]', escapes)) .. '}}:'
-    local n = leading_blocks(base .. 'meta', base .. 'alive', base .. 'blocks', ARGV[2], chain)
-    if n >= 0 then
-        result[#result + 1] = worker_id
-        result[#result + 1] = n
+local counts = {{}}
+local num_active = #bytes
+local band, byte = bit.band, string.byte
+-- Drops from active[b] the candidates that lack the block at position pos; their count is pos - 1.
+local function step(b, value, pos)
+    local was = active[b]
+    local now = band(was, byte(value, b) or 0)
+    if now ~= was then
+        local lost = was - now
+        for _, member in ipairs(members[b]) do
+            if band(lost, member[2]) ~= 0 then counts[member[1]] = pos - 1 end
+        end
+        active[b] = now
+        if now == 0 then num_active = num_active - 1 end
+    end
+end
+-- HMGET over growing slices of the chain (a short match stops after a small first slice), until
+-- no candidate holds every block so far.
+local i, size = 1, 128
+while num_active > 0 and i <= #chain do
+    local last = math.min(i + size - 1, #chain)
+    local values = redis.call('HMGET', KEYS[2], unpack(chain, i, last))
+    if #bytes == 1 then  -- at most 8 slots in use, the common case: one byte per bitmap
+        local b = bytes[1]
+        local was = active[b]
+        -- Few distinct bitmaps come back: remember, per bitmap, whether it keeps every active
+        -- candidate (a table lookup is cheaper than the bit test), until a candidate drops.
+        local keeps = {{}}
+        for j = 1, #values do
+            local value = values[j]  -- false where no worker holds the block
+            local keep = keeps[value]
+            if keep == nil then
+                keep = value and band(was, byte(value, b) or 0) == was or false
+                keeps[value] = keep
+            end
+            if not keep then
+                step(b, value or '', i + j - 1)
+                was, keeps = active[b], {{}}
+                if was == 0 then break end
+            end
+        end
+    else
+        for j = 1, #values do
+            local value = values[j] or ''
+            for k = 1, #bytes do
+                if active[bytes[k]] ~= 0 then step(bytes[k], value, i + j - 1) end
+            end
+            if num_active == 0 then break end
+        end
+    end
+    i, size = last + 1, math.min(size * 4, 1024)
+end
+local result = {{}}
+for _, b in ipairs(bytes) do
+    for _, member in ipairs(members[b]) do
+        result[#result + 1] = member[1]
+        result[#result + 1] = counts[member[1]] or #chain
     end
 end
 return result

@@ -4,6 +4,8 @@ a server that restarts empty. The shared behaviour is in test_index_contract.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
@@ -12,11 +14,11 @@ import pytest
 import redis
 from redis.asyncio.connection import AbstractConnection
 
-from cache_index.events import BlockStored
+from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache_index.hashing import hash_prompt_blocks
 from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
 from cache_index.local_redis import LocalRedis
-from cache_index.redis_index import KeySchema, RedisIndex, hash_tag
+from cache_index.redis_index import WORKER_LIST_TTL_S, KeySchema, RedisIndex, hash_tag
 from tests.cache_index.conftest import ACL_PREFIX, unique_prefix
 
 NS = "model-a"
@@ -70,6 +72,9 @@ def test_keys_follow_the_documented_schema(redis_url: str) -> None:
         assert keys == {
             f"{prefix}:workers": "hash",
             f"{prefix}:ns:{NS}:workers": "set",
+            # single Redis only: the namespace's inverted map and slot table
+            f"{prefix}:ns:{NS}:map": "hash",
+            f"{prefix}:ns:{NS}:slots": "hash",
             f"{prefix}:w:{{a}}:meta": "hash",
             f"{prefix}:w:{{a}}:alive": "string",
             f"{prefix}:w:{{a}}:blocks": "set",
@@ -87,6 +92,13 @@ def test_keys_follow_the_documented_schema(redis_url: str) -> None:
             b"last_seq": b"1",
             b"trusted": b"1",
             b"epoch": b"1",
+            b"slot": b"0",
+        }
+        assert admin.hgetall(f"{prefix}:ns:{NS}:slots") == {b"a": b"0", b"we{ird}%": b"1"}
+        # bit k of a map value: the worker in slot k holds the block
+        assert admin.hgetall(f"{prefix}:ns:{NS}:map") == {
+            **{h: b"\x03" for h in CHAIN[:2]},
+            CHAIN[2]: b"\x01",
         }
         assert admin.smembers(f"{prefix}:w:{{a}}:blocks") == set(CHAIN[:3])
         assert 0 < admin.pttl(f"{prefix}:w:{{a}}:alive") <= TTL_S * 1000
@@ -94,6 +106,8 @@ def test_keys_follow_the_documented_schema(redis_url: str) -> None:
         assert admin.hgetall(f"{prefix}:workers") == {b"a": NS.encode(), b"we{ird}%": NS.encode()}
     assert hash_tag("%{}") == "%25%7B%7D"
     assert KeySchema("p").worker("a").all == ["p:w:{a}:meta", "p:w:{a}:alive", "p:w:{a}:blocks"]
+    assert KeySchema("p").namespace_map("m") == "p:ns:m:map"
+    assert KeySchema("p").namespace_slots("m") == "p:ns:m:slots"
     with pytest.raises(ValueError, match="prefix"):
         KeySchema("p{x}")
 
@@ -119,6 +133,9 @@ def test_a_worker_keys_share_one_slot_and_workers_spread_over_nodes(
             assert len({admin.keyslot(key) for key in keys}) == 1
             nodes.add(admin.get_node_from_key(keys[0]).name)
         assert len(nodes) == 3
+        # The namespace map is a single-Redis layout: a cluster never writes one.
+        for node_keys in admin.scan_iter("*:ns:*", target_nodes=redis.RedisCluster.ALL_NODES):
+            assert node_keys.endswith(b":workers"), node_keys
 
 
 def test_two_prefixes_on_one_redis_never_see_each_other(
@@ -222,18 +239,31 @@ def test_match_is_one_round_trip_on_a_single_redis(redis_url: str, sends: Counte
     run(body())
 
 
-def test_match_on_a_cluster_reads_the_registry_then_each_node_once(
+def test_match_on_a_cluster_asks_each_node_once(
     redis_cluster_url: str, sends: Counter[str]
 ) -> None:
     async def body() -> None:
         index = await RedisIndex.connect(redis_cluster_url, prefix=unique_prefix(), cluster=True)
+        other = await RedisIndex.connect(redis_cluster_url, prefix=index._keys.prefix, cluster=True)
         for i in range(12):
             await index.register(worker(f"w{i}"), TTL_S)
         sends.clear()
         assert await index.match(NS, CHAIN) == {f"w{i}": 0 for i in range(12)}
-        # SMEMBERS of the registry, then one pipeline per node (the workers span all three).
+        # First the registry (SMEMBERS), then one pipeline per node (the workers span all three).
         assert sum(sends.values()) == 1 + 3
         assert len(sends) == 3
+        sends.clear()
+        assert await index.match(NS, CHAIN) == {f"w{i}": 0 for i in range(12)}
+        assert sum(sends.values()) == 3  # the worker list is reused: one message per node
+        # A worker another client registers shows up once the list is read again.
+        await other.register(worker("late"), TTL_S)
+        assert "late" not in await index.match(NS, CHAIN)
+        await asyncio.sleep(WORKER_LIST_TTL_S)
+        assert (await index.match(NS, CHAIN))["late"] == 0
+        # One that another client removes is gone at once: its node answers that it is.
+        await other.deregister("w0")
+        assert "w0" not in await index.match(NS, CHAIN)
+        await other.close()
         await index.close()
 
     run(body())
@@ -358,3 +388,131 @@ def test_tls_urls_with_auth(spawn_redis: Callable[..., LocalRedis]) -> None:
             await RedisIndex.connect(plain, prefix=unique_prefix())
 
     asyncio.run(main())
+
+
+def decoded_map(admin: redis.Redis, prefix: str, namespace: str) -> dict[str, set[bytes]]:
+    """The namespace's map read back as worker id -> the hashes whose bit it holds."""
+    slot_owner = {
+        int(slot): worker_id.decode()
+        for worker_id, slot in admin.hgetall(f"{prefix}:ns:{namespace}:slots").items()
+    }
+    held: dict[str, set[bytes]] = {w: set() for w in slot_owner.values()}
+    for block_hash, bitmap in admin.hgetall(f"{prefix}:ns:{namespace}:map").items():
+        assert any(bitmap), "an all-zero bitmap is deleted, not kept"
+        for slot in range(8 * len(bitmap)):
+            if bitmap[slot // 8] >> (slot % 8) & 1:
+                held[slot_owner[slot]].add(block_hash)  # a bit of a free slot fails here
+    return held
+
+
+def sets_of(admin: redis.Redis, prefix: str, worker_ids: Iterable[str]) -> dict[str, set[bytes]]:
+    schema = KeySchema(prefix)
+    return {w: admin.smembers(schema.worker(w).blocks) for w in worker_ids}
+
+
+def test_the_map_stays_equal_to_the_sets(redis_url: str) -> None:
+    """A random run of registers (some moving namespace), applies (some with a gap), resyncs,
+    deregisters and reclaims over 12 workers (two bitmap bytes): after each step, every
+    namespace's map decodes to exactly the sets of the workers that hold its slots, its untrusted
+    set names exactly those of them waiting for a resync, and match agrees with a count over the
+    sets."""
+    prefix = unique_prefix()
+    rng = random.Random(7)
+    pool = many_hashes(40, salt=3)
+    namespaces = [NS, "model-b"]
+    worker_ids = [f"w{i}" for i in range(12)]
+
+    async def body() -> None:
+        index = await RedisIndex.connect(redis_url, prefix=prefix)
+        seqs: dict[str, int] = {}
+        homes: dict[str, str] = {}
+        with redis.Redis.from_url(redis_url) as admin:
+            for step in range(400):
+                worker_id = rng.choice(worker_ids)
+                action = rng.random()
+                if worker_id not in homes or action < 0.08:
+                    homes[worker_id] = rng.choice(namespaces) if action < 0.04 else NS
+                    short = rng.random() < 0.05
+                    await index.register(
+                        worker(worker_id, homes[worker_id]), 0.02 if short else TTL_S
+                    )
+                    seqs[worker_id] = 0
+                    if short:  # lapsed from here on, until it registers again
+                        await asyncio.sleep(0.03)
+                elif action < 0.13:
+                    await index.deregister(worker_id)
+                    del homes[worker_id]
+                elif action < 0.2:
+                    seqs[worker_id] += 1
+                    with contextlib.suppress(KeyError):  # its registration lapsed
+                        await index.resync(worker_id, seqs[worker_id], rng.sample(pool, 12))
+                elif action < 0.23:
+                    await index.reclaim_expired()
+                    homes = {w: ns for w, ns in homes.items() if await index.heartbeat(w, TTL_S)}
+                else:
+                    gap = 2 if rng.random() < 0.05 else 1
+                    events: list[Any] = [stored(rng.sample(pool, rng.randint(0, 6)))]
+                    if rng.random() < 0.5:
+                        events.append(BlockRemoved(tuple(rng.sample(pool, rng.randint(0, 6)))))
+                    if rng.random() < 0.03:
+                        events.insert(rng.randint(0, 1), AllBlocksCleared())
+                    status = await index.apply(worker_id, seqs[worker_id] + gap, events)
+                    if status is ApplyStatus.APPLIED:
+                        seqs[worker_id] += 1
+                for namespace in namespaces:
+                    held = decoded_map(admin, prefix, namespace)
+                    assert held == sets_of(admin, prefix, held), (step, namespace)
+                    untrusted = admin.smembers(f"{prefix}:ns:{namespace}:untrusted")
+                    assert untrusted == {
+                        w.encode()
+                        for w in held
+                        if admin.hget(KeySchema(prefix).worker(w).meta, "trusted") == b"0"
+                    }, step
+                    chain = rng.sample(pool, 10)
+                    live = {w.worker_id for w in await index.live_workers(namespace)}
+                    trusted = {
+                        w
+                        for w in live
+                        if admin.hget(KeySchema(prefix).worker(w).meta, "trusted") == b"1"
+                    }
+                    expected = {}
+                    for w in trusted:
+                        blocks = admin.smembers(KeySchema(prefix).worker(w).blocks)
+                        expected[w] = next(
+                            (n for n, h in enumerate(chain) if h not in blocks), len(chain)
+                        )
+                    assert await index.match(namespace, chain) == expected, step
+        await index.close()
+
+    run(body())
+
+
+def test_a_dropped_worker_frees_its_slot_and_its_bits(redis_url: str) -> None:
+    prefix = unique_prefix()
+
+    async def body() -> None:
+        index = await RedisIndex.connect(redis_url, prefix=prefix)
+        for worker_id in ("a", "b", "c"):
+            await index.register(worker(worker_id), TTL_S)
+            await index.apply(worker_id, 1, [stored(CHAIN[:4])])
+        with redis.Redis.from_url(redis_url) as admin:
+            slots_key = f"{prefix}:ns:{NS}:slots"
+            assert admin.hgetall(slots_key) == {b"a": b"0", b"b": b"1", b"c": b"2"}
+            assert set(admin.hvals(f"{prefix}:ns:{NS}:map")) == {b"\x07"}
+            await index.deregister("b")
+            assert admin.hgetall(slots_key) == {b"a": b"0", b"c": b"2"}
+            assert set(admin.hvals(f"{prefix}:ns:{NS}:map")) == {b"\x05"}
+            await index.register(worker("d"), TTL_S)  # the lowest free slot: b's
+            assert admin.hget(slots_key, "d") == b"1"
+            assert await index.match(NS, CHAIN) == {"a": 4, "c": 4, "d": 0}
+            # A new incarnation clears its bits, and keeps the lowest free slot.
+            await index.register(worker("a"), TTL_S)
+            assert admin.hget(slots_key, "a") == b"0"
+            assert set(admin.hvals(f"{prefix}:ns:{NS}:map")) == {b"\x04"}
+            for worker_id in ("a", "c", "d"):
+                await index.deregister(worker_id)
+            keys = set(admin.scan_iter(f"{prefix}:ns:*"))
+            assert not keys, keys  # no map, slot table or registry is left behind
+        await index.close()
+
+    run(body())
