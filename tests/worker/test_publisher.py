@@ -138,3 +138,30 @@ def test_publisher_config_is_checked() -> None:
     assert max(delays[3:]) <= 0.3
     backoff.reset()
     assert backoff.next_delay_s() <= 0.1
+
+
+def test_a_lost_batch_or_a_forgotten_worker_triggers_a_resync() -> None:
+    engine_loop = make_loop()
+
+    async def main() -> None:
+        index = MemoryIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
+        publisher = EventPublisher(index, engine_loop, info, FAST)
+        await publisher.publish_pending()  # not synced yet: registers and resyncs
+        assert publisher.num_resyncs == 1
+        await generate(engine_loop, "r1", [256, *b"first document " * 4])
+        engine_loop.take_cache_events()  # this batch never reaches the index
+        await generate(engine_loop, "r2", [256, *b"second document " * 4])
+        await publisher.publish_pending()  # the next batch shows a gap
+        assert publisher.num_resyncs == 2
+        await index_matches_worker(index, engine_loop, timeout_s=0.5)
+        await index.deregister("w")  # e.g. its registration lapsed
+        await generate(engine_loop, "r3", [256, *b"third document " * 4])
+        await publisher.publish_pending()  # UNKNOWN_WORKER: register again, resync
+        assert publisher.num_resyncs == 3
+        await index_matches_worker(index, engine_loop, timeout_s=0.5)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine_loop.stop()
