@@ -21,7 +21,7 @@ from cache_index.hashing import BlockHasher
 from worker.kv_cache_manager import KVCacheManager
 from worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
 from worker.request import FinishReason, Request
-from worker.sampler import Sampler, SamplingParams, make_generator
+from worker.sampler import Sampler, SamplingParams, make_generator, seed_for_position
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.weights import load_model
 
@@ -125,9 +125,14 @@ class LLMEngine:
         *,
         lora: str | None = None,
         cache_salt: str | None = None,
+        num_resumed_tokens: int = 0,
     ) -> None:
         """Queue a request. Raises ValueError, saying what is wrong, for a request that can
-        never run; nothing is queued then."""
+        never run; nothing is queued then.
+
+        ``num_resumed_tokens``: the last this-many prompt tokens are output the request already
+        produced elsewhere; a seeded request samples its next token as the one after them.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not prompt_token_ids:
@@ -138,6 +143,11 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         if lora is not None:
             raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
+        if not 0 <= num_resumed_tokens < len(prompt_token_ids):
+            raise ValueError(
+                f"num_resumed_tokens must be in [0, {len(prompt_token_ids)}) for a prompt of "
+                f"{len(prompt_token_ids)} tokens, got {num_resumed_tokens}"
+            )
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this worker's context length "
@@ -151,6 +161,7 @@ class LLMEngine:
             params,
             make_generator(params, self.runner.device),
         )
+        request.num_resumed_tokens = num_resumed_tokens
         # NOTE: output that would pass the context length ends the request with LENGTH instead.
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -205,6 +216,11 @@ class LLMEngine:
         if not sampling_rows:
             return []
         requests = [scheduled[row][0] for row in sampling_rows]
+        for request in requests:
+            seed = request.params.seed
+            if request.generator is not None and seed is not None:
+                position = request.num_resumed_tokens + request.num_output_tokens
+                request.generator.manual_seed(seed_for_position(seed, position))
         token_ids = self.sampler.sample(
             logits[sampling_rows],
             [r.params for r in requests],

@@ -158,6 +158,7 @@ class EngineLoop:
         *,
         lora: str | None = None,
         cache_salt: str | None = None,
+        num_resumed_tokens: int = 0,
     ) -> asyncio.Queue[RequestOutput | EngineLoopError]:
         """Queue a request in the engine and return the queue its outputs will arrive on.
 
@@ -168,7 +169,12 @@ class EngineLoop:
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(
-                request_id, prompt_token_ids, params, lora=lora, cache_salt=cache_salt
+                request_id,
+                prompt_token_ids,
+                params,
+                lora=lora,
+                cache_salt=cache_salt,
+                num_resumed_tokens=num_resumed_tokens,
             )
             self._streams[request_id] = stream
 

@@ -46,6 +46,7 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_resumed_tokens",
         "params",
         "request_id",
         "status",
@@ -75,6 +76,8 @@ class Request:
         # Prompt tokens found in the prefix cache when the request was first admitted.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Trailing prompt tokens that are output produced elsewhere (a resumed stream).
+        self.num_resumed_tokens = 0
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
 

@@ -1,16 +1,19 @@
 """Turns a step's logits into one next token per sequence: greedy, temperature and top-p.
 
 Each non-greedy request draws from its own ``torch.Generator``, so a seeded request produces the
-same tokens whichever other requests happen to share its batch.
+same tokens whichever other requests happen to share its batch; a seeded one is reseeded for every
+output position (``seed_for_position``), so it also produces them wherever it resumes.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed, as the protocol does
 
@@ -50,6 +53,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def seed_for_position(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for its ``position``-th output token (0-based).
+
+    Reseeding per position, rather than drawing on from one stream, makes a token depend only
+    on (seed, position, logits): a request recomputed after preemption, or resumed on another
+    worker after its ``position`` earlier tokens, draws exactly what it would have drawn.
+    """
+    return xxhash.xxh64_intdigest(struct.pack("<QQ", seed, position))
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:

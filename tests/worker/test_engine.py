@@ -68,6 +68,38 @@ def test_seeded_sampling_is_reproducible_in_any_batch() -> None:
     assert make_engine().generate([prompts()[0]], other_seed)[0] != alone
 
 
+def _run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, **kwargs) -> list[int]:
+    engine.add_request("one", prompt, params, **kwargs)
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for output in engine.step() for t in output.new_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_a_resumed_request_continues_exactly(temperature: float) -> None:
+    """What a router does when a worker dies mid-stream: the prompt plus the tokens already
+    sent, on a fresh engine, gives the rest of the same output (seeded or greedy)."""
+    prompt = prompts()[0]
+    params = SamplingParams(max_tokens=14, temperature=temperature, seed=11)
+    whole = _run_one(make_engine(), prompt, params)
+    assert len(whole) == 14
+    for num_sent in (1, 5, 13):
+        rest_params = SamplingParams(max_tokens=14 - num_sent, temperature=temperature, seed=11)
+        rest = _run_one(
+            make_engine(),
+            prompt + whole[:num_sent],
+            rest_params,
+            num_resumed_tokens=num_sent,
+        )
+        assert whole[:num_sent] + rest == whole
+    # Without the offset, a seeded request would start its draws over.
+    if temperature:
+        restart_params = SamplingParams(max_tokens=9, temperature=temperature, seed=11)
+        restarted = _run_one(make_engine(), prompt + whole[:5], restart_params)
+        assert restarted != whole[5:]
+
+
 def test_stop_tokens_and_max_tokens_finish_requests() -> None:
     engine = make_engine()
     first = engine.generate([prompts()[0]], GREEDY)[0]
@@ -120,6 +152,8 @@ def test_abort_frees_blocks() -> None:
         ([1, -1], GREEDY, {}, "outside the vocabulary"),
         ([1, 2], GREEDY, {"lora": "sql-adapter"}, "unknown LoRA adapter"),
         ([1] * 20000, GREEDY, {}, "context length"),
+        ([1, 2], GREEDY, {"num_resumed_tokens": 2}, "num_resumed_tokens"),
+        ([1, 2], GREEDY, {"num_resumed_tokens": -1}, "num_resumed_tokens"),
     ],
 )
 def test_bad_requests_are_rejected(prompt, params, kwargs, message) -> None:

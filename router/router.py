@@ -1,0 +1,172 @@
+"""Routing one request: tokenize, hash its blocks, ask the index who holds them, pick a worker.
+
+The ``Router`` owns the request-path logic and nothing about gRPC servers: ``plan`` turns a
+request into a ``RoutePlan`` (token ids and their block chain), ``choose`` turns a plan into a
+``Decision`` and the worker to send it to. The servicer in ``router/server.py`` forwards, streams
+and fails over.
+
+Matches come from the index and from the router's own pending guesses (``router/pending.py``);
+scores from the policy (``router/policy.py``), the default or one a request names.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from cache_index.hashing import BlockHasher
+from cache_index.index import BlockIndex
+from router.pending import PendingBlocks
+from router.policy import Decision, Policy, RouteRequest, make_policy
+from router.workers import WorkerDirectory, WorkerHandle
+from worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_POLICIES = 64  # per-request overrides build policies; keep their rotations alive
+
+
+class NoWorkerError(Exception):
+    """No live worker can take the request (none registered, or every one failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """A request as the router routes it."""
+
+    token_ids: list[int]
+    namespace: str
+    block_size: int
+    block_hashes: list[bytes]  # one per full block of token_ids
+    lora: str | None = None
+    cache_salt: str | None = None
+
+
+class Router:
+    def __init__(
+        self,
+        index: BlockIndex,
+        directory: WorkerDirectory,
+        tokenizer: Tokenizer,
+        *,
+        policy: str = "cost",
+        weights: Mapping[str, float] | None = None,
+        namespace: str = "",
+        pending: PendingBlocks | None = None,
+    ) -> None:
+        self.index = index
+        self.directory = directory
+        self.tokenizer = tokenizer
+        self.namespace = namespace  # empty: the one namespace the live workers serve
+        self.pending = pending or PendingBlocks()
+        self.default_policy = make_policy(policy, weights)
+        self._policies: dict[tuple, Policy] = {}
+        self.last_lookup_s = 0.0  # how long the last index match took
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def plan(
+        self,
+        *,
+        text: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RoutePlan:
+        """Tokenize (when given text) and hash the prompt; ValueError for a bad prompt,
+        NoWorkerError when no worker is live to say which model is served."""
+        if (text is None) == (token_ids is None):
+            raise ValueError("give the prompt as text or as token ids, not both or neither")
+        ids = self.tokenizer.encode(text) if text is not None else list(token_ids or ())
+        if not ids:
+            raise ValueError("the prompt is empty")
+        namespace, block_size = self._served_model()
+        hasher = BlockHasher(namespace, block_size, lora=lora, cache_salt=cache_salt)
+        return RoutePlan(ids, namespace, block_size, hasher.hash_blocks(ids), lora, cache_salt)
+
+    def extend(self, plan: RoutePlan, token_ids: Sequence[int]) -> RoutePlan:
+        """The plan of the same request with ``token_ids`` appended to its prompt (resuming a
+        stream on another worker)."""
+        if not token_ids:
+            return plan
+        ids = plan.token_ids + list(token_ids)
+        hasher = BlockHasher(
+            plan.namespace, plan.block_size, lora=plan.lora, cache_salt=plan.cache_salt
+        )
+        hashes = plan.block_hashes + hasher.hash_blocks(ids, plan.block_hashes)
+        return RoutePlan(ids, plan.namespace, plan.block_size, hashes, plan.lora, plan.cache_salt)
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    async def choose(
+        self,
+        plan: RoutePlan,
+        *,
+        policy: str = "",
+        weights: Mapping[str, float] | None = None,
+        exclude: set[str] | frozenset[str] = frozenset(),
+    ) -> tuple[Decision, WorkerHandle]:
+        """The worker to send ``plan`` to, and why. ValueError for an unknown policy or weight;
+        NoWorkerError when no routable worker is left outside ``exclude``."""
+        chosen_policy = self._policy(policy, weights)
+        handles = {
+            h.worker_id: h
+            for h in self.directory.routable(exclude)
+            if h.info.namespace == plan.namespace and h.info.block_size == plan.block_size
+        }
+        if not handles:
+            raise NoWorkerError(
+                f"no live worker serves {plan.namespace!r}"
+                + (f" apart from {', '.join(sorted(exclude))}, which failed" if exclude else "")
+            )
+        started_s = time.perf_counter()
+        index_matches = await self.index.match(plan.namespace, plan.block_hashes)
+        self.last_lookup_s = time.perf_counter() - started_s
+        matches = self.pending.match(plan.block_hashes, index_matches)
+        request = RouteRequest(len(plan.token_ids), plan.block_size)
+        states = [h.state(matches.get(worker_id, 0)) for worker_id, h in handles.items()]
+        decision = chosen_policy.choose(request, states)
+        return decision, handles[decision.worker_id]
+
+    def routed(self, plan: RoutePlan, decision: Decision) -> None:
+        """The request went to ``decision.worker_id``: guess that its blocks will be there."""
+        self.pending.add(decision.worker_id, plan.block_hashes)
+
+    def num_uncached_tokens(self, plan: RoutePlan, decision: Decision) -> int:
+        request = RouteRequest(len(plan.token_ids), plan.block_size)
+        cached = min(decision.num_matched_blocks * plan.block_size, request.num_prompt_tokens - 1)
+        return request.num_prompt_tokens - cached
+
+    def _policy(self, name: str, weights: Mapping[str, float] | None) -> Policy:
+        if not name and not weights:
+            return self.default_policy
+        key = (name or self.default_policy.name, tuple(sorted((weights or {}).items())))
+        found = self._policies.get(key)
+        if found is None:
+            found = make_policy(key[0], dict(key[1]))
+            if len(self._policies) >= MAX_CACHED_POLICIES:
+                self._policies.pop(next(iter(self._policies)))
+            self._policies[key] = found
+        return found
+
+    def _served_model(self) -> tuple[str, int]:
+        """The namespace and block size to hash with: the configured namespace, else the one
+        that every live worker serves."""
+        handles = self.directory.handles()
+        if self.namespace:
+            handles = [h for h in handles if h.info.namespace == self.namespace]
+            if not handles:
+                raise NoWorkerError(f"no live worker serves {self.namespace!r}")
+        served = {(h.info.namespace, h.info.block_size) for h in handles}
+        if not served:
+            raise NoWorkerError("no worker is live: none has registered with the index")
+        if len(served) > 1:
+            # NOTE: a fleet may mix models only if the router is told which one it routes.
+            raise NoWorkerError(
+                "the live workers serve several models or block sizes "
+                f"({', '.join(f'{n} / {b}' for n, b in sorted(served))}); "
+                "start the router with --namespace"
+            )
+        return served.pop()

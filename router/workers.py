@@ -1,0 +1,229 @@
+"""The workers a router can send to: who is live, how loaded, and a gRPC channel to each.
+
+Who is live comes from the block index (workers register there themselves); how loaded comes
+from two sources, because each alone misleads:
+
+- each worker's own ``GetLoad`` report, polled every ``load_poll_s``: it sees the requests of
+  every router, but is up to one poll old;
+- this router's count of what it sent and has not seen finish: exact and immediate, so a burst
+  does not pile onto the worker that looked idle at the last poll, but blind to other routers.
+
+A worker's outstanding work, in tokens, is therefore::
+
+    max(reported queued prefill tokens, this router's not-yet-prefilled tokens there)
+      + this router's remaining output tokens there
+
+A worker whose RPC failed is left out for ``down_s`` (it may be dying; the index drops it when
+its registration lapses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.v1 import worker_pb2, worker_pb2_grpc
+from router.policy import WorkerState
+
+logger = logging.getLogger(__name__)
+
+ROUTABLE_ROLES = ("both",)  # prefill-only and decode-only workers wait for disaggregation
+
+
+@dataclass
+class WorkerHandle:
+    """One worker as this router knows it."""
+
+    info: WorkerInfo
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    load: worker_pb2.WorkerLoad | None = None  # the last report, if any came
+    num_in_flight: int = 0  # requests this router sent here and has not seen finish
+    num_prefill_tokens: int = 0  # uncached prompt tokens of those not yet past their first token
+    num_output_tokens: int = 0  # output tokens those may still produce
+    down_until_s: float = 0.0
+    removed: bool = False  # no longer live; the channel closes when nothing is in flight
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def num_outstanding_tokens(self) -> int:
+        reported = self.load.num_queued_prefill_tokens if self.load is not None else 0
+        return max(reported, self.num_prefill_tokens) + self.num_output_tokens
+
+    def state(self, num_matched_blocks: int) -> WorkerState:
+        return WorkerState(
+            worker_id=self.worker_id,
+            num_matched_blocks=num_matched_blocks,
+            num_outstanding_tokens=self.num_outstanding_tokens(),
+            num_free_blocks=self.load.num_free_blocks if self.load is not None else 0,
+            num_total_blocks=self.info.num_blocks,
+        )
+
+
+@dataclass
+class InFlight:
+    """What one routed request adds to its worker's load, until ``WorkerDirectory.finish``."""
+
+    handle: WorkerHandle
+    num_prefill_tokens: int
+    num_output_tokens: int
+    prefilled: bool = False
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class DirectoryConfig:
+    refresh_s: float = 0.25  # how often to re-read the live workers from the index
+    load_poll_s: float = 0.1  # how often to ask each worker for its load
+    rpc_timeout_s: float = 1.0  # for GetLoad
+    down_s: float = 1.0  # how long a worker whose RPC failed is left out
+
+    def __post_init__(self) -> None:
+        for name in ("refresh_s", "load_poll_s", "rpc_timeout_s", "down_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class WorkerDirectory:
+    """The live workers of one router, kept fresh by two background loops (``start``)."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        config: DirectoryConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        channel_options: list[tuple[str, object]] | None = None,
+    ) -> None:
+        self.index = index
+        self.config = config or DirectoryConfig()
+        self._clock = clock
+        self._channel_options = channel_options or []
+        self._handles: dict[str, WorkerHandle] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the live workers once, then keep them and their loads fresh in the background."""
+        await self.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._every(self.config.refresh_s, self.refresh), name="refresh"),
+            loop.create_task(self._every(self.config.load_poll_s, self.poll_loads), name="load"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for handle in self._handles.values():
+            await handle.channel.close()
+        self._handles.clear()
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerHandle]:
+        """Live workers that take whole requests, not failing lately, not in ``exclude``."""
+        now = self._clock()
+        return [
+            h
+            for h in self._handles.values()
+            if not h.removed
+            and h.info.role in ROUTABLE_ROLES
+            and h.down_until_s <= now
+            and h.worker_id not in exclude
+        ]
+
+    def handles(self) -> list[WorkerHandle]:
+        return [h for h in self._handles.values() if not h.removed]
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def begin(
+        self, handle: WorkerHandle, num_prefill_tokens: int, num_output_tokens: int
+    ) -> InFlight:
+        handle.num_in_flight += 1
+        handle.num_prefill_tokens += num_prefill_tokens
+        handle.num_output_tokens += num_output_tokens
+        return InFlight(handle, num_prefill_tokens, num_output_tokens)
+
+    def first_token(self, flight: InFlight) -> None:
+        """The prompt is prefilled: its tokens no longer weigh on the worker."""
+        if not flight.prefilled:
+            flight.prefilled = True
+            flight.handle.num_prefill_tokens -= flight.num_prefill_tokens
+
+    def produced(self, flight: InFlight, num_tokens: int) -> None:
+        num_tokens = min(num_tokens, flight.num_output_tokens)
+        flight.num_output_tokens -= num_tokens
+        flight.handle.num_output_tokens -= num_tokens
+
+    def finish(self, flight: InFlight) -> None:
+        """The request is over on this worker (finished, failed or cancelled)."""
+        if flight.finished:
+            return
+        self.first_token(flight)
+        self.produced(flight, flight.num_output_tokens)
+        flight.finished = True
+        handle = flight.handle
+        handle.num_in_flight -= 1
+        if handle.removed and handle.num_in_flight == 0:
+            asyncio.get_running_loop().create_task(handle.channel.close())
+
+    def mark_down(self, handle: WorkerHandle) -> None:
+        handle.down_until_s = self._clock() + self.config.down_s
+
+    # -- background work -----------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Bring the set of workers in line with the index's live workers."""
+        try:
+            infos = await self.index.live_workers()
+        except Exception as e:  # the index may be restarting: keep what we know
+            logger.warning("cannot read the live workers from the index: %s", e)
+            return
+        live = {info.worker_id: info for info in infos}
+        for worker_id, handle in list(self._handles.items()):
+            if worker_id not in live or live[worker_id].address != handle.info.address:
+                logger.info("worker %s left", worker_id)
+                handle.removed = True
+                del self._handles[worker_id]
+                if handle.num_in_flight == 0:
+                    await handle.channel.close()
+        for worker_id, info in live.items():
+            handle = self._handles.get(worker_id)
+            if handle is None:
+                logger.info("worker %s joined at %s (%s)", worker_id, info.address, info.role)
+                channel = grpc.aio.insecure_channel(info.address, options=self._channel_options)
+                self._handles[worker_id] = WorkerHandle(
+                    info, channel, worker_pb2_grpc.WorkerStub(channel)
+                )
+            else:
+                handle.info = info
+
+    async def poll_loads(self) -> None:
+        await asyncio.gather(*(self._poll(h) for h in self.handles()))
+
+    async def _poll(self, handle: WorkerHandle) -> None:
+        try:
+            handle.load = await handle.stub.GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=self.config.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            # The request path finds out for itself; a missing report only means stale load.
+            logger.debug("GetLoad from %s failed: %s", handle.worker_id, e.code().name)
+
+    async def _every(self, interval_s: float, fn: Callable) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await fn()
