@@ -3,6 +3,7 @@
 memory://                         the embedded index (this process only)
 redis://[user:password@]host:port/db, rediss://...        one Redis (rediss: TLS)
 redis+cluster://host:port, rediss+cluster://host:port     a Redis Cluster (any node)
+grpc://host:port                  the embedded index of a router, served over gRPC
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 from cache_index.index import BlockIndex
 
 DEFAULT_PREFIX = "kvswitch"
+SCHEMES = "memory://, redis://, rediss://, redis+cluster://, rediss+cluster:// or grpc://"
 
 
 async def connect_index(url: str, *, prefix: str = DEFAULT_PREFIX) -> BlockIndex:
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise ValueError(f"index URL {url!r} has no scheme: use memory://, redis:// or rediss://")
+        raise ValueError(f"index URL {url!r} has no scheme: use {SCHEMES}")
     if scheme == "memory":
         from cache_index.memory_index import MemoryIndex
 
@@ -27,4 +29,10 @@ async def connect_index(url: str, *, prefix: str = DEFAULT_PREFIX) -> BlockIndex
         return await RedisIndex.connect(
             f"{base_scheme}://{rest}", prefix=prefix, cluster=bool(cluster)
         )
-    raise ValueError(f"unknown index URL scheme {scheme!r}: use memory://, redis:// or rediss://")
+    if scheme == "grpc":
+        from cache_index.grpc_index import GrpcIndex
+
+        if not rest:
+            raise ValueError(f"index URL {url!r} names no server: use grpc://host:port")
+        return await GrpcIndex.connect(rest)
+    raise ValueError(f"unknown index URL scheme {scheme!r}: use {SCHEMES}")

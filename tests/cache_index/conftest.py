@@ -2,7 +2,8 @@
 
 Servers listen on 127.0.0.1 at random free ports (never 6379), keep nothing on disk and are
 killed at teardown. ``redis-server`` and ``redis-cli`` must be on PATH: without them these tests
-fail, they do not skip (CI installs them).
+fail, they do not skip (CI installs them). The ``grpc`` backend is a real gRPC server on
+127.0.0.1, in the test's own event loop, serving an embedded index to a ``GrpcIndex``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import shutil
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 
+import grpc
 import pytest
 import redis
 
+from cache_index.grpc_index import GrpcIndex, add_index_service
 from cache_index.index import BlockIndex
 from cache_index.local_redis import LocalRedis, LocalRedisCluster
 from cache_index.memory_index import MemoryIndex
@@ -96,10 +99,34 @@ def unique_prefix() -> str:
     return f"kvs-test-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
+class ServedIndex(GrpcIndex):
+    """A ``GrpcIndex`` with its own server on 127.0.0.1, which serves ``served`` (a fresh
+    ``MemoryIndex`` by default); ``close()`` stops the server too, cancelling calls in flight.
+    Start one with ``await ServedIndex.start()`` (port 0: a free one)."""
+
+    def __init__(self, target: str, server: grpc.aio.Server, served: BlockIndex) -> None:
+        super().__init__(target)
+        self.server = server
+        self.served = served
+
+    @classmethod
+    async def start(cls, served: BlockIndex | None = None, port: int = 0) -> ServedIndex:
+        served = served or MemoryIndex()
+        server = grpc.aio.server()
+        add_index_service(server, served)
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return cls(f"127.0.0.1:{port}", server, served)
+
+    async def close(self) -> None:
+        await super().close()
+        await self.server.stop(grace=None)
+
+
+@pytest.fixture(params=["memory", "grpc", "redis", "cluster"])
 def make_index(request: pytest.FixtureRequest) -> MakeIndex:
     """An async factory of fresh, empty indexes of one backend; call it in the test's own event
-    loop (the Redis client binds to the loop it is created in)."""
+    loop (the Redis and gRPC clients bind to the loop they are created in)."""
     backend: str = request.param
     if backend == "memory":
 
@@ -107,6 +134,8 @@ def make_index(request: pytest.FixtureRequest) -> MakeIndex:
             return MemoryIndex()
 
         return make_memory
+    if backend == "grpc":
+        return ServedIndex.start
     url = request.getfixturevalue("redis_url" if backend == "redis" else "redis_cluster_url")
     prefix = unique_prefix()
 
