@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 from benchmarks.timing import BenchmarkUnavailable
 from kvswitch import __version__
 from kvswitch.cli_args import ConfigError, add_config_args, config_from_args
+from kvswitch.logs import configure_logging, log_format_from_env
 
 DESCRIPTION = """\
 kvswitch routes LLM requests to the GPU worker that already holds the KV cache of their prompt.
@@ -25,7 +25,12 @@ prefix of its prompt is already cached, weighing load.
 
 EPILOG = """\
 examples:
-  kvswitch demo                       prefix caching on one worker, request by request
+  kvswitch demo                       cache-aware routing on a local two-worker cluster
+  kvswitch up --workers 2 --port 50051
+                                      a local cluster: a router and two CPU workers
+  kvswitch generate --target 127.0.0.1:50051 --prompt 'Hello'
+                                      one request through the router, streamed
+  kvswitch router --port 50051        the router, with the embedded index
   kvswitch worker --port 50061        serve the built-in model on CPU over gRPC
   kvswitch worker --model DIR --device cuda --port 50062
                                       serve a Hugging Face checkpoint on a GPU
@@ -93,6 +98,15 @@ INDEX_TOOL_HELP = {
     "index": "the index: redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT",
     "prefix": "key prefix of the deployment (several may share one Redis)",
 }
+ROUTER_BENCH_HELP = {
+    "num_prompt_tokens": "prompt length in tokens, sent as token ids",
+    "block_size": "tokens per block",
+    "num_workers": "stub workers, each holding a different-length prefix of the prompt",
+    "num_pairs": "direct/routed request pairs timed for the overhead",
+    "concurrency": "client threads sending requests for the decisions-per-second figure",
+    "duration_s": "seconds to measure decisions per second for",
+    "seed": "random seed of the prompt",
+}
 HASH_HELP = {
     "num_tokens": "prompt length in tokens",
     "block_size": "tokens per block",
@@ -131,15 +145,76 @@ WORKER_HELP = {
     "index": "block-hash index to publish this worker's cache to: redis://HOST:PORT, "
     "rediss://... (TLS), redis+cluster://HOST:PORT; empty = publish nothing",
     "role": "what the router may send here: both, prefill or decode",
+    "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
+    "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
 }
 DEMO_HELP = {
-    "num_blocks": "KV blocks on the worker (small, so that eviction shows)",
-    "block_size": "tokens per block",
-    "num_documents": "long documents to ask about",
+    "workers": "CPU workers in the local cluster",
+    "num_documents": "long documents (markdown tables) to ask about",
     "rows_per_document": "table rows per document",
     "questions_per_document": "questions per document, interleaved across documents",
-    "chat_turns": "turns of the multi-turn chat",
+    "num_chats": "multi-turn chats",
+    "chat_turns": "turns per chat",
+    "kv_cache_blocks": "KV cache blocks per worker (16 tokens each); small, so that caches fill",
+    "max_tokens": "tokens generated per request",
     "seed": "random seed of the documents",
+}
+ROUTER_DESCRIPTION = """\
+Run the router: clients send it prompts (kvswitch.v1.Router, see docs/PROTOCOL.md); it hashes each
+prompt's blocks, asks the block-hash index which worker holds the longest cached prefix, weighs
+that against each worker's load and forwards the request there, streaming the output back.
+
+Workers find it through the index. With the default embedded index (memory://) the router serves
+that index on its own port: start workers with --index grpc://ROUTER_HOST:PORT. Several routers
+share one fleet through a Redis index (--index redis://...). Runs until Ctrl-C or SIGTERM.
+"""
+ROUTER_HELP = {
+    "host": "address to listen on; 0.0.0.0 listens on every network interface",
+    "port": "TCP port to listen on; 0 picks a free one (the address is printed at start)",
+    "index": "block-hash index: memory:// (embedded, served to workers on this port), "
+    "redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT",
+    "model": "checkpoint directory whose tokenizer turns text prompts into tokens; empty = the "
+    "built-in model's byte tokenizer",
+    "namespace": "the model to route for, as the workers name it; empty = the one every live "
+    "worker serves",
+    "policy": "how to pick a worker: cost, prefix, least_loaded, round_robin or random",
+    "prefill_weight": "cost policy: what one uncached prompt token costs, in tokens of queued work",
+    "temperature": "cost policy: 0 = always the cheapest worker; > 0 = sample near-ties, in tokens",
+    "max_failovers": "other workers to try when a worker fails a request",
+    "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the worker's "
+    "own cache events confirm it",
+    "refresh_s": "seconds between readings of the live workers from the index",
+    "load_poll_s": "seconds between load reports asked of each worker",
+    "token": "if set, clients must send 'authorization: Bearer TOKEN'",
+    "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
+    "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
+    "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
+}
+UP_HELP = {
+    "workers": "number of workers",
+    "port": "the router's port (0 picks a free one)",
+    "redis": "empty = the router's embedded index; 'local' = start a redis-server for the "
+    "cluster; or a redis:// URL to use",
+    "model": WORKER_HELP["model"],
+    "device": "cpu, or cuda (worker i on GPU i mod the number of GPUs)",
+    "dtype": WORKER_HELP["dtype"],
+    "block_size": WORKER_HELP["block_size"],
+    "kv_cache_bytes": "KV cache memory per worker, in bytes",
+    "policy": ROUTER_HELP["policy"],
+    "host": "address every process listens on",
+    "grace_s": "seconds running requests get to finish when the cluster stops",
+}
+GENERATE_HELP = {
+    "target": "the router, HOST:PORT",
+    "prompt": "the prompt text",
+    "max_tokens": "most tokens to generate",
+    "temperature": "sampling temperature; 0 = greedy",
+    "top_p": "nucleus sampling mass in (0, 1]",
+    "seed": "sampling seed; -1 = none",
+    "policy": "routing policy for this request; empty = the router's default",
+    "cache_salt": "isolates prefix-cache reuse (e.g. per tenant); empty = none",
+    "token": "bearer token, if the router requires one",
+    "timeout_s": "deadline in seconds; 0 = none",
 }
 
 
@@ -163,13 +238,45 @@ def _worker_command(args: argparse.Namespace) -> None:
     from worker import server as worker_server
 
     config = config_from_args(worker_server.WorkerConfig, args)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _configure_logging()
     try:
         worker_server.run(config)
     except worker_server.WorkerStartError as e:
         sys.exit(f"kvswitch worker: {e}")
+
+
+def _configure_logging() -> None:
+    try:
+        log_format = log_format_from_env()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    configure_logging(json=log_format == "json")
+
+
+def _router_command(args: argparse.Namespace) -> None:
+    from router import server as router_server
+
+    config = config_from_args(router_server.RouterConfig, args)
+    _configure_logging()
+    try:
+        router_server.run(config)
+    except router_server.RouterStartError as e:
+        sys.exit(f"kvswitch router: {e}")
+
+
+def _up_command(args: argparse.Namespace) -> None:
+    from kvswitch import cluster
+
+    config = config_from_args(cluster.ClusterConfig, args)
+    try:
+        cluster.run(config)
+    except cluster.ClusterError as e:
+        sys.exit(f"kvswitch up: {e}")
+
+
+def _exit_with(code: int) -> None:
+    if code:
+        sys.exit(code)
 
 
 def _index_command(report: Callable) -> Callable:
@@ -190,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks import index as index_bench
     from benchmarks import kernels as kernel_bench
     from benchmarks import pool as pool_bench
-    from kvswitch import demo
+    from benchmarks import router as router_bench
+    from kvswitch import cluster, demo, generate
+    from router import server as router_server
     from worker import server as worker_server
 
     parser = argparse.ArgumentParser(
@@ -206,12 +315,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_parser = commands.add_parser(
         "demo",
-        help="show prefix caching on one worker's KV cache, request by request",
+        help="cache-aware routing on a local cluster of two CPU workers, cost vs round_robin",
         description=demo.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(demo_parser, demo.DemoConfig, DEMO_HELP)
     demo_parser.set_defaults(func=lambda args: demo.run(config_from_args(demo.DemoConfig, args)))
+
+    router_parser = commands.add_parser(
+        "router",
+        help="run the router: sends each request where its prompt's KV cache is",
+        description=ROUTER_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(router_parser, router_server.RouterConfig, ROUTER_HELP)
+    router_parser.set_defaults(func=_router_command)
+
+    up_parser = commands.add_parser(
+        "up",
+        help="run a local cluster in the foreground: N workers and a router",
+        description=cluster.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(up_parser, cluster.ClusterConfig, UP_HELP)
+    up_parser.set_defaults(func=_up_command)
+
+    generate_parser = commands.add_parser(
+        "generate",
+        help="send one prompt to a router and stream the output",
+        description=generate.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(generate_parser, generate.GenerateConfig, GENERATE_HELP)
+    generate_parser.set_defaults(
+        func=lambda args: _exit_with(generate.run(config_from_args(generate.GenerateConfig, args)))
+    )
 
     worker_parser = commands.add_parser(
         "worker",
@@ -292,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
             index_bench.IndexBenchConfig,
             INDEX_HELP,
             "block-hash index: lookup latency, event ingestion, bytes per entry",
+        ),
+        (
+            "router",
+            router_bench.run,
+            router_bench.RouterBenchConfig,
+            ROUTER_BENCH_HELP,
+            "router overhead against going straight to a worker, and decisions per second",
         ),
         (
             "hash",

@@ -39,6 +39,7 @@ class PendingBlocks:
         self._clock = clock
         self._by_first_block: dict[bytes, list[_Guess]] = {}
         self._by_deadline: deque[_Guess] = deque()
+        self._by_chain_end: dict[tuple[str, bytes], _Guess] = {}
         self.num_confirmed = 0
         self.num_expired = 0
 
@@ -49,9 +50,16 @@ class PendingBlocks:
         """``worker_id`` will soon hold the chain ``block_hashes`` (full blocks only)."""
         if not block_hashes:
             return
+        # NOTE: the last hash names the whole chain; a repeated guess replaces the old one, so a
+        # burst on one document keeps one guess per worker, with the latest deadline.
+        key = (worker_id, block_hashes[-1])
+        old = self._by_chain_end.get(key)
+        if old is not None and old.live:
+            self._drop(old)
         guess = _Guess(worker_id, tuple(block_hashes), self._clock() + self.ttl_s)
         self._by_first_block.setdefault(guess.block_hashes[0], []).append(guess)
         self._by_deadline.append(guess)
+        self._by_chain_end[key] = guess
 
     def match(
         self, block_hashes: Sequence[bytes], index_matches: Mapping[str, int]
@@ -90,6 +98,9 @@ class PendingBlocks:
     def _drop(self, guess: _Guess) -> None:
         # NOTE: the deadline queue keeps dropped guesses until their deadline; `live` tells.
         guess.live = False
+        key = (guess.worker_id, guess.block_hashes[-1])
+        if self._by_chain_end.get(key) is guess:
+            del self._by_chain_end[key]
         first = guess.block_hashes[0]
         guesses = self._by_first_block[first]
         guesses.remove(guess)

@@ -16,6 +16,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from cache_index.hashing import BlockHasher
 from cache_index.index import BlockIndex
 from router.pending import PendingBlocks
@@ -36,7 +38,7 @@ class NoWorkerError(Exception):
 class RoutePlan:
     """A request as the router routes it."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list, or the request's own protobuf field (no copy)
     namespace: str
     block_size: int
     block_hashes: list[bytes]  # one per full block of token_ids
@@ -79,19 +81,21 @@ class Router:
         NoWorkerError when no worker is live to say which model is served."""
         if (text is None) == (token_ids is None):
             raise ValueError("give the prompt as text or as token ids, not both or neither")
-        ids = self.tokenizer.encode(text) if text is not None else list(token_ids or ())
+        ids = self.tokenizer.encode(text) if text is not None else token_ids
         if not ids:
             raise ValueError("the prompt is empty")
         namespace, block_size = self._served_model()
         hasher = BlockHasher(namespace, block_size, lora=lora, cache_salt=cache_salt)
-        return RoutePlan(ids, namespace, block_size, hasher.hash_blocks(ids), lora, cache_salt)
+        # NOTE: hashing reads an array's bytes at once; a list would be packed id by id.
+        block_hashes = hasher.hash_blocks(np.asarray(ids, dtype=np.uint32))
+        return RoutePlan(ids, namespace, block_size, block_hashes, lora, cache_salt)
 
     def extend(self, plan: RoutePlan, token_ids: Sequence[int]) -> RoutePlan:
         """The plan of the same request with ``token_ids`` appended to its prompt (resuming a
         stream on another worker)."""
         if not token_ids:
             return plan
-        ids = plan.token_ids + list(token_ids)
+        ids = [*plan.token_ids, *token_ids]
         hasher = BlockHasher(
             plan.namespace, plan.block_size, lora=plan.lora, cache_salt=plan.cache_salt
         )

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
 import time
 import uuid
 
@@ -31,7 +30,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cache_index.connect import connect_index
 from cache_index.index import BlockIndex, reclaim_forever
+from kvswitch.metrics import MetricsServer
+from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from router.metrics import RouterMetrics, WorkerLoadSample
 from router.pending import PendingBlocks
 from router.policy import POLICIES, Decision, make_policy
 from router.router import NoWorkerError, RoutePlan, Router
@@ -71,6 +73,7 @@ class RouterConfig:
     refresh_s: float = 0.25  # how often to re-read the live workers
     load_poll_s: float = 0.1  # how often to ask each worker for its load
     token: str = ""  # if set, clients must send "authorization: Bearer <token>"
+    metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class RouterConfig:
             raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be -1 or in [0, 65535], got {self.metrics_port}")
         PendingBlocks(self.pending_ttl_s)
         self.directory_config()
 
@@ -102,12 +107,62 @@ class _WorkerFailed(Exception):
         super().__init__(f"worker {worker_id}: {why}")
 
 
+class _Refused(Exception):
+    """The worker judged the request itself (bad input, deadline passed): tell the client."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+_FINISH_REASON_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+_FINISH_REASON_BY_CODE = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "abort",
+    **{code: "rejected" for code in _CLIENT_ERRORS},
+}
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """How a request ended, for the metrics."""
+
+    request_id: str
+    finish_reason: str = "error"
+    ttft_s: float | None = None  # as the router saw it: arrival to first token relayed
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def finished(self, final: router_pb2.GenerateFinal) -> None:
+        self.finish_reason = _FINISH_REASON_NAMES.get(final.finish_reason, "error")
+        self.num_prompt_tokens = final.stats.num_prompt_tokens
+        self.num_cached_tokens = final.stats.num_cached_tokens
+        self.num_output_tokens = final.stats.num_output_tokens
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, outcome: _Outcome, code: grpc.StatusCode, details: str
+) -> None:
+    outcome.finish_reason = _FINISH_REASON_BY_CODE.get(code, "error")
+    await context.abort(code, details)
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """``kvswitch.v1.Router`` over a ``Router``: forwards, relays, fails over."""
 
-    def __init__(self, router: Router, *, max_failovers: int = 3) -> None:
+    def __init__(
+        self, router: Router, metrics: RouterMetrics | None = None, *, max_failovers: int = 3
+    ) -> None:
         self._router = router
         self._directory = router.directory
+        self._metrics = metrics or RouterMetrics()
         self._max_failovers = max_failovers
         self.num_failovers = 0
 
@@ -116,15 +171,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         # NOTE: written with context.write, not as an async generator, so that a cancelled RPC
         # raises CancelledError in here and the worker's call is cancelled with it.
-        request_id = request.request_id or f"router-{uuid.uuid4().hex}"
+        outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}")
+        try:
+            await self._generate(request, context, outcome)
+        except asyncio.CancelledError:
+            outcome.finish_reason = "abort"
+            raise
+        finally:
+            self._metrics.request_finished(
+                outcome.finish_reason,
+                ttft_s=outcome.ttft_s,
+                num_prompt_tokens=outcome.num_prompt_tokens,
+                num_cached_tokens=outcome.num_cached_tokens,
+                num_output_tokens=outcome.num_output_tokens,
+            )
+
+    async def _generate(
+        self,
+        request: router_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        outcome: _Outcome,
+    ) -> None:
+        request_id = outcome.request_id
         log = {"extra": {"request_id": request_id}}
         try:
             plan = self._plan(request)
             max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id}: {e}")
+            await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoWorkerError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id}: {e}")
+            await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
 
         num_prompt_tokens = len(plan.token_ids)
         sent: list[int] = []  # output tokens already relayed to the client
@@ -136,9 +212,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         while True:
             if sent and (len(sent) >= max_tokens or sent[-1] in stop_token_ids):
                 # The failed worker had sent everything but its final message.
-                await context.write(
-                    router_pb2.GenerateResponse(final=_final_without_worker(plan, sent, max_tokens))
-                )
+                final = _final_without_worker(plan, sent, max_tokens)
+                outcome.finished(final)
+                await context.write(router_pb2.GenerateResponse(final=final))
                 return
             resumed = self._router.extend(plan, sent)
             try:
@@ -149,9 +225,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     exclude=failed,
                 )
             except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id}: {e}")
+                await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except NoWorkerError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id}: {e}")
+                await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
+            self._metrics.index_lookup(self._router.last_lookup_s)
             if failed:
                 decision = dataclasses.replace(decision, reason=f"failover: {decision.reason}")
             logger.info(
@@ -165,6 +242,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 **log,
             )
             self._router.routed(resumed, decision)
+            self._metrics.routed(decision.policy, decision.reason, decision.worker_id)
             flight = self._directory.begin(
                 handle, self._router.num_uncached_tokens(resumed, decision), max_tokens - len(sent)
             )
@@ -183,6 +261,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         if response.HasField("chunk"):
                             if first_token_s is None and response.chunk.token_ids:
                                 first_token_s = time.monotonic()
+                                outcome.ttft_s = first_token_s - started_s
                             sent += response.chunk.token_ids
                             await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
                             continue
@@ -190,19 +269,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         if failed and first_token_s is not None:
                             # The last worker's TTFT misses the time lost on the failed ones.
                             final.stats.ttft_s = first_token_s - started_s
+                        outcome.finished(final)
                         await context.write(router_pb2.GenerateResponse(final=final))
                         return
                 raise _WorkerFailed(decision.worker_id, "the stream ended without a final message")
+            except _Refused as e:
+                await _abort(context, outcome, e.code, e.details)
             except _WorkerFailed as e:
                 failed.add(decision.worker_id)
                 self._directory.mark_down(handle)
                 self._router.pending.forget_worker(decision.worker_id)
                 if len(failed) > self._max_failovers:
-                    await context.abort(
+                    await _abort(
+                        context,
+                        outcome,
                         grpc.StatusCode.UNAVAILABLE,
-                        f"request {request_id}: {len(failed)} workers failed it; last: {e}",
+                        f"{len(failed)} workers failed the request; last: {e}",
                     )
                 self.num_failovers += 1
+                self._metrics.failed_over("mid_stream" if sent else "before_first_token")
                 logger.warning(
                     "request %s: %s; %s on another worker",
                     request_id,
@@ -232,9 +317,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code in _CLIENT_ERRORS:
-                await context.abort(code, e.details() or code.name)
+                raise _Refused(code, e.details() or code.name) from None
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                await context.abort(code, "the request's deadline passed")
+                raise _Refused(code, "the request's deadline passed") from None
             raise _WorkerFailed(handle.worker_id, f"{code.name}: {e.details()}") from None
         finally:
             call.cancel()
@@ -245,7 +330,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise ValueError("the request has no prompt: set text or token_ids")
         return self._router.plan(
             text=request.text if kind == "text" else None,
-            token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
+            token_ids=request.token_ids.ids if kind == "token_ids" else None,
             lora=request.lora or None,
             cache_salt=request.cache_salt or None,
         )
@@ -337,6 +422,13 @@ class RouterServer:
     health_servicer: health.aio.HealthServicer
     index: BlockIndex
     tasks: list[asyncio.Task]
+    metrics: RouterMetrics
+    metrics_server: MetricsServer | None = None
+
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of /metrics, or None when not served."""
+        return self.metrics_server.address if self.metrics_server is not None else None
 
     async def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING, give running requests ``grace_s`` to finish, then close."""
@@ -347,6 +439,8 @@ class RouterServer:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.router.directory.stop()
         await self.index.close()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
 
 
 class RouterStartError(Exception):
@@ -357,7 +451,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
     """Bind the port, open the index and start serving; ``RouterStartError`` says why not."""
     interceptors = [_BearerTokenInterceptor(config.token)] if config.token else []
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
-    address = _host_port(config.host, config.port)
+    address = host_port(config.host, config.port)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
@@ -365,7 +459,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
             f"cannot listen on {address}: the port is taken or the address is not one of this "
             "machine's"
         ) from e
-    address = _host_port(config.host, port)
+    address = host_port(config.host, port)
     try:
         index = await connect_index(config.index)
         tokenizer = load_tokenizer(config.model or None)
@@ -382,7 +476,16 @@ async def start_router(config: RouterConfig) -> RouterServer:
         namespace=config.namespace,
         pending=PendingBlocks(config.pending_ttl_s),
     )
-    servicer = RouterServicer(router, max_failovers=config.max_failovers)
+    metrics = RouterMetrics(worker_loads=lambda: _worker_loads(directory))
+    metrics_server = None
+    if config.metrics_port >= 0:
+        try:
+            metrics_server = metrics.serve(config.host, config.metrics_port)
+        except OSError as e:
+            raise RouterStartError(
+                f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
+            ) from e
+    servicer = RouterServicer(router, metrics, max_failovers=config.max_failovers)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -398,33 +501,29 @@ async def start_router(config: RouterConfig) -> RouterServer:
     await directory.start()
     tasks = [asyncio.get_running_loop().create_task(reclaim_forever(index, RECLAIM_INTERVAL_S))]
     logger.info("router listening on %s: index %s, policy %s", address, config.index, config.policy)
-    return RouterServer(address, router, servicer, server, health_servicer, index, tasks)
+    return RouterServer(
+        address, router, servicer, server, health_servicer, index, tasks, metrics, metrics_server
+    )
 
 
 async def serve(config: RouterConfig) -> None:
     """Run a router until SIGINT or SIGTERM, then shut it down gracefully."""
     router = await start_router(config)
+    if router.metrics_address is not None:
+        logger.info("metrics at http://%s/metrics", router.metrics_address)
     print(f"kvswitch router listening on {router.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.remove_signal_handler(sig)
+    await wait_for_stop_signal()
     logger.info("shutting down: %.1f s for running requests to finish", config.grace_s)
     await router.stop(config.grace_s)
 
 
 def run(config: RouterConfig) -> None:
-    """``serve`` on uvloop where it is installed, else on asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+    """``serve`` on uvloop where it is installed."""
+    run_event_loop(serve(config))
 
 
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+def _worker_loads(directory: WorkerDirectory) -> list[WorkerLoadSample]:
+    return [
+        WorkerLoadSample(h.worker_id, h.num_in_flight, h.num_outstanding_tokens())
+        for h in directory.handles()
+    ]

@@ -16,6 +16,9 @@ from kvswitch.cli import build_parser, main
 COMMANDS = [
     [],
     ["demo"],
+    ["router"],
+    ["up"],
+    ["generate"],
     ["worker"],
     ["bench"],
     ["bench", "pool"],
@@ -24,6 +27,7 @@ COMMANDS = [
     ["bench", "ttft"],
     ["bench", "decode"],
     ["bench", "index"],
+    ["bench", "router"],
     ["index"],
     ["index", "stats"],
     ["index", "audit"],
@@ -100,16 +104,17 @@ def test_bench_hash_writes_json(tmp_path: Path) -> None:
     assert figures["num_tokens"] == 8192
 
 
-def test_demo_shows_reuse_and_thrashing(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_routes_questions_to_their_documents(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo is what ``make demo`` runs: a real local cluster, requests through the SDK."""
     from kvswitch import demo
 
     figures = demo.run(demo.DemoConfig())
     out = capsys.readouterr().out
-    assert "doc 1 q2" in out and "chat turn 3" in out
-    # Documents fit in the default cache: every later question reuses its document.
-    assert figures["hit_rate"] > 0.6
-    # Half the cache cannot hold three documents: LRU evicts each before its next question.
-    assert figures["small_cache_hit_rate"] < 0.1
+    assert "doc 1 q2" in out and "chat 2 t3" in out
+    # Each document stays on one worker: every later question reuses it.
+    assert figures["cost_hit_rate"] > 0.6
+    # Round robin asks every worker to hold every document, more than fits: few reuses.
+    assert figures["round_robin_hit_rate"] < figures["cost_hit_rate"] - 0.25
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this runs the real benchmark")

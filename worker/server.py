@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import signal
 import socket
 import uuid
 from typing import TYPE_CHECKING, cast
@@ -22,8 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cache_index.connect import connect_index
 from cache_index.index import ROLES, WorkerInfo
+from kvswitch.metrics import MetricsServer
+from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
+from worker.metrics import WorkerMetrics
 from worker.publisher import EventPublisher
 from worker.request import FinishReason
 from worker.scheduler import SchedulerConfig
@@ -69,10 +71,15 @@ class WorkerConfig:
     index: str = ""  # block-hash index URL to publish cache events to; empty = none
     role: str = "both"  # what the router may send here: both, prefill or decode
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
+    metrics_port: int = -1  # Prometheus /metrics on host:metrics_port; -1 = none, 0 = a free port
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}"
+            )
         if not 0 < self.max_hashes_per_chunk <= MAX_HASHES_PER_CHUNK:
             raise ValueError(
                 f"max_hashes_per_chunk must be in [1, {MAX_HASHES_PER_CHUNK}], "
@@ -126,7 +133,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """``kvswitch.v1.Worker`` over an ``EngineLoop``.
 
     A request the engine rejects ends with INVALID_ARGUMENT and the engine's message; a cancelled
-    RPC (client gone, deadline passed) aborts its request, which frees the request's blocks.
+    RPC (client gone, deadline passed) aborts its request, which frees the request's blocks. Every
+    Generate call, however it ends, is counted once in ``metrics``.
     """
 
     def __init__(
@@ -135,11 +143,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         *,
         worker_id: str,
         tokenizer: Tokenizer | None,
+        metrics: WorkerMetrics,
         max_hashes_per_chunk: int = 4096,
     ) -> None:
         self._engine_loop = engine_loop
         self._worker_id = worker_id
         self._tokenizer = tokenizer  # None: chunks carry no text
+        self._metrics = metrics
         self._max_hashes_per_chunk = max_hashes_per_chunk
 
     async def Generate(
@@ -148,6 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # NOTE: written with context.write, not as an async generator, so that cancelling the RPC
         # raises CancelledError inside this coroutine and the `finally` below always runs.
         request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
+        log_extra = {"request_id": request_id}
         prompt_token_ids = list(request.prompt_token_ids)
         try:
             params = sampling_params_from_proto(request.sampling)
@@ -157,24 +168,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 params,
                 lora=request.lora or None,
                 cache_salt=request.cache_salt or None,
+                num_resumed_tokens=request.num_resumed_tokens,
             )
         except EngineStopped:
+            self._metrics.request_finished("rejected")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
         except ValueError as e:
-            logger.info("request %s: rejected: %s", request_id, e)
+            logger.info("rejected: %s", e, extra=log_extra)
+            self._metrics.request_finished("rejected")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id}: {e}")
-        logger.debug("request %s: %d prompt tokens", request_id, len(prompt_token_ids))
+        logger.debug("%d prompt tokens", len(prompt_token_ids), extra=log_extra)
 
         decoder = IncrementalDecoder(self._tokenizer, prompt_token_ids) if self._tokenizer else None
         stats = common_pb2.RequestStats(
             worker_id=self._worker_id, num_prompt_tokens=len(prompt_token_ids)
         )
         done = False  # the engine is finished with the request
+        finish_reason = "abort"  # until the engine says otherwise: the RPC was cancelled
+        ttft_s: float | None = None
         try:
             while not done:
                 outputs, error = await _next_outputs(queue)
                 if error is not None:
                     done = True
+                    finish_reason = "error"
                     await context.abort(_error_code(error), f"request {request_id}: {error}")
                 last = outputs[-1]
                 done = last.finished
@@ -185,30 +202,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 stats.num_output_tokens += len(token_ids)
                 for output in outputs:
                     if output.ttft_s is not None:
-                        stats.ttft_s = output.ttft_s
+                        stats.ttft_s = ttft_s = output.ttft_s
                     stats.num_cached_tokens = max(output.num_cached_tokens, 0)
                 chunk = common_pb2.TokenChunk(token_ids=token_ids, text=text)
                 await context.write(worker_pb2.WorkerGenerateResponse(chunk=chunk))
             assert last.finish_reason is not None
+            finish_reason = last.finish_reason.value
             reason = _FINISH_REASON_TO_PROTO[last.finish_reason]
             final = worker_pb2.WorkerGenerateFinal(finish_reason=reason, stats=stats)
             await context.write(worker_pb2.WorkerGenerateResponse(final=final))
             logger.info(
-                "request %s: %s after %d tokens (%d of %d prompt tokens cached, ttft %.3f s)",
-                request_id,
-                last.finish_reason.value,
+                "%s after %d tokens (%d of %d prompt tokens cached, ttft %.3f s)",
+                finish_reason,
                 stats.num_output_tokens,
                 stats.num_cached_tokens,
                 stats.num_prompt_tokens,
                 stats.ttft_s,
+                extra=log_extra,
             )
         finally:
             if not done:
                 logger.info(
-                    "request %s: cancelled (client gone, deadline passed or worker stopping)",
-                    request_id,
+                    "cancelled (client gone, deadline passed or worker stopping)", extra=log_extra
                 )
                 self._engine_loop.abort(request_id)
+            self._metrics.request_finished(
+                finish_reason,
+                ttft_s=ttft_s,
+                num_prompt_tokens=stats.num_prompt_tokens,
+                num_cached_tokens=stats.num_cached_tokens,
+                num_output_tokens=stats.num_output_tokens,
+            )
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -276,21 +300,30 @@ class WorkerServer:
     engine_loop: EngineLoop
     server: grpc.aio.Server
     health_servicer: health.aio.HealthServicer
+    metrics: WorkerMetrics
     publisher: EventPublisher | None = None
+    metrics_server: MetricsServer | None = None
+
+    @property
+    def metrics_address(self) -> str | None:
+        """Where ``/metrics`` is served, "host:port" as bound; None when it is not."""
+        return self.metrics_server.address if self.metrics_server else None
 
     async def stop(self, grace_s: float) -> None:
         """Leave the index, report NOT_SERVING, give running RPCs ``grace_s`` to finish, cancel
-        the rest, then stop the engine thread."""
+        the rest, stop the engine thread, then the metrics endpoint."""
         if self.publisher is not None:
             await self.publisher.stop()
             await self.publisher.index.close()
         await self.health_servicer.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await asyncio.to_thread(self.engine_loop.stop)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
 
 
 class WorkerStartError(Exception):
-    """The worker could not start: its port is taken, or its model does not load."""
+    """The worker could not start: one of its ports is taken, or its model does not load."""
 
 
 async def start_worker(config: WorkerConfig) -> WorkerServer:
@@ -301,14 +334,14 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     # traffic. Binding before the model loads makes a taken port fail at once.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     try:
-        port = server.add_insecure_port(_host_port(config.host, config.port))
+        port = server.add_insecure_port(host_port(config.host, config.port))
     except RuntimeError as e:
         raise WorkerStartError(
-            f"cannot listen on {_host_port(config.host, config.port)}: the port is taken or the "
+            f"cannot listen on {host_port(config.host, config.port)}: the port is taken or the "
             "address is not one of this machine's"
         ) from e
-    address = _host_port(config.host, port)
-    worker_id = config.worker_id or _host_port(_public_host(config.host), port)
+    address = host_port(config.host, port)
+    worker_id = config.worker_id or host_port(_public_host(config.host), port)
     try:
         engine = LLMEngine(config.engine_config())
     except (ValueError, OSError) as e:
@@ -316,10 +349,22 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     tokenizer = _load_tokenizer(config.model)
 
     engine_loop = EngineLoop(engine)
+    metrics = WorkerMetrics(
+        lambda: engine_loop.load, worker_id=worker_id, model=engine_loop.namespace, role=config.role
+    )
+    metrics_server = None
+    if config.metrics_port >= 0:
+        try:
+            metrics_server = metrics.serve(config.host, config.metrics_port)
+        except OSError as e:
+            raise WorkerStartError(
+                f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
+            ) from e
     servicer = WorkerServicer(
         engine_loop,
         worker_id=worker_id,
         tokenizer=tokenizer,
+        metrics=metrics,
         max_hashes_per_chunk=config.max_hashes_per_chunk,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -336,10 +381,12 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         except (ValueError, OSError) as e:
             await server.stop(0)
             engine_loop.stop()
+            if metrics_server is not None:
+                metrics_server.stop()
             raise WorkerStartError(f"cannot open the block index {config.index!r}: {e}") from e
         info = WorkerInfo(
             worker_id,
-            _host_port(_public_host(config.host), port),
+            host_port(_public_host(config.host), port),
             engine_loop.namespace,
             config.block_size,
             config.role,
@@ -355,34 +402,33 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         engine.kv_cache.pool.num_blocks,
         config.block_size,
     )
-    return WorkerServer(worker_id, address, engine_loop, server, health_servicer, publisher)
+    if metrics_server is not None:
+        logger.info("metrics on http://%s/metrics", metrics_server.address)
+    return WorkerServer(
+        worker_id,
+        address,
+        engine_loop,
+        server,
+        health_servicer,
+        metrics,
+        publisher=publisher,
+        metrics_server=metrics_server,
+    )
 
 
 async def serve(config: WorkerConfig) -> None:
     """Run a worker until SIGINT or SIGTERM, then shut it down gracefully."""
     worker = await start_worker(config)
     print(f"kvswitch worker {worker.worker_id} listening on {worker.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        # A second Ctrl-C then interrupts a shutdown that hangs.
-        loop.remove_signal_handler(sig)
+    await wait_for_stop_signal()
     logger.info("shutting down: %.1f s for running requests to finish", config.grace_s)
     await worker.stop(config.grace_s)
     logger.info("worker %s stopped", worker.worker_id)
 
 
 def run(config: WorkerConfig) -> None:
-    """``serve`` on uvloop where it is installed, else on asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+    """``serve`` on uvloop where it is installed."""
+    run_event_loop(serve(config))
 
 
 def _load_tokenizer(model: str) -> Tokenizer | None:
@@ -392,10 +438,6 @@ def _load_tokenizer(model: str) -> Tokenizer | None:
         # The worker runs on token ids; without a tokenizer its chunks just carry no text.
         logger.warning("%s; streaming token ids without text", e)
         return None
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _public_host(host: str) -> str:

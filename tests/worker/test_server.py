@@ -12,12 +12,15 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from cache_index.events import replay
 from cache_index.hashing import hash_prompt_blocks
@@ -293,3 +296,77 @@ def test_worker_refuses_a_bad_index_url() -> None:
             loop.run_until_complete(start_worker(dataclasses.replace(CONFIG, index="etcd://x")))
     finally:
         loop.close()
+
+
+def _scrape(address: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample that ``/metrics`` at ``address`` shows, by name and labels."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_endpoint_counts_requests_and_shows_load(worker: BackgroundWorker) -> None:
+    assert worker.server.metrics_address is None  # metrics_port -1: no endpoint
+
+    metered = BackgroundWorker(dataclasses.replace(CONFIG, metrics_port=0))
+    try:
+        address = metered.server.metrics_address
+        assert address is not None and address.startswith("127.0.0.1:")
+        metered.generate(PROMPT, max_tokens=4, request_id="metered")
+        samples = _scrape(address)
+
+        def value(name: str, **labels: str) -> float | None:
+            return samples.get((name, frozenset(labels.items())))
+
+        requests = "kvswitch_worker_requests_total"
+        assert value(requests, finish_reason="length") == 1
+        assert value(requests, finish_reason="stop") == value(requests, finish_reason="abort") == 0
+        assert value("kvswitch_worker_prompt_tokens_total") == len(PROMPT)
+        assert value("kvswitch_worker_cached_prompt_tokens_total") == 0
+        assert value("kvswitch_worker_output_tokens_total") == 4
+        assert value("kvswitch_worker_ttft_seconds_count") == 1
+        assert value("kvswitch_worker_ttft_seconds_bucket", le="+Inf") == 1
+        assert value("kvswitch_worker_total_blocks") == value("kvswitch_worker_free_blocks") == 64
+        assert value("kvswitch_worker_running_requests") == 0
+        assert value("kvswitch_worker_waiting_requests") == 0
+        assert value("kvswitch_worker_queued_prefill_tokens") == 0
+        info = {"worker_id": metered.server.worker_id, "model": "kvswitch-tiny", "role": "both"}
+        assert value("kvswitch_worker_info", **info) == 1
+
+        # A rejected request counts, but its prompt does not; a cancelled one counts as abort.
+        with pytest.raises(grpc.RpcError):
+            metered.generate([], request_id="empty")
+        call = metered.stub.Generate(
+            worker_pb2.WorkerGenerateRequest(
+                request_id="cancelled",
+                prompt_token_ids=PROMPT,
+                sampling=common_pb2.SamplingParams(max_tokens=900),
+            )
+        )
+        next(call)
+        call.cancel()
+        metered.wait_until_idle()
+        samples = _scrape(address)
+        assert value(requests, finish_reason="rejected") == 1
+        assert value(requests, finish_reason="abort") == 1
+        # The cancelled request reached its first token, with the prompt's two blocks cached.
+        assert value("kvswitch_worker_ttft_seconds_count") == 2
+        assert value("kvswitch_worker_prompt_tokens_total") == 2 * len(PROMPT)
+        assert value("kvswitch_worker_cached_prompt_tokens_total") == 2 * BLOCK_SIZE
+    finally:
+        metered.close()
+    with pytest.raises(urllib.error.URLError):
+        _scrape(address)
+
+
+def test_a_taken_metrics_port_fails_to_start(worker: BackgroundWorker) -> None:
+    port = int(worker.server.address.rsplit(":", 1)[1])  # taken by the worker's gRPC server
+    config = dataclasses.replace(CONFIG, metrics_port=port)
+    with pytest.raises(WorkerStartError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+        asyncio.run(start_worker(config))
+    with pytest.raises(ValueError, match="metrics_port must be -1"):
+        dataclasses.replace(CONFIG, metrics_port=-2)

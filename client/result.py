@@ -1,0 +1,155 @@
+"""What a request gives back: streamed ``Chunk``s, then one ``GenerateResult``.
+
+``ResultBuilder`` turns the router's ``GenerateResponse`` messages into these types and checks
+that the stream keeps the protocol (chunks, then exactly one final message, then nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import grpc
+
+from client.errors import KvswitchError
+from kvswitch.v1 import common_pb2, router_pb2
+
+
+class FinishReason(enum.StrEnum):
+    """Why generation ended."""
+
+    STOP = "stop"  # an EOS or stop token was produced
+    LENGTH = "length"  # max_tokens or the context length was reached
+    ABORT = "abort"  # cancelled or aborted by the server
+    ERROR = "error"  # failed on the server
+
+
+_FINISH_REASON_FROM_PROTO = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+    common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    """Newly generated tokens and their text (empty while a multi-byte character is incomplete)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stats:
+    """Accounting from the worker that served the request."""
+
+    worker_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    ttft_s: float  # time to first token, measured on the worker
+    num_output_tokens: int
+    route_reason: str = ""  # why the router chose the worker (also ``GenerateResult.route``)
+
+    # The short names the client API documents, for the counts above.
+    @property
+    def prompt_tokens(self) -> int:
+        return self.num_prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.num_cached_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return self.num_output_tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouteInfo:
+    """Where the router sent the request, and why."""
+
+    worker_id: str
+    policy: str
+    reason: str  # a short explanation, e.g. "longest prefix match"
+    num_matched_blocks: int  # leading prompt blocks the index believed the worker held
+    score: float  # the worker's score under the policy (unitless)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A finished request: all its output tokens and text, and how it was served."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: Stats
+    route: RouteInfo
+
+
+class ResultBuilder:
+    """Collects one stream's messages into chunks and, at its final message, a result."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.num_messages = 0
+        self.result: GenerateResult | None = None
+        self._token_ids: list[int] = []
+        self._texts: list[str] = []
+
+    def add(self, response: router_pb2.GenerateResponse) -> Chunk | None:
+        """The chunk a message carries, or None for the final message (which sets ``result``)."""
+        self.num_messages += 1
+        if self.result is not None:
+            raise self._protocol_error("the router sent a message after the final one")
+        kind = response.WhichOneof("kind")
+        if kind == "chunk":
+            chunk = Chunk(token_ids=list(response.chunk.token_ids), text=response.chunk.text)
+            self._token_ids.extend(chunk.token_ids)
+            self._texts.append(chunk.text)
+            return chunk
+        if kind == "final":
+            self.result = self._result(response.final)
+            return None
+        raise self._protocol_error("the router sent a message with neither chunk nor final")
+
+    def finish(self) -> GenerateResult:
+        """The result, once the stream has ended; an error if it ended without a final message."""
+        if self.result is None:
+            raise self._protocol_error("the stream ended without a final message")
+        return self.result
+
+    def _result(self, final: router_pb2.GenerateFinal) -> GenerateResult:
+        finish_reason = _FINISH_REASON_FROM_PROTO.get(final.finish_reason)
+        if finish_reason is None:
+            raise self._protocol_error(
+                f"the router sent finish reason {final.finish_reason}, "
+                "which is none of stop, length, abort and error"
+            )
+        stats, route = final.stats, final.route
+        return GenerateResult(
+            request_id=self.request_id,
+            token_ids=list(self._token_ids),
+            text="".join(self._texts),
+            finish_reason=finish_reason,
+            stats=Stats(
+                worker_id=stats.worker_id,
+                num_prompt_tokens=stats.num_prompt_tokens,
+                num_cached_tokens=stats.num_cached_tokens,
+                ttft_s=stats.ttft_s,
+                num_output_tokens=stats.num_output_tokens,
+                route_reason=route.reason,
+            ),
+            route=RouteInfo(
+                worker_id=route.worker_id,
+                policy=route.policy,
+                reason=route.reason,
+                num_matched_blocks=route.num_matched_blocks,
+                score=route.score,
+            ),
+        )
+
+    def _protocol_error(self, details: str) -> KvswitchError:
+        # NOTE: a broken stream is the server's fault, like gRPC's own INTERNAL errors.
+        return KvswitchError(grpc.StatusCode.INTERNAL, details, self.request_id)

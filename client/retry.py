@@ -1,0 +1,92 @@
+"""When to try a request again, and the deadline that bounds all its attempts. No I/O here."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import grpc
+
+from client.errors import KvswitchTimeoutError, error_from_rpc
+
+# Transient failures: the router is unreachable, or it (or every worker) is busy for a moment.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter: before retry ``n`` (0-based) the client sleeps a
+    uniform random time in ``[0, min(max_backoff_s, initial_backoff_s * 2**n)]``."""
+
+    max_retries: int = 3  # attempts after the first; 0 = never retry
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not 0 <= self.initial_backoff_s <= self.max_backoff_s:
+            raise ValueError(
+                f"backoffs must satisfy 0 <= initial_backoff_s <= max_backoff_s, got "
+                f"{self.initial_backoff_s} and {self.max_backoff_s}"
+            )
+
+    def backoff_s(self, num_retries: int) -> float:
+        """How long to sleep before the retry that follows ``num_retries`` earlier ones."""
+        cap_s = min(self.max_backoff_s, self.initial_backoff_s * 2**num_retries)
+        return random.uniform(0.0, cap_s)
+
+    def retry_backoff_s(
+        self,
+        code: grpc.StatusCode,
+        *,
+        num_retries: int,
+        num_messages: int,
+        remaining_s: float | None,
+    ) -> float | None:
+        """The sleep before trying again after an attempt failed with ``code``, or None to give
+        up. Never retries once a message has arrived (a new attempt would repeat its tokens),
+        and never sleeps past the deadline (``remaining_s``; None = no deadline)."""
+        if code not in RETRYABLE_CODES or num_messages > 0 or num_retries >= self.max_retries:
+            return None
+        backoff_s = self.backoff_s(num_retries)
+        if remaining_s is not None and backoff_s >= remaining_s:
+            return None
+        return backoff_s
+
+
+class Attempts:
+    """The attempts of one request: the deadline that bounds them all, and the retries so far."""
+
+    def __init__(self, request_id: str, policy: RetryPolicy, timeout_s: float | None) -> None:
+        self.request_id = request_id
+        self.policy = policy
+        self.num_retries = 0
+        self._deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def timeout_s(self) -> float | None:
+        """The time left for the next attempt (None = no deadline); an error if none is left."""
+        if self._deadline_s is None:
+            return None
+        remaining_s = self._deadline_s - time.monotonic()
+        if remaining_s <= 0:
+            raise KvswitchTimeoutError("the deadline passed between attempts", self.request_id)
+        return remaining_s
+
+    def backoff_s(self, error: grpc.RpcError, *, num_messages: int) -> float:
+        """The sleep before the next attempt, after one failed with ``error`` having received
+        ``num_messages``; raises the error (as a ``KvswitchError``) when it is not retried."""
+        remaining_s = None
+        if self._deadline_s is not None:
+            remaining_s = self._deadline_s - time.monotonic()
+        backoff_s = self.policy.retry_backoff_s(
+            error.code(),  # type: ignore[attr-defined]
+            num_retries=self.num_retries,
+            num_messages=num_messages,
+            remaining_s=remaining_s,
+        )
+        if backoff_s is None:
+            raise error_from_rpc(error, self.request_id) from error
+        self.num_retries += 1
+        return backoff_s

@@ -1,0 +1,82 @@
+"""Log lines for the command line: one line per record, as key=value pairs or as JSON.
+
+Fields, in order: ``ts`` (UTC), ``level``, ``logger``, ``msg``, then whatever the call passed in
+``extra`` (``logger.info("...", extra={"request_id": request_id})`` gives a ``request_id``
+field, so one request can be followed through the router and its workers), then ``exc`` with
+the traceback, if any::
+
+    ts=2025-01-31T12:00:00.123Z level=INFO logger=worker.server msg="stop after 8 ..." request_id=r1
+    {"ts": "2025-01-31T12:00:00.123Z", "level": "INFO", ..., "request_id": "r1"}
+
+The commands read the format from the environment: ``KVSWITCH_LOG_FORMAT=json`` (default text).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+LOG_FORMAT_ENV = "KVSWITCH_LOG_FORMAT"
+LOG_FORMATS = ("text", "json")
+
+# What every LogRecord carries; any other attribute of a record came in through ``extra``.
+_RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+def _fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str, Any]:
+    timestamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    fields: dict[str, Any] = {
+        "ts": f"{timestamp}.{int(record.msecs):03d}Z",
+        "level": record.levelname,
+        "logger": record.name,
+        "msg": record.getMessage(),
+    }
+    fields.update((k, v) for k, v in vars(record).items() if k not in _RECORD_ATTRIBUTES)
+    if record.exc_info:
+        fields["exc"] = formatter.formatException(record.exc_info)
+    if record.stack_info:
+        fields["stack"] = formatter.formatStack(record.stack_info)
+    return fields
+
+
+class KeyValueFormatter(logging.Formatter):
+    """``key=value`` pairs; a value with a space, quote, ``=`` or newline is quoted and escaped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return " ".join(f"{k}={_quote(v)}" for k, v in _fields(record, self).items())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; values JSON cannot hold are written as their ``str``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(_fields(record, self), default=str, ensure_ascii=False)
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    if text and not any(c in text for c in ' "=\\\n\r\t'):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def configure_logging(level: int | str = "INFO", json: bool = False) -> None:
+    """Send every log record at ``level`` and above to stderr, as key=value pairs or JSON lines.
+    Replaces whatever handlers the root logger had."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json else KeyValueFormatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def log_format_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    """``KVSWITCH_LOG_FORMAT``: "text" (the default, also when empty) or "json"; ValueError
+    otherwise."""
+    log_format = environ.get(LOG_FORMAT_ENV) or "text"
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"{LOG_FORMAT_ENV} must be text or json, got {log_format!r}")
+    return log_format

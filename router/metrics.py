@@ -1,0 +1,135 @@
+"""A router's Prometheus metrics (``kvswitch_router_*``; docs/OBSERVABILITY.md lists them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from kvswitch.metrics import MetricsServer, RequestMetrics, start_metrics_server
+
+# Known values of the low-cardinality labels; each series starts at 0 so that rate() sees the
+# first one. Others are counted too: the caller keeps them to a fixed set.
+FINISH_REASONS = ("stop", "length", "abort", "error", "rejected", "unavailable")
+FAILOVER_KINDS = ("before_first_token", "mid_stream")
+
+# An in-memory index answers in tens of microseconds, Redis in about a millisecond.
+INDEX_LOOKUP_BUCKETS_S = (5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class WorkerLoadSample(NamedTuple):
+    """What this router has sent to one worker and not seen finish."""
+
+    worker_id: str
+    num_in_flight_requests: int
+    num_outstanding_tokens: int
+
+
+class RouterMetrics:
+    """One router's metrics, in a registry of its own (``registry``), and the calls that feed them.
+
+    The router calls, per request:
+
+    * ``routed(policy, reason, worker_id)`` for every decision, first tries and failovers alike;
+      ``reason`` is the ``Decision.reason`` of ``router/policy.py`` (a fixed string per policy
+      branch), "failover: " and that, or "failover". Never put an id or a number in it: each
+      distinct value is a time series.
+    * ``index_lookup(duration_s)`` for each block-index match.
+    * ``failed_over(kind)`` when a worker failed the request and another one is tried; ``kind`` is
+      one of ``FAILOVER_KINDS``.
+    * ``request_finished(finish_reason, ...)`` once, however the request ended. Its prompt and
+      cached tokens, and its time to first token, count only if it reached its first token, so
+      the cached-token ratio compares the prompts of the same requests.
+
+    The per-worker gauges are read at scrape time from ``worker_loads``, which returns one
+    ``WorkerLoadSample`` per live worker: a worker that left simply stops being reported.
+    """
+
+    def __init__(
+        self, worker_loads: Callable[[], Iterable[WorkerLoadSample]] | None = None
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = RequestMetrics(
+            self.registry,
+            "kvswitch_router",
+            FINISH_REASONS,
+            ttft_help="Time from a request's arrival at the router to its first token leaving it",
+            cached_help="Of those prompt tokens, the ones the serving worker found in its cache",
+        )
+        self._decisions = Counter(
+            "kvswitch_router_routing_decisions",
+            "Routing decisions, by policy, reason and chosen worker",
+            ["policy", "reason", "worker_id"],
+            registry=self.registry,
+        )
+        self._index_lookup_s = Histogram(
+            "kvswitch_router_index_lookup_seconds",
+            "Time for one block-index match of a request's prompt",
+            buckets=INDEX_LOOKUP_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._failovers = Counter(
+            "kvswitch_router_failovers",
+            "Requests sent to another worker after one failed them, by when it failed",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in FAILOVER_KINDS:
+            self._failovers.labels(kind)
+        if worker_loads is not None:
+            self.registry.register(_WorkerLoadCollector(worker_loads))
+
+    def routed(self, policy: str, reason: str, worker_id: str) -> None:
+        self._decisions.labels(policy, reason, worker_id).inc()
+
+    def index_lookup(self, duration_s: float) -> None:
+        self._index_lookup_s.observe(duration_s)
+
+    def failed_over(self, kind: str) -> None:
+        self._failovers.labels(kind).inc()
+
+    def request_finished(
+        self,
+        finish_reason: str,
+        *,
+        ttft_s: float | None = None,
+        num_prompt_tokens: int = 0,
+        num_cached_tokens: int = 0,
+        num_output_tokens: int = 0,
+    ) -> None:
+        """``finish_reason`` is one of ``FINISH_REASONS``; ``ttft_s`` None = no token came."""
+        self._requests.finished(
+            finish_reason,
+            ttft_s=ttft_s,
+            num_prompt_tokens=num_prompt_tokens,
+            num_cached_tokens=num_cached_tokens,
+            num_output_tokens=num_output_tokens,
+        )
+
+    def serve(self, host: str, port: int) -> MetricsServer:
+        """Serve ``/metrics`` on ``host:port`` (0 = a free port). OSError if it cannot."""
+        return start_metrics_server(self.registry, host, port)
+
+
+class _WorkerLoadCollector:
+    def __init__(self, worker_loads: Callable[[], Iterable[WorkerLoadSample]]) -> None:
+        self._worker_loads = worker_loads
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "kvswitch_router_worker_in_flight_requests",
+            "Requests this router sent to the worker and has not seen finish",
+            labels=["worker_id"],
+        )
+        outstanding = GaugeMetricFamily(
+            "kvswitch_router_worker_outstanding_tokens",
+            "The worker's outstanding work in tokens, as the routing policy sees it",
+            labels=["worker_id"],
+        )
+        for sample in self._worker_loads():
+            in_flight.add_metric([sample.worker_id], sample.num_in_flight_requests)
+            outstanding.add_metric([sample.worker_id], sample.num_outstanding_tokens)
+        yield in_flight
+        yield outstanding

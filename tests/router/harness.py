@@ -1,0 +1,83 @@
+"""A router and its workers in this process, on one event-loop thread, over real gRPC.
+
+Workers publish to the router's embedded index through ``grpc://ROUTER``, as in ``kvswitch up``;
+tests talk to the router with the blocking client SDK and reach into the servers for checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from router.server import RouterConfig, RouterServer, start_router
+from worker.server import WorkerConfig, WorkerServer, start_worker
+
+T = TypeVar("T")
+
+BLOCK_SIZE = 16
+BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
+WORKER_CONFIG = WorkerConfig(port=0, kv_cache_bytes=256 * BLOCK_BYTES, grace_s=0.0)
+ROUTER_CONFIG = RouterConfig(port=0, refresh_s=0.05, load_poll_s=0.05, grace_s=0.0)
+
+
+class BackgroundCluster:
+    def __init__(
+        self,
+        num_workers: int = 2,
+        router_config: RouterConfig = ROUTER_CONFIG,
+        worker_config: WorkerConfig = WORKER_CONFIG,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.router: RouterServer = self.run(start_router(router_config))
+        self.worker_config = dataclasses.replace(
+            worker_config, index=f"grpc://{self.router.address}"
+        )
+        self.workers: list[WorkerServer] = []
+        for i in range(num_workers):
+            self.add_worker(f"w{i}")
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    def add_worker(self, worker_id: str) -> WorkerServer:
+        config = dataclasses.replace(self.worker_config, worker_id=worker_id)
+        worker = self.run(start_worker(config))
+        self.workers.append(worker)
+        self.wait_for_workers()
+        return worker
+
+    def stop_worker(self, worker: WorkerServer) -> None:
+        """Stop at once: running requests are cancelled, as if the worker died."""
+        self.run(worker.server.stop(0))
+        self.run(worker.stop(0))
+        self.workers.remove(worker)
+
+    def wait_for_workers(self, timeout_s: float = 10.0) -> None:
+        """Until the router routes to exactly the running workers."""
+        wanted = {w.worker_id for w in self.workers}
+        deadline = time.monotonic() + timeout_s
+        while {h.worker_id for h in self.router.router.directory.routable()} != wanted:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router never saw workers {sorted(wanted)}")
+            time.sleep(0.02)
+
+    def worker(self, worker_id: str) -> WorkerServer:
+        return next(w for w in self.workers if w.worker_id == worker_id)
+
+    def close(self) -> None:
+        for worker in list(self.workers):
+            self.run(worker.stop(0))
+        self.run(self.router.stop(0))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

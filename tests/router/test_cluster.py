@@ -1,0 +1,118 @@
+"""End to end with real processes on 127.0.0.1, as ``kvswitch up`` runs them: a router and CPU
+workers (the built-in model), the embedded or a Redis index, requests through the client SDK."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client import Client, GenerateResult
+from kvswitch.cluster import ClusterConfig, LocalCluster, running
+from kvswitch.demo import DemoConfig, document_questions
+from worker.engine import EngineConfig, LLMEngine
+from worker.sampler import SamplingParams
+from worker.tokenizer import ByteTokenizer
+
+QUESTIONS = document_questions(DemoConfig(num_documents=3, questions_per_document=3))
+NUM_DOCUMENTS = 3
+
+
+def document_of(label: str) -> int:
+    return int(label.split()[1])
+
+
+def check_each_document_stayed_on_one_worker(results: list[tuple[str, GenerateResult]]) -> None:
+    workers_by_document: dict[int, set[str]] = {}
+    for label, result in results:
+        workers_by_document.setdefault(document_of(label), set()).add(result.stats.worker_id)
+    assert all(len(w) == 1 for w in workers_by_document.values()), workers_by_document
+    # ... and later questions reused the document: all but the last partial block or so.
+    for label, result in results:
+        if not label.endswith("q1"):
+            assert result.stats.num_cached_tokens > 0.9 * result.stats.num_prompt_tokens, label
+
+
+@pytest.fixture(scope="module")
+def embedded_cluster() -> Iterator[LocalCluster]:
+    with running(ClusterConfig(workers=2, port=0, grace_s=1.0)) as cluster:
+        yield cluster
+
+
+def test_interleaved_questions_land_where_their_document_is(
+    embedded_cluster: LocalCluster,
+) -> None:
+    with Client(embedded_cluster.address, timeout_s=60) as client:
+        # The first question of each document, then the rest interleaved and concurrent.
+        first = [(label, client.generate(p, max_tokens=2)) for label, p in QUESTIONS[:3]]
+        with ThreadPoolExecutor(6) as pool:
+            rest = list(
+                zip(
+                    [label for label, _ in QUESTIONS[3:]],
+                    pool.map(lambda q: client.generate(q[1], max_tokens=2), QUESTIONS[3:]),
+                    strict=True,
+                )
+            )
+    check_each_document_stayed_on_one_worker(first + rest)
+    assert len({r.stats.worker_id for _, r in first}) == 2  # new documents spread
+
+
+def test_two_routers_share_one_redis_index() -> None:
+    with running(ClusterConfig(workers=2, port=0, redis="local", grace_s=1.0)) as cluster:
+        second = cluster.add_router()
+        cluster.wait_for_registration()
+        routers = [Client(cluster.address, timeout_s=60), Client(second, timeout_s=60)]
+        try:
+            results = [
+                (label, routers[i % 2].generate(prompt, max_tokens=2))
+                for i, (label, prompt) in enumerate(QUESTIONS)
+            ]
+        finally:
+            for client in routers:
+                client.close()
+    check_each_document_stayed_on_one_worker(results)
+    # Both routers took part, each sending questions to documents the other had placed.
+    assert {label for label, _ in results[1::2]} & {f"doc {d} q2" for d in (1, 2, 3)}
+
+
+def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
+    prompts = [
+        f"Request {i}: " + "tell me a long story about routers. " * (4 + i) for i in range(8)
+    ]
+    max_tokens = 96
+    engine = LLMEngine(EngineConfig())
+    tokenizer = ByteTokenizer()
+    expected = engine.generate(
+        [tokenizer.encode(p) for p in prompts], SamplingParams(max_tokens=max_tokens)
+    )
+    started = [threading.Event() for _ in prompts]
+    received: list[list[int]] = [[] for _ in prompts]
+    results: list[GenerateResult | None] = [None] * len(prompts)
+
+    with running(ClusterConfig(workers=3, port=0, grace_s=1.0)) as cluster:
+        client = Client(cluster.address, timeout_s=120)
+
+        def consume(i: int) -> None:
+            stream = client.stream(prompts[i], max_tokens=max_tokens)
+            for chunk in stream:
+                received[i] += chunk.token_ids
+                started[i].set()
+            results[i] = stream.result
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(consume, i) for i in range(len(prompts))]
+            for event in started:
+                assert event.wait(60)
+            cluster.workers[0].popen.kill()  # SIGKILL: no goodbye to the router or the index
+            for future in futures:
+                future.result(timeout=120)
+        client.close()
+
+    assert received == expected
+    assert [r.token_ids for r in results if r is not None] == expected
+    moved = [r for r in results if r is not None and r.route.reason.startswith("failover")]
+    assert moved, "no request was running on the killed worker"
+    assert all(r.stats.worker_id != "worker-0" for r in moved)
+    assert all(r.stats.num_output_tokens == max_tokens for r in results if r is not None)

@@ -1,0 +1,79 @@
+"""The router's guesses of soon-cached blocks: counted as matches until confirmed or expired."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.pending import PendingBlocks
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def chain(name: str, n: int) -> list[bytes]:
+    return [f"{name}{i}".encode().ljust(16, b".") for i in range(n)]
+
+
+DOC = chain("doc", 8)
+QUESTION = [*DOC, *chain("q", 2)]  # the document, then two blocks of its own
+
+
+def test_a_guess_counts_until_its_deadline() -> None:
+    clock = Clock()
+    pending = PendingBlocks(ttl_s=2.0, clock=clock)
+    pending.add("w1", DOC)
+    assert pending.match(QUESTION, {"w0": 0, "w1": 0}) == {"w0": 0, "w1": 8}
+    # A longer index match is kept; a shorter one is raised to the guess.
+    assert pending.match(QUESTION, {"w1": 3, "w2": 5}) == {"w1": 8, "w2": 5}
+    clock.now_s = 2.0
+    assert pending.match(QUESTION, {"w1": 3}) == {"w1": 3}
+    assert (pending.num_expired, pending.num_confirmed, len(pending)) == (1, 0, 0)
+
+
+def test_a_guess_the_index_confirms_is_dropped() -> None:
+    pending = PendingBlocks(clock=Clock())
+    pending.add("w1", DOC)
+    assert pending.match(QUESTION, {"w1": 8}) == {"w1": 8}
+    assert (pending.num_confirmed, len(pending)) == (1, 0)
+
+
+def test_only_the_shared_leading_run_counts() -> None:
+    pending = PendingBlocks(clock=Clock())
+    pending.add("w1", QUESTION)
+    other_question = [*DOC, *chain("other", 3)]
+    assert pending.match(other_question, {}) == {"w1": 8}
+    assert pending.match(chain("unrelated", 4), {}) == {}
+    # A lookup that diverges cannot confirm the guess: it stays.
+    assert pending.match(other_question, {"w1": 8}) == {"w1": 8}
+    assert len(pending) == 1
+
+
+def test_a_repeated_guess_replaces_the_old_one_and_renews_it() -> None:
+    clock = Clock()
+    pending = PendingBlocks(ttl_s=2.0, clock=clock)
+    pending.add("w1", DOC)
+    clock.now_s = 1.5
+    pending.add("w1", DOC)
+    pending.add("w2", DOC)
+    assert len(pending) == 2
+    clock.now_s = 3.0  # past the first deadline, not the second
+    assert pending.match(QUESTION, {}) == {"w1": 8, "w2": 8}
+    assert pending.num_expired == 0
+
+
+def test_forgetting_a_worker_drops_its_guesses() -> None:
+    pending = PendingBlocks(clock=Clock())
+    pending.add("w1", DOC)
+    pending.add("w2", QUESTION)
+    pending.forget_worker("w1")
+    assert pending.match(QUESTION, {}) == {"w2": 10}
+
+
+def test_ttl_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="ttl_s"):
+        PendingBlocks(ttl_s=0)

@@ -1,0 +1,279 @@
+"""The router over real gRPC: a router and two CPU workers in this process, the client SDK.
+
+Reference outputs come from an engine with the same built-in model: greedy and seeded
+sampling are deterministic, so every token a client receives can be checked.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_index.index import WorkerInfo
+from client import Client, KvswitchError, KvswitchTimeoutError
+from router.server import RouterConfig
+from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
+from worker.engine import LLMEngine
+from worker.sampler import SamplingParams
+from worker.server import WorkerServer
+from worker.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+DOCUMENTS = [
+    "".join(f"| {row} | person {row * 7 + d} | {20 + (row * 13 + d) % 40} |\n" for row in range(24))
+    for d in range(3)
+]
+
+
+def question(d: int, q: int) -> str:
+    return f"{DOCUMENTS[d]}Question {q}: who is on row {q + 3}?\n"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[BackgroundCluster]:
+    background = BackgroundCluster(num_workers=2)
+    yield background
+    background.close()
+
+
+@pytest.fixture
+def client(cluster: BackgroundCluster) -> Iterator[Client]:
+    with Client(cluster.address, timeout_s=30, max_retries=2, initial_backoff_s=0.01) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine(WORKER_CONFIG.engine_config())
+
+
+def expected(reference: LLMEngine, prompt: str | list[int], **params) -> list[int]:
+    ids = TOKENIZER.encode(prompt) if isinstance(prompt, str) else prompt
+    return reference.generate([ids], SamplingParams(**params))[0]
+
+
+def wait_until_idle(worker: WorkerServer, timeout_s: float = 5.0) -> None:
+    """Until the worker runs nothing and every block is free again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = worker.engine_loop.load
+        idle = load.num_running_requests == 0 and load.num_waiting_requests == 0
+        if idle and load.num_free_blocks == load.num_total_blocks:
+            return
+        assert time.monotonic() < deadline, f"worker {worker.worker_id} still busy: {load}"
+        time.sleep(0.02)
+
+
+def test_text_prompt_is_tokenized_routed_and_streamed(client: Client, reference: LLMEngine) -> None:
+    result = client.generate("The quick brown fox", max_tokens=6)
+    assert result.token_ids == expected(reference, "The quick brown fox", max_tokens=6)
+    assert result.text == TOKENIZER.decode(result.token_ids)
+    assert result.finish_reason == "length"
+    stats, route = result.stats, result.route
+    assert stats.num_prompt_tokens == len(TOKENIZER.encode("The quick brown fox"))
+    assert stats.num_output_tokens == 6
+    assert stats.ttft_s > 0
+    assert route.worker_id == stats.worker_id and route.worker_id in ("w0", "w1")
+    assert route.policy == "cost"
+
+
+def test_later_questions_go_where_their_document_is_cached(
+    cluster: BackgroundCluster, client: Client
+) -> None:
+    document_blocks = len(TOKENIZER.encode(DOCUMENTS[0])) // BLOCK_SIZE
+    first = [client.generate(question(d, 0), max_tokens=2, cache_salt="later") for d in range(3)]
+    for q in range(1, 3):
+        for d in range(3):
+            result = client.generate(question(d, q), max_tokens=2, cache_salt="later")
+            assert result.stats.worker_id == first[d].stats.worker_id
+            assert result.route.num_matched_blocks >= document_blocks
+            assert result.stats.num_cached_tokens >= document_blocks * BLOCK_SIZE
+            assert result.route.reason == "lowest cost"
+    # Misses spread: three new documents did not all land on one worker.
+    assert len({r.stats.worker_id for r in first}) == 2
+
+
+def test_a_burst_on_one_document_stays_together(cluster: BackgroundCluster) -> None:
+    """Sent at once, before any worker has reported the document's blocks: the router's own
+    guesses keep them together, and in-flight accounting spreads the other document."""
+    prompts = [question(d, q) for q in range(4) for d in range(2)]
+    with Client(cluster.address, timeout_s=30) as c, ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: c.generate(p, max_tokens=2, cache_salt="burst"), prompts))
+    by_document = [{r.stats.worker_id for r in results[d::2]} for d in range(2)]
+    assert all(len(workers) == 1 for workers in by_document), by_document
+
+
+def test_policy_override_and_bad_policy(client: Client) -> None:
+    workers = [client.generate("same prompt", max_tokens=1, policy="round_robin") for _ in range(4)]
+    assert {r.route.policy for r in workers} == {"round_robin"}
+    assert len({r.stats.worker_id for r in workers}) == 2
+    with pytest.raises(KvswitchError) as error:
+        client.generate("x", policy="cheapest")
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown routing policy" in error.value.details
+
+
+def test_worker_rejections_reach_the_client(client: Client) -> None:
+    with pytest.raises(KvswitchError) as error:
+        client.generate(prompt_token_ids=[256, 999_999], max_tokens=2)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in error.value.details
+
+
+def test_a_dead_worker_before_the_first_token_is_skipped(
+    cluster: BackgroundCluster, client: Client, reference: LLMEngine
+) -> None:
+    """A registered worker that is gone (its port closed) and looks best: the request fails
+    there before any token and is retried on the next best worker."""
+    router = cluster.router.router
+    prompt = question(2, 9)
+    plan = router.plan(text=prompt)
+    dead = WorkerInfo("a-dead", "127.0.0.1:1", plan.namespace, BLOCK_SIZE, num_blocks=256)
+    cluster.run(router.index.register(dead, ttl_s=30))
+    cluster.run(router.index.resync("a-dead", 1, plan.block_hashes))
+    try:
+        deadline = time.monotonic() + 5
+        while "a-dead" not in {h.worker_id for h in router.directory.routable()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        result = client.generate(prompt, max_tokens=5)
+    finally:
+        cluster.run(router.index.deregister("a-dead"))
+    assert result.token_ids == expected(reference, prompt, max_tokens=5)
+    assert result.stats.worker_id in ("w0", "w1")
+    assert result.route.reason.startswith("failover: ")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_worker_dying_mid_stream_is_resumed_without_gap_or_duplicate(
+    temperature: float, reference: LLMEngine
+) -> None:
+    cluster = BackgroundCluster(num_workers=2)
+    try:
+        prompt = question(1, 5)
+        params = {"max_tokens": 120, "temperature": temperature, "seed": 3}
+        with Client(cluster.address, timeout_s=60) as c:
+            stream = c.stream(prompt, **params)
+            received = list(next(stream).token_ids)
+            busy = [
+                h.worker_id for h in cluster.router.router.directory.handles() if h.num_in_flight
+            ]
+            assert len(busy) == 1
+            cluster.stop_worker(cluster.worker(busy[0]))
+            for chunk in stream:
+                received += chunk.token_ids
+            result = stream.result
+        assert received == result.token_ids == expected(reference, prompt, **params)
+        assert result.stats.worker_id != busy[0]
+        assert result.route.reason.startswith("failover: ")
+        assert result.stats.num_output_tokens == 120
+        assert result.stats.num_prompt_tokens == len(TOKENIZER.encode(prompt))
+        assert cluster.router.servicer.num_failovers == 1
+        registry = cluster.router.metrics.registry
+        failovers = "kvswitch_router_failovers_total"
+        assert registry.get_sample_value(failovers, {"kind": "mid_stream"}) == 1
+        assert registry.get_sample_value(failovers, {"kind": "before_first_token"}) == 0
+    finally:
+        cluster.close()
+
+
+def test_cancelling_a_stream_frees_the_request_on_its_worker(
+    cluster: BackgroundCluster, client: Client
+) -> None:
+    # 3,000 tokens take seconds to decode here: idle within one means the request was aborted.
+    stream = client.stream(question(0, 7), max_tokens=3000)
+    next(stream)
+    stream.close()
+    for worker in cluster.workers:
+        wait_until_idle(worker, timeout_s=1.0)
+
+
+def test_a_deadline_reaches_the_worker(cluster: BackgroundCluster, client: Client) -> None:
+    with pytest.raises(KvswitchTimeoutError):
+        client.generate(question(1, 8), max_tokens=3000, timeout_s=0.3)
+    for worker in cluster.workers:
+        wait_until_idle(worker, timeout_s=1.0)
+
+
+def test_health_reports_the_router_and_its_index(cluster: BackgroundCluster) -> None:
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("kvswitch.v1.Router", "kvswitch.v1.CacheIndex", ""):
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_no_live_worker_is_unavailable() -> None:
+    cluster = BackgroundCluster(num_workers=0)
+    try:
+        c = Client(cluster.address, max_retries=1, initial_backoff_s=0.01)
+        with c, pytest.raises(KvswitchError) as error:
+            c.generate("anyone there?")
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "no worker is live" in error.value.details
+    finally:
+        cluster.close()
+
+
+def test_a_router_with_a_token_refuses_clients_without_it() -> None:
+    config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "token": "s3cret"})
+    cluster = BackgroundCluster(num_workers=1, router_config=config)
+    try:
+        c = Client(cluster.address, max_retries=0)
+        with c, pytest.raises(KvswitchError) as error:
+            c.generate("hello")
+        assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with Client(cluster.address, token="s3cret") as c:
+            assert len(c.generate("hello", max_tokens=3).token_ids) == 3
+    finally:
+        cluster.close()
+
+
+def test_router_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="policy must be one of"):
+        RouterConfig(policy="best")
+    with pytest.raises(ValueError, match="prefill_weight"):
+        RouterConfig(prefill_weight=-1)
+    with pytest.raises(ValueError, match="max_failovers"):
+        RouterConfig(max_failovers=-1)
+
+
+def test_metrics_are_served_over_http() -> None:
+    config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "metrics_port": 0})
+    cluster = BackgroundCluster(num_workers=2, router_config=config)
+    try:
+        with Client(cluster.address, max_retries=0) as c:
+            for _ in range(2):
+                c.generate("count me", max_tokens=3)
+            with pytest.raises(KvswitchError):
+                c.generate(prompt_token_ids=[256, 999_999])
+        url = f"http://{cluster.router.metrics_address}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    finally:
+        cluster.close()
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in families[family].samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    requests = "kvswitch_router_requests"
+    assert value(requests, f"{requests}_total", finish_reason="length") == 2
+    assert value(requests, f"{requests}_total", finish_reason="rejected") == 1
+    decisions = "kvswitch_router_routing_decisions"
+    assert value(decisions, f"{decisions}_total", policy="cost") == 3
+    lookups = "kvswitch_router_index_lookup_seconds"
+    assert value(lookups, f"{lookups}_count") == 3
+    assert value("kvswitch_router_ttft_seconds", "kvswitch_router_ttft_seconds_count") == 2
+    in_flight = families["kvswitch_router_worker_in_flight_requests"]
+    assert {s.labels["worker_id"] for s in in_flight.samples} == {"w0", "w1"}

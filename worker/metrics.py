@@ -1,0 +1,91 @@
+"""A worker's Prometheus metrics (``kvswitch_worker_*``; docs/OBSERVABILITY.md lists them).
+
+``WorkerMetrics`` owns its registry. The servicer reports each request once, when it ends; the
+load gauges are read from the engine loop's latest ``LoadReport`` when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Info
+from prometheus_client.core import GaugeMetricFamily
+
+from kvswitch.metrics import MetricsServer, RequestMetrics, start_metrics_server
+from worker.engine_loop import LoadReport
+
+# "rejected": refused before the engine took it (invalid, or the worker is stopping);
+# "error": the engine failed it; the rest are the engine's own finish reasons.
+FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
+
+# (metric name, help, LoadReport field) of each load gauge.
+_LOAD_GAUGES = (
+    ("kvswitch_worker_running_requests", "Requests being computed", "num_running_requests"),
+    ("kvswitch_worker_waiting_requests", "Requests waiting to start", "num_waiting_requests"),
+    (
+        "kvswitch_worker_queued_prefill_tokens",
+        "Prompt tokens still to compute, waiting requests counted whole",
+        "num_queued_prefill_tokens",
+    ),
+    ("kvswitch_worker_free_blocks", "KV cache blocks free (cached ones too)", "num_free_blocks"),
+    ("kvswitch_worker_total_blocks", "KV cache blocks in all", "num_total_blocks"),
+)
+
+
+class _LoadCollector:
+    """The load gauges, as of the engine's latest step at the time of the scrape."""
+
+    def __init__(self, load: Callable[[], LoadReport]) -> None:
+        self._load = load
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        load = self._load()
+        for name, documentation, field in _LOAD_GAUGES:
+            yield GaugeMetricFamily(name, documentation, value=getattr(load, field))
+
+
+class WorkerMetrics:
+    """One worker's metrics, in a registry of its own (``registry``).
+
+    The servicer calls ``request_finished`` once per Generate call, however it ended; the load
+    gauges read ``load()`` when Prometheus scrapes.
+    """
+
+    def __init__(
+        self, load: Callable[[], LoadReport], *, worker_id: str, model: str, role: str
+    ) -> None:
+        self.registry = CollectorRegistry()
+        Info("kvswitch_worker", "The worker's name, model and role", registry=self.registry).info(
+            {"worker_id": worker_id, "model": model, "role": role}
+        )
+        self._requests = RequestMetrics(
+            self.registry,
+            "kvswitch_worker",
+            FINISH_REASONS,
+            ttft_help="Time from a request's arrival in the engine to its first token",
+            cached_help="Of those prompt tokens, the ones found in the prefix cache",
+        )
+        self.registry.register(_LoadCollector(load))
+
+    def request_finished(
+        self,
+        finish_reason: str,
+        *,
+        ttft_s: float | None = None,
+        num_prompt_tokens: int = 0,
+        num_cached_tokens: int = 0,
+        num_output_tokens: int = 0,
+    ) -> None:
+        """``finish_reason`` is one of ``FINISH_REASONS``; ``ttft_s`` None = no token came. The
+        prompt and cached tokens count only with a ``ttft_s`` (see ``RequestMetrics``)."""
+        self._requests.finished(
+            finish_reason,
+            ttft_s=ttft_s,
+            num_prompt_tokens=num_prompt_tokens,
+            num_cached_tokens=num_cached_tokens,
+            num_output_tokens=num_output_tokens,
+        )
+
+    def serve(self, host: str, port: int) -> MetricsServer:
+        """Serve ``/metrics`` on ``host:port`` (0 = a free port). OSError if it cannot."""
+        return start_metrics_server(self.registry, host, port)
