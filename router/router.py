@@ -66,6 +66,7 @@ class Router:
         self.default_policy = make_policy(policy, weights)
         self._policies: dict[tuple, Policy] = {}
         self.last_lookup_s = 0.0  # how long the last index match took
+        self.num_lookup_errors = 0
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -126,7 +127,12 @@ class Router:
                 + (f" apart from {', '.join(sorted(exclude))}, which failed" if exclude else "")
             )
         started_s = time.perf_counter()
-        index_matches = await self.index.match(plan.namespace, plan.block_hashes)
+        try:
+            index_matches = await self.index.match(plan.namespace, plan.block_hashes)
+        except Exception as e:  # Redis restarting, a network blip: route on load alone
+            self.num_lookup_errors += 1
+            logger.warning("the index cannot answer (%s); routing without it", e)
+            index_matches = {}
         self.last_lookup_s = time.perf_counter() - started_s
         matches = self.pending.match(plan.block_hashes, index_matches)
         request = RouteRequest(len(plan.token_ids), plan.block_size)

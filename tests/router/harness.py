@@ -35,8 +35,10 @@ class BackgroundCluster:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self.router: RouterServer = self.run(start_router(router_config))
+        embedded = router_config.index.startswith("memory://")
         self.worker_config = dataclasses.replace(
-            worker_config, index=f"grpc://{self.router.address}"
+            worker_config,
+            index=f"grpc://{self.router.address}" if embedded else router_config.index,
         )
         self.workers: list[WorkerServer] = []
         for i in range(num_workers):

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_index.index import WorkerInfo
+from cache_index.local_redis import LocalRedis
 from client import Client, KvswitchError, KvswitchTimeoutError
 from router.server import RouterConfig
 from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
@@ -277,3 +278,19 @@ def test_metrics_are_served_over_http() -> None:
     assert value("kvswitch_router_ttft_seconds", "kvswitch_router_ttft_seconds_count") == 2
     in_flight = families["kvswitch_router_worker_in_flight_requests"]
     assert {s.labels["worker_id"] for s in in_flight.samples} == {"w0", "w1"}
+
+
+def test_requests_still_route_when_the_index_cannot_answer(reference: LLMEngine) -> None:
+    """The Redis index goes away: the router keeps the workers it knows and routes on load."""
+    with LocalRedis() as redis_server:
+        config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "index": redis_server.url})
+        cluster = BackgroundCluster(num_workers=2, router_config=config)
+        try:
+            redis_server.stop()
+            with Client(cluster.address, max_retries=0) as c:
+                result = c.generate("still here?", max_tokens=4)
+            assert result.token_ids == expected(reference, "still here?", max_tokens=4)
+            assert result.route.num_matched_blocks == 0
+            assert cluster.router.router.num_lookup_errors == 1
+        finally:
+            cluster.close()
