@@ -3,13 +3,18 @@ workers (the built-in model), the embedded or a Redis index, requests through th
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client import Client, GenerateResult
+from client import Client, GenerateResult, KvswitchError
 from kvswitch.cluster import ClusterConfig, LocalCluster, running
 from kvswitch.demo import DemoConfig, document_questions
 from worker.engine import EngineConfig, LLMEngine
@@ -116,3 +121,37 @@ def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
     assert moved, "no request was running on the killed worker"
     assert all(r.stats.worker_id != "worker-0" for r in moved)
     assert all(r.stats.num_output_tokens == max_tokens for r in results if r is not None)
+
+
+def test_kvswitch_up_serves_until_sigterm_then_stops_everything() -> None:
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch.cli", "up", "--workers", "1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()
+        assert line.startswith("kvswitch cluster up: router at "), line
+        router_address = line.split("router at ", 1)[1].split(",", 1)[0]
+        worker_address = line.rsplit("workers ", 1)[1].strip()
+        with Client(router_address, timeout_s=60) as client:
+            deadline = time.monotonic() + 30
+            while True:  # the worker registers after loading its model
+                try:
+                    result = client.generate("hello", max_tokens=3)
+                    break
+                except KvswitchError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+        assert result.stats.worker_id == "worker-0"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+    for address in (router_address, worker_address):
+        host, port = address.rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=2).close()
