@@ -76,7 +76,8 @@ class IndexToolConfig:
             raise ValueError("give the index to look at: --index redis://HOST:PORT")
         if self.index.startswith("memory://"):
             raise ValueError(
-                "an embedded (memory://) index lives inside its process: give a Redis URL"
+                "an embedded (memory://) index lives inside its process: give a Redis URL, or "
+                "grpc://ROUTER_HOST:PORT for a router's embedded index"
             )
 
 

@@ -95,7 +95,8 @@ INDEX_HELP = {
     "seed": "random seed",
 }
 INDEX_TOOL_HELP = {
-    "index": "the index: redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT",
+    "index": "the index: redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT, or "
+    "grpc://ROUTER_HOST:PORT for a router's embedded index",
     "prefix": "key prefix of the deployment (several may share one Redis)",
 }
 ROUTER_BENCH_HELP = {
@@ -142,8 +143,9 @@ WORKER_HELP = {
     "client asks for none",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM before they are "
     "cancelled",
-    "index": "block-hash index to publish this worker's cache to: redis://HOST:PORT, "
-    "rediss://... (TLS), redis+cluster://HOST:PORT; empty = publish nothing",
+    "index": "block-hash index to publish this worker's cache to: grpc://ROUTER_HOST:PORT (a "
+    "router's embedded index), redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT; "
+    "empty = publish nothing",
     "role": "what the router may send here: both, prefill or decode",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",

@@ -3,6 +3,7 @@ workers (the built-in model), the embedded or a Redis index, requests through th
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client import Client, GenerateResult, KvswitchError
+from kvswitch.cli import main
 from kvswitch.cluster import ClusterConfig, LocalCluster, running
 from kvswitch.demo import DemoConfig, document_questions
 from worker.engine import EngineConfig, LLMEngine
@@ -62,6 +64,20 @@ def test_interleaved_questions_land_where_their_document_is(
             )
     check_each_document_stayed_on_one_worker(first + rest)
     assert len({r.stats.worker_id for _, r in first}) == 2  # new documents spread
+
+
+def test_the_embedded_index_agrees_with_the_workers(
+    embedded_cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvswitch index audit`` against the router's embedded index, after traffic."""
+    with Client(embedded_cluster.address, timeout_s=60) as client:
+        client.generate(QUESTIONS[0][1], max_tokens=2)
+    time.sleep(0.3)  # the worker publishes its events every 20 ms
+    assert main(["index", "audit", "--index", embedded_cluster.index_url]) == 0
+    audit = json.loads(capsys.readouterr().out)
+    assert len(audit["workers"]) == 2
+    assert audit["num_stale"] == 0 and audit["num_missing"] == 0
+    assert sum(w["num_in_index"] for w in audit["workers"]) > 0
 
 
 def test_two_routers_share_one_redis_index() -> None:
