@@ -1,0 +1,325 @@
+"""``kvswitch.v1.Router`` over a ``Router``: forwards each request, relays its stream, fails over.
+
+One request::
+
+    plan (tokenize, hash) -> choose (index match + guesses, policy) -> Worker.Generate
+        ^                                                                   |
+        |   failed before its first token: the next best worker             |
+        +-- failed mid-stream: another worker, prompt + tokens already sent +
+                                                    chunks -> client, then one final message
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+
+import grpc
+
+from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from router.metrics import RouterMetrics
+from router.policy import Decision
+from router.router import NoWorkerError, RoutePlan, Router
+from router.workers import InFlight, WorkerHandle
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this, as on the worker
+
+# A worker that answers with one of these judged the request, not itself: tell the client.
+_CLIENT_ERRORS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+)
+
+
+class _WorkerFailed(Exception):
+    """A worker failed the request in a way another worker may not (it died, it is stopping)."""
+
+    def __init__(self, worker_id: str, why: str) -> None:
+        super().__init__(f"worker {worker_id}: {why}")
+
+
+class _Refused(Exception):
+    """The worker judged the request itself (bad input, deadline passed): tell the client."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+_FINISH_REASON_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+_FINISH_REASON_BY_CODE = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "abort",
+    **{code: "rejected" for code in _CLIENT_ERRORS},
+}
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """How a request ended, for the metrics."""
+
+    request_id: str
+    finish_reason: str = "error"
+    ttft_s: float | None = None  # as the router saw it: arrival to first token relayed
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def finished(self, final: router_pb2.GenerateFinal) -> None:
+        self.finish_reason = _FINISH_REASON_NAMES.get(final.finish_reason, "error")
+        self.num_prompt_tokens = final.stats.num_prompt_tokens
+        self.num_cached_tokens = final.stats.num_cached_tokens
+        self.num_output_tokens = final.stats.num_output_tokens
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, outcome: _Outcome, code: grpc.StatusCode, details: str
+) -> None:
+    outcome.finish_reason = _FINISH_REASON_BY_CODE.get(code, "error")
+    await context.abort(code, details)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """``kvswitch.v1.Router`` over a ``Router``: forwards, relays, fails over."""
+
+    def __init__(
+        self, router: Router, metrics: RouterMetrics | None = None, *, max_failovers: int = 3
+    ) -> None:
+        self._router = router
+        self._directory = router.directory
+        self._metrics = metrics or RouterMetrics()
+        self._max_failovers = max_failovers
+        self.num_failovers = 0
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        # NOTE: written with context.write, not as an async generator, so that a cancelled RPC
+        # raises CancelledError in here and the worker's call is cancelled with it.
+        outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}")
+        try:
+            await self._generate(request, context, outcome)
+        except asyncio.CancelledError:
+            outcome.finish_reason = "abort"
+            raise
+        finally:
+            self._metrics.request_finished(
+                outcome.finish_reason,
+                ttft_s=outcome.ttft_s,
+                num_prompt_tokens=outcome.num_prompt_tokens,
+                num_cached_tokens=outcome.num_cached_tokens,
+                num_output_tokens=outcome.num_output_tokens,
+            )
+
+    async def _generate(
+        self,
+        request: router_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        outcome: _Outcome,
+    ) -> None:
+        request_id = outcome.request_id
+        log = {"extra": {"request_id": request_id}}
+        try:
+            plan = self._plan(request)
+            max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
+        except ValueError as e:
+            await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoWorkerError as e:
+            await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
+
+        num_prompt_tokens = len(plan.token_ids)
+        sent: list[int] = []  # output tokens already relayed to the client
+        failed: set[str] = set()
+        started_s = time.monotonic()
+        first_token_s: float | None = None
+        stop_token_ids = set(request.sampling.stop_token_ids)
+        stop_token_ids.update(self._router.tokenizer.stop_token_ids)
+        while True:
+            if sent and (len(sent) >= max_tokens or sent[-1] in stop_token_ids):
+                # The failed worker had sent everything but its final message.
+                final = _final_without_worker(plan, sent, max_tokens)
+                outcome.finished(final)
+                await context.write(router_pb2.GenerateResponse(final=final))
+                return
+            resumed = self._router.extend(plan, sent)
+            try:
+                decision, handle = await self._router.choose(
+                    resumed,
+                    policy=request.routing.policy,
+                    weights=dict(request.routing.weights),
+                    exclude=failed,
+                )
+            except ValueError as e:
+                await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except NoWorkerError as e:
+                await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
+            self._metrics.index_lookup(self._router.last_lookup_s)
+            if failed:
+                decision = dataclasses.replace(decision, reason=f"failover: {decision.reason}")
+            logger.info(
+                "request %s -> %s (%s: %s, %d of %d blocks matched)",
+                request_id,
+                decision.worker_id,
+                decision.policy,
+                decision.reason,
+                decision.num_matched_blocks,
+                len(resumed.block_hashes),
+                **log,
+            )
+            self._router.routed(resumed, decision)
+            self._metrics.routed(decision.policy, decision.reason, decision.worker_id)
+            flight = self._directory.begin(
+                handle, self._router.num_uncached_tokens(resumed, decision), max_tokens - len(sent)
+            )
+            worker_request = worker_pb2.WorkerGenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=resumed.token_ids,
+                sampling=_remaining_sampling(request.sampling, max_tokens, len(sent)),
+                lora=request.lora,
+                cache_salt=request.cache_salt,
+                num_resumed_tokens=len(sent),
+            )
+            try:
+                responses = self._relay(worker_request, handle, flight, context)
+                async with contextlib.aclosing(responses):
+                    async for response in responses:
+                        if response.HasField("chunk"):
+                            if first_token_s is None and response.chunk.token_ids:
+                                first_token_s = time.monotonic()
+                                outcome.ttft_s = first_token_s - started_s
+                            sent += response.chunk.token_ids
+                            await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
+                            continue
+                        final = _final(response.final, decision, num_prompt_tokens, len(sent))
+                        if failed and first_token_s is not None:
+                            # The last worker's TTFT misses the time lost on the failed ones.
+                            final.stats.ttft_s = first_token_s - started_s
+                        outcome.finished(final)
+                        await context.write(router_pb2.GenerateResponse(final=final))
+                        return
+                raise _WorkerFailed(decision.worker_id, "the stream ended without a final message")
+            except _Refused as e:
+                await _abort(context, outcome, e.code, e.details)
+            except _WorkerFailed as e:
+                failed.add(decision.worker_id)
+                self._directory.mark_down(handle)
+                self._router.pending.forget_worker(decision.worker_id)
+                if len(failed) > self._max_failovers:
+                    await _abort(
+                        context,
+                        outcome,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{len(failed)} workers failed the request; last: {e}",
+                    )
+                self.num_failovers += 1
+                self._metrics.failed_over("mid_stream" if sent else "before_first_token")
+                logger.warning(
+                    "request %s: %s; %s on another worker",
+                    request_id,
+                    e,
+                    f"resuming after {len(sent)} tokens" if sent else "retrying",
+                    **log,
+                )
+            finally:
+                self._directory.finish(flight)
+
+    async def _relay(
+        self,
+        worker_request: worker_pb2.WorkerGenerateRequest,
+        handle: WorkerHandle,
+        flight: InFlight,
+        context: grpc.aio.ServicerContext,
+    ):
+        """The worker's responses, with its failures as ``_WorkerFailed`` and the client's
+        mistakes aborting the client's RPC. The worker's call is cancelled if we are."""
+        call = handle.stub.Generate(worker_request, timeout=context.time_remaining())
+        try:
+            async for response in call:
+                if response.HasField("chunk"):
+                    self._directory.first_token(flight)
+                    self._directory.produced(flight, len(response.chunk.token_ids))
+                yield response
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code in _CLIENT_ERRORS:
+                raise _Refused(code, e.details() or code.name) from None
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise _Refused(code, "the request's deadline passed") from None
+            raise _WorkerFailed(handle.worker_id, f"{code.name}: {e.details()}") from None
+        finally:
+            call.cancel()
+
+    def _plan(self, request: router_pb2.GenerateRequest) -> RoutePlan:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise ValueError("the request has no prompt: set text or token_ids")
+        return self._router.plan(
+            text=request.text if kind == "text" else None,
+            token_ids=request.token_ids.ids if kind == "token_ids" else None,
+            lora=request.lora or None,
+            cache_salt=request.cache_salt or None,
+        )
+
+
+def _remaining_sampling(
+    sampling: common_pb2.SamplingParams, max_tokens: int, num_sent: int
+) -> common_pb2.SamplingParams:
+    remaining = common_pb2.SamplingParams()
+    remaining.CopyFrom(sampling)
+    remaining.max_tokens = max_tokens - num_sent
+    return remaining
+
+
+def _final(
+    worker_final: worker_pb2.WorkerGenerateFinal,
+    decision: Decision,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+) -> router_pb2.GenerateFinal:
+    """The client's final message: the worker's, counted from the client's view (a resumed
+    worker saw the tokens already sent as prompt), with the routing decision."""
+    stats = common_pb2.RequestStats()
+    stats.CopyFrom(worker_final.stats)
+    stats.num_prompt_tokens = num_prompt_tokens
+    stats.num_cached_tokens = min(stats.num_cached_tokens, num_prompt_tokens)
+    stats.num_output_tokens = num_output_tokens
+    route = router_pb2.RouteDecision(
+        worker_id=decision.worker_id,
+        policy=decision.policy,
+        reason=decision.reason,
+        num_matched_blocks=decision.num_matched_blocks,
+        score=decision.score,
+    )
+    return router_pb2.GenerateFinal(
+        finish_reason=worker_final.finish_reason, stats=stats, route=route
+    )
+
+
+def _final_without_worker(
+    plan: RoutePlan, sent: list[int], max_tokens: int
+) -> router_pb2.GenerateFinal:
+    reason = (
+        common_pb2.FINISH_REASON_LENGTH
+        if len(sent) >= max_tokens
+        else common_pb2.FINISH_REASON_STOP
+    )
+    stats = common_pb2.RequestStats(
+        num_prompt_tokens=len(plan.token_ids), num_output_tokens=len(sent)
+    )
+    route = router_pb2.RouteDecision(reason="failover: output was complete")
+    return router_pb2.GenerateFinal(finish_reason=reason, stats=stats, route=route)
