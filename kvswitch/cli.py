@@ -12,7 +12,7 @@ from typing import Any
 from benchmarks.timing import BenchmarkUnavailable
 from kvswitch import __version__
 from kvswitch.cli_args import ConfigError, add_config_args, config_from_args
-from kvswitch.logs import configure_logging, log_format_from_env
+from kvswitch.logs import configure_logging, log_format_from_env, log_level_from_env
 
 DESCRIPTION = """\
 kvswitch routes LLM requests to the GPU worker that already holds the KV cache of their prompt.
@@ -249,10 +249,10 @@ def _worker_command(args: argparse.Namespace) -> None:
 
 def _configure_logging() -> None:
     try:
-        log_format = log_format_from_env()
+        log_format, log_level = log_format_from_env(), log_level_from_env()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    configure_logging(json=log_format == "json")
+    configure_logging(log_level, json=log_format == "json")
 
 
 def _router_command(args: argparse.Namespace) -> None:

@@ -8,7 +8,8 @@ the traceback, if any::
     ts=2025-01-31T12:00:00.123Z level=INFO logger=worker.server msg="stop after 8 ..." request_id=r1
     {"ts": "2025-01-31T12:00:00.123Z", "level": "INFO", ..., "request_id": "r1"}
 
-The commands read the format from the environment: ``KVSWITCH_LOG_FORMAT=json`` (default text).
+The commands read the format and level from the environment: ``KVSWITCH_LOG_FORMAT=json``
+(default text), ``KVSWITCH_LOG_LEVEL=DEBUG`` (default INFO).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 LOG_FORMAT_ENV = "KVSWITCH_LOG_FORMAT"
 LOG_FORMATS = ("text", "json")
+LOG_LEVEL_ENV = "KVSWITCH_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # What every LogRecord carries; any other attribute of a record came in through ``extra``.
 _RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -80,3 +83,12 @@ def log_format_from_env(environ: Mapping[str, str] = os.environ) -> str:
     if log_format not in LOG_FORMATS:
         raise ValueError(f"{LOG_FORMAT_ENV} must be text or json, got {log_format!r}")
     return log_format
+
+
+def log_level_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    """``KVSWITCH_LOG_LEVEL``: DEBUG, INFO (the default, also when empty), WARNING or ERROR;
+    ValueError otherwise."""
+    level = (environ.get(LOG_LEVEL_ENV) or "INFO").upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"{LOG_LEVEL_ENV} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    return level

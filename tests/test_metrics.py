@@ -192,3 +192,12 @@ def test_log_format_from_env() -> None:
     assert log_format_from_env({"KVSWITCH_LOG_FORMAT": "json"}) == "json"
     with pytest.raises(ValueError, match="KVSWITCH_LOG_FORMAT must be text or json, got 'xml'"):
         log_format_from_env({"KVSWITCH_LOG_FORMAT": "xml"})
+
+
+def test_log_level_comes_from_the_environment() -> None:
+    from kvswitch.logs import log_level_from_env
+
+    assert log_level_from_env({}) == "INFO"
+    assert log_level_from_env({"KVSWITCH_LOG_LEVEL": "debug"}) == "DEBUG"
+    with pytest.raises(ValueError, match="KVSWITCH_LOG_LEVEL"):
+        log_level_from_env({"KVSWITCH_LOG_LEVEL": "loud"})
