@@ -8,7 +8,7 @@ from typing import NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from kvswitch.metrics import MetricsServer, RequestMetrics, start_metrics_server
+from kvswitch.metrics import RequestMetrics
 
 # Known values of the low-cardinality labels; each series starts at 0 so that rate() sees the
 # first one. Others are counted too: the caller keeps them to a fixed set.
@@ -39,7 +39,7 @@ class RouterMetrics:
     * ``index_lookup(duration_s)`` for each block-index match.
     * ``failed_over(kind)`` when a worker failed the request and another one is tried; ``kind`` is
       one of ``FAILOVER_KINDS``.
-    * ``request_finished(finish_reason, ...)`` once, however the request ended. Its prompt and
+    * ``requests.finished(finish_reason, ...)`` once, however the request ended. Its prompt and
       cached tokens, and its time to first token, count only if it reached its first token, so
       the cached-token ratio compares the prompts of the same requests.
 
@@ -51,7 +51,7 @@ class RouterMetrics:
         self, worker_loads: Callable[[], Iterable[WorkerLoadSample]] | None = None
     ) -> None:
         self.registry = CollectorRegistry()
-        self._requests = RequestMetrics(
+        self.requests = RequestMetrics(
             self.registry,
             "kvswitch_router",
             FINISH_REASONS,
@@ -89,28 +89,6 @@ class RouterMetrics:
 
     def failed_over(self, kind: str) -> None:
         self._failovers.labels(kind).inc()
-
-    def request_finished(
-        self,
-        finish_reason: str,
-        *,
-        ttft_s: float | None = None,
-        num_prompt_tokens: int = 0,
-        num_cached_tokens: int = 0,
-        num_output_tokens: int = 0,
-    ) -> None:
-        """``finish_reason`` is one of ``FINISH_REASONS``; ``ttft_s`` None = no token came."""
-        self._requests.finished(
-            finish_reason,
-            ttft_s=ttft_s,
-            num_prompt_tokens=num_prompt_tokens,
-            num_cached_tokens=num_cached_tokens,
-            num_output_tokens=num_output_tokens,
-        )
-
-    def serve(self, host: str, port: int) -> MetricsServer:
-        """Serve ``/metrics`` on ``host:port`` (0 = a free port). OSError if it cannot."""
-        return start_metrics_server(self.registry, host, port)
 
 
 class _WorkerLoadCollector:

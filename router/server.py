@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cache_index.connect import connect_index
 from cache_index.index import BlockIndex, reclaim_forever
-from kvswitch.metrics import MetricsServer
+from kvswitch.metrics import MetricsServer, start_metrics_server
 from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.v1 import router_pb2_grpc
 from router.metrics import RouterMetrics, WorkerLoadSample
@@ -176,7 +176,9 @@ async def start_router(config: RouterConfig) -> RouterServer:
     metrics_server = None
     if config.metrics_port >= 0:
         try:
-            metrics_server = metrics.serve(config.host, config.metrics_port)
+            metrics_server = start_metrics_server(
+                metrics.registry, config.host, config.metrics_port
+            )
         except OSError as e:
             raise RouterStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"

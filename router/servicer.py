@@ -118,7 +118,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             outcome.finish_reason = "abort"
             raise
         finally:
-            self._metrics.request_finished(
+            self._metrics.requests.finished(
                 outcome.finish_reason,
                 ttft_s=outcome.ttft_s,
                 num_prompt_tokens=outcome.num_prompt_tokens,

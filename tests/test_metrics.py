@@ -48,11 +48,11 @@ def test_metrics_server_refuses_a_taken_port() -> None:
 
 def test_router_metrics_record_requests() -> None:
     metrics = RouterMetrics()
-    metrics.request_finished(
+    metrics.requests.finished(
         "stop", ttft_s=0.2, num_prompt_tokens=100, num_cached_tokens=64, num_output_tokens=8
     )
     # No first token: counted by reason, its prompt left out of the cached-token ratio.
-    metrics.request_finished("unavailable", num_prompt_tokens=50)
+    metrics.requests.finished("unavailable", num_prompt_tokens=50)
 
     def value(name: str, **labels: str) -> float | None:
         return metrics.registry.get_sample_value(name, labels)
@@ -111,7 +111,7 @@ def test_router_worker_gauges_are_read_at_scrape_time() -> None:
 def test_router_metrics_serve() -> None:
     metrics = RouterMetrics()
     metrics.failed_over("mid_stream")
-    server = metrics.serve("127.0.0.1", 0)
+    server = start_metrics_server(metrics.registry, "127.0.0.1", 0)
     try:
         lines = _get(server.address).splitlines()
     finally:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import GaugeMetricFamily
 
-from kvswitch.metrics import MetricsServer, RequestMetrics, start_metrics_server
+from kvswitch.metrics import RequestMetrics
 from worker.engine_loop import LoadReport
 
 # "rejected": refused before the engine took it (invalid, or the worker is stopping);
@@ -47,7 +47,7 @@ class _LoadCollector:
 class WorkerMetrics:
     """One worker's metrics, in a registry of its own (``registry``).
 
-    The servicer calls ``request_finished`` once per Generate call, however it ended; the load
+    The servicer calls ``requests.finished`` once per Generate call, however it ended; the load
     gauges read ``load()`` when Prometheus scrapes.
     """
 
@@ -58,7 +58,7 @@ class WorkerMetrics:
         Info("kvswitch_worker", "The worker's name, model and role", registry=self.registry).info(
             {"worker_id": worker_id, "model": model, "role": role}
         )
-        self._requests = RequestMetrics(
+        self.requests = RequestMetrics(
             self.registry,
             "kvswitch_worker",
             FINISH_REASONS,
@@ -66,26 +66,3 @@ class WorkerMetrics:
             cached_help="Of those prompt tokens, the ones found in the prefix cache",
         )
         self.registry.register(_LoadCollector(load))
-
-    def request_finished(
-        self,
-        finish_reason: str,
-        *,
-        ttft_s: float | None = None,
-        num_prompt_tokens: int = 0,
-        num_cached_tokens: int = 0,
-        num_output_tokens: int = 0,
-    ) -> None:
-        """``finish_reason`` is one of ``FINISH_REASONS``; ``ttft_s`` None = no token came. The
-        prompt and cached tokens count only with a ``ttft_s`` (see ``RequestMetrics``)."""
-        self._requests.finished(
-            finish_reason,
-            ttft_s=ttft_s,
-            num_prompt_tokens=num_prompt_tokens,
-            num_cached_tokens=num_cached_tokens,
-            num_output_tokens=num_output_tokens,
-        )
-
-    def serve(self, host: str, port: int) -> MetricsServer:
-        """Serve ``/metrics`` on ``host:port`` (0 = a free port). OSError if it cannot."""
-        return start_metrics_server(self.registry, host, port)

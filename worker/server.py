@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cache_index.connect import connect_index
 from cache_index.index import ROLES, WorkerInfo
-from kvswitch.metrics import MetricsServer
+from kvswitch.metrics import MetricsServer, start_metrics_server
 from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
@@ -171,11 +171,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 num_resumed_tokens=request.num_resumed_tokens,
             )
         except EngineStopped:
-            self._metrics.request_finished("rejected")
+            self._metrics.requests.finished("rejected")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
         except ValueError as e:
             logger.info("rejected: %s", e, extra=log_extra)
-            self._metrics.request_finished("rejected")
+            self._metrics.requests.finished("rejected")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id}: {e}")
         logger.debug("%d prompt tokens", len(prompt_token_ids), extra=log_extra)
 
@@ -226,7 +226,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     "cancelled (client gone, deadline passed or worker stopping)", extra=log_extra
                 )
                 self._engine_loop.abort(request_id)
-            self._metrics.request_finished(
+            self._metrics.requests.finished(
                 finish_reason,
                 ttft_s=ttft_s,
                 num_prompt_tokens=stats.num_prompt_tokens,
@@ -355,7 +355,9 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     metrics_server = None
     if config.metrics_port >= 0:
         try:
-            metrics_server = metrics.serve(config.host, config.metrics_port)
+            metrics_server = start_metrics_server(
+                metrics.registry, config.host, config.metrics_port
+            )
         except OSError as e:
             raise WorkerStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
