@@ -232,10 +232,6 @@ class LocalCluster:
             log.close()
         process = _Process(name, popen)
         process.address = _read_address(popen, name, self._log_hint(name))
-        # Keep draining stdout so the child never blocks on a full pipe.
-        threading.Thread(target=_drain, args=(popen.stdout,), daemon=True).start()
-        if name == "router":
-            self.router = process
         return process
 
     def _log_hint(self, name: str) -> str:
@@ -243,29 +239,27 @@ class LocalCluster:
 
 
 def _read_address(popen: subprocess.Popen, name: str, log_hint: str) -> str:
+    """The address in the child's "listening on" line. A thread reads its stdout to the end, so
+    the child never blocks on a full pipe."""
     assert popen.stdout is not None
+    stdout = popen.stdout
     found: list[str] = []
+    ready = threading.Event()
 
     def read() -> None:
-        for line in popen.stdout:
-            if READY_MARK in line:
+        for line in stdout:
+            if not ready.is_set() and READY_MARK in line:
                 found.append(line.split(READY_MARK, 1)[1].strip())
-                return
+                ready.set()
+        ready.set()  # it exited without saying
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(STARTUP_TIMEOUT_S)
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(STARTUP_TIMEOUT_S)
     if not found:
         popen.kill()
         why = "exited" if popen.poll() is not None else "did not start in time"
         raise ClusterError(f"{name} {why}{log_hint}")
     return found[0]
-
-
-def _drain(stream: IO[str] | None) -> None:
-    if stream is not None:
-        for _ in stream:
-            pass
 
 
 def _num_gpus() -> int:

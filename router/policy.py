@@ -39,9 +39,11 @@ class RouteRequest:
     num_prompt_tokens: int
     block_size: int
 
-    def num_cached_tokens(self, worker: WorkerState) -> int:
+    def num_uncached_tokens(self, num_matched_blocks: int) -> int:
+        """Prompt tokens a worker holding ``num_matched_blocks`` leading blocks must compute."""
         # The last prompt token is always computed: a hit never covers the whole prompt.
-        return min(worker.num_matched_blocks * self.block_size, self.num_prompt_tokens - 1)
+        num_cached = min(num_matched_blocks * self.block_size, self.num_prompt_tokens - 1)
+        return self.num_prompt_tokens - num_cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +159,7 @@ class CostPolicy(_Ranked):
         self._rng = rng or random.Random()
 
     def cost(self, request: RouteRequest, worker: WorkerState) -> float:
-        uncached = request.num_prompt_tokens - request.num_cached_tokens(worker)
+        uncached = request.num_uncached_tokens(worker.num_matched_blocks)
         return uncached * self.prefill_weight + worker.num_outstanding_tokens
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:

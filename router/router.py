@@ -146,8 +146,7 @@ class Router:
 
     def num_uncached_tokens(self, plan: RoutePlan, decision: Decision) -> int:
         request = RouteRequest(len(plan.token_ids), plan.block_size)
-        cached = min(decision.num_matched_blocks * plan.block_size, request.num_prompt_tokens - 1)
-        return request.num_prompt_tokens - cached
+        return request.num_uncached_tokens(decision.num_matched_blocks)
 
     def _policy(self, name: str, weights: Mapping[str, float] | None) -> Policy:
         if not name and not weights:

@@ -104,7 +104,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._directory = router.directory
         self._metrics = metrics or RouterMetrics()
         self._max_failovers = max_failovers
-        self.num_failovers = 0
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -226,7 +225,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         grpc.StatusCode.UNAVAILABLE,
                         f"{len(failed)} workers failed the request; last: {e}",
                     )
-                self.num_failovers += 1
                 self._metrics.failed_over("mid_stream" if sent else "before_first_token")
                 logger.warning(
                     "%s; %s on another worker",
@@ -244,8 +242,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         flight: InFlight,
         context: grpc.aio.ServicerContext,
     ):
-        """The worker's responses, with its failures as ``_WorkerFailed`` and the client's
-        mistakes aborting the client's RPC. The worker's call is cancelled if we are."""
+        """The worker's responses. Its own failures raise ``_WorkerFailed`` (try another worker),
+        its verdicts on the request ``_Refused`` (tell the client); the call is cancelled with
+        us."""
         call = handle.stub.Generate(worker_request, timeout=context.time_remaining())
         try:
             async for response in call:

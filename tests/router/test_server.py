@@ -176,7 +176,6 @@ def test_a_worker_dying_mid_stream_is_resumed_without_gap_or_duplicate(
         assert result.route.reason.startswith("failover: ")
         assert result.stats.num_output_tokens == 120
         assert result.stats.num_prompt_tokens == len(TOKENIZER.encode(prompt))
-        assert cluster.router.servicer.num_failovers == 1
         registry = cluster.router.metrics.registry
         failovers = "kvswitch_router_failovers_total"
         assert registry.get_sample_value(failovers, {"kind": "mid_stream"}) == 1

@@ -1,0 +1,80 @@
+"""The router's own load accounting: what it sent a worker weighs on it until it is done."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cache_index.index import WorkerInfo
+from cache_index.memory_index import MemoryIndex
+from kvswitch.v1 import worker_pb2
+from router.policy import CostPolicy, RouteRequest
+from router.workers import DirectoryConfig, WorkerDirectory
+
+
+async def directory_of(*worker_ids: str) -> WorkerDirectory:
+    index = MemoryIndex()
+    for k, worker_id in enumerate(worker_ids):
+        info = WorkerInfo(worker_id, f"127.0.0.1:{k + 1}", "m", 16, num_blocks=64)
+        await index.register(info, ttl_s=60)
+    directory = WorkerDirectory(index)
+    await directory.refresh()  # channels are lazy: nothing is dialled
+    return directory
+
+
+def test_a_request_weighs_on_its_worker_until_it_is_done() -> None:
+    async def main() -> None:
+        directory = await directory_of("a")
+        [handle] = directory.handles()
+        flight = directory.begin(handle, num_prefill_tokens=300, num_output_tokens=20)
+        assert (handle.num_in_flight, handle.num_outstanding_tokens()) == (1, 320)
+        directory.first_token(flight)  # prefilled
+        assert handle.num_outstanding_tokens() == 20
+        directory.produced(flight, 5)
+        assert handle.num_outstanding_tokens() == 15
+        # Another router's work, seen in the worker's report, counts when it is larger.
+        handle.load = worker_pb2.WorkerLoad(num_queued_prefill_tokens=100)
+        assert handle.num_outstanding_tokens() == 115
+        directory.finish(flight)
+        directory.finish(flight)  # twice is once
+        assert (handle.num_in_flight, handle.num_outstanding_tokens()) == (0, 100)
+        await directory.stop()
+
+    asyncio.run(main())
+
+
+def test_a_burst_of_new_prompts_avoids_the_busy_worker() -> None:
+    """Before any load report shows it, the long request sent to ``a`` keeps new work off it."""
+
+    async def main() -> None:
+        directory = await directory_of("a", "b")
+        handles = {h.worker_id: h for h in directory.handles()}
+        directory.begin(handles["a"], num_prefill_tokens=4000, num_output_tokens=16)
+        policy = CostPolicy()
+        request = RouteRequest(num_prompt_tokens=500, block_size=16)
+        for _ in range(3):
+            states = [h.state(num_matched_blocks=0) for h in directory.routable()]
+            decision = policy.choose(request, states)
+            assert decision.worker_id == "b"
+            directory.begin(handles["b"], num_prefill_tokens=500, num_output_tokens=16)
+        await directory.stop()
+
+    asyncio.run(main())
+
+
+def test_a_failed_worker_is_left_out_for_a_while() -> None:
+    async def main() -> None:
+        now = [0.0]
+        index = MemoryIndex()
+        for worker_id in ("a", "b"):
+            await index.register(WorkerInfo(worker_id, "127.0.0.1:1", "m", 16), ttl_s=60)
+        directory = WorkerDirectory(index, DirectoryConfig(down_s=1.0), clock=lambda: now[0])
+        await directory.refresh()
+        [a] = [h for h in directory.handles() if h.worker_id == "a"]
+        directory.mark_down(a)
+        assert [h.worker_id for h in directory.routable()] == ["b"]
+        assert [h.worker_id for h in directory.routable(exclude={"b"})] == []
+        now[0] = 1.0
+        assert sorted(h.worker_id for h in directory.routable()) == ["a", "b"]
+        await directory.stop()
+
+    asyncio.run(main())
