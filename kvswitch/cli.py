@@ -39,6 +39,7 @@ examples:
   kvswitch index audit --index redis://127.0.0.1:6380
                                       the index against the workers' own caches
   kvswitch bench kernels              paged-attention kernels (needs a CUDA GPU)
+  kvswitch kernels compile --arch 90  compile the kernels for H100 here: registers, spills, ...
 
 run 'kvswitch COMMAND --help' for the options of a command.
 """
@@ -54,6 +55,7 @@ POOL_HELP = {
     "duration_s": "seconds to measure for",
     "seed": "random seed of the workload",
 }
+KERNEL_COMPILE_HELP = {"arch": "GPU architecture to compile for: 80 (A100) or 90 (H100, H200)"}
 KERNEL_HELP = {
     "decode_batch": "paged_decode: sequences in the batch",
     "decode_context": "paged_decode: context tokens per sequence",
@@ -236,6 +238,24 @@ def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Ca
     return command
 
 
+def _kernels_compile_command(args: argparse.Namespace) -> None:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise BenchmarkUnavailable(
+            "kernels compile needs TRITON_INTERPRET unset: the interpreter replaces the kernels "
+            "with Python when they are imported"
+        )
+    from kernels import aot
+
+    config = config_from_args(aot.CompileReportConfig, args)
+    compiled = aot.compile_report(config, progress=lambda line: print(line, file=sys.stderr))
+    print(aot.format_report(compiled))
+    if args.json is not None:
+        args.json.write_text(json.dumps([c.to_json() for c in compiled], indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
 def _worker_command(args: argparse.Namespace) -> None:
     from worker import server as worker_server
 
@@ -388,6 +408,29 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_config_args(sub, index_audit.IndexToolConfig, INDEX_TOOL_HELP)
         sub.set_defaults(func=_index_command(report))
+
+    kernels_parser = commands.add_parser(
+        "kernels",
+        help="the Triton kernels: compile them for a GPU without one",
+        description="Tools for the paged-attention kernels.",
+    )
+    kernel_tools = kernels_parser.add_subparsers(
+        dest="kernel_tool", metavar="TOOL", required=True, help="what to do"
+    )
+    from kernels import aot
+
+    compile_parser = kernel_tools.add_parser(
+        "compile",
+        help="compile every kernel for a GPU architecture (no GPU needed): registers, spills, "
+        "shared memory, load widths",
+        description=aot.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(compile_parser, aot.CompileReportConfig, KERNEL_COMPILE_HELP)
+    compile_parser.add_argument(
+        "--json", type=Path, metavar="OUT", help="also write the report here"
+    )
+    compile_parser.set_defaults(func=_kernels_compile_command)
 
     bench = commands.add_parser(
         "bench",

@@ -31,6 +31,8 @@ COMMANDS = [
     ["index"],
     ["index", "stats"],
     ["index", "audit"],
+    ["kernels"],
+    ["kernels", "compile"],
 ]
 
 

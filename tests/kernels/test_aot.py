@@ -1,0 +1,110 @@
+"""The kernels compile for A100 and H100 as the launchers would launch them, without a GPU.
+
+The compile runs in a child process: this one imported the kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.aot import (
+    ARCHS,
+    SHAPES,
+    async_copy_widths,
+    global_load_widths,
+    mma_kind,
+    programs_per_sm,
+)
+from kvswitch.cli import main
+
+PTX = """
+    ld.global.b32 { %r46 }, [ %rd7 + 0 ];
+    @%p19 ld.global.v4.b32 { %r47, %r48, %r49, %r50 }, [ %rd8 + 0 ];
+    @%p1 ld.global.nc.v2.b16 { %rs1, %rs2 }, [ %rd9 + 0 ];
+    @%p2 cp.async.ca.shared.global [ %r62 + 0 ], [ %rd10 + 0 ], 0x4, %r55;
+    cp.async.cg.shared.global [ %r56 + 0 ], [ %rd11 + 0 ], 0x10, %r59;
+    cp.async.cg.shared.global [ %r57 + 0 ], [ %rd12 + 0 ], 0x10, %r61;
+    cp.async.commit_group;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {...};
+"""
+
+
+def test_ptx_is_read_for_load_widths_and_tensor_cores() -> None:
+    assert global_load_widths(PTX) == {4: 2, 16: 1}
+    assert async_copy_widths(PTX) == {4: 1, 16: 2}
+    assert mma_kind(PTX) == "mma.sync"
+    assert mma_kind("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == "wgmma"
+    assert mma_kind("fma.rn.f32") == "none"
+
+
+def test_programs_per_sm_takes_the_tightest_limit() -> None:
+    h100 = ARCHS[90]
+    # 64 registers x 128 threads: 8 programs by registers; 2048 threads allow 16.
+    assert programs_per_sm(h100, registers=64, shared_bytes=0, num_warps=4) == 8
+    # 65 registers round up to 72 per thread (256 per warp).
+    assert programs_per_sm(h100, registers=65, shared_bytes=0, num_warps=4) == 7
+    # 100 KiB of shared memory each (plus 1 KiB reserved): two fit in 228 KiB.
+    assert programs_per_sm(h100, registers=32, shared_bytes=100 * 1024, num_warps=4) == 2
+    assert programs_per_sm(ARCHS[80], registers=32, shared_bytes=100 * 1024, num_warps=4) == 1
+    # Small programs are capped by threads, then by the 32-program limit.
+    assert programs_per_sm(h100, registers=16, shared_bytes=0, num_warps=4) == 16
+    assert programs_per_sm(h100, registers=16, shared_bytes=0, num_warps=1) == 32
+
+
+def test_compile_refuses_to_run_under_the_interpreter(capsys: pytest.CaptureFixture[str]) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert main(["kernels", "compile"]) == 1
+    assert "TRITON_INTERPRET unset" in capsys.readouterr().err
+
+
+def _compile(arch: int, tmp_path: Path) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    out = tmp_path / f"sm{arch}.json"
+    command = ["kernels", "compile", "--arch", str(arch), "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvswitch", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "paged_prefill_kernel" in result.stdout  # the table
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_kernel_compiles_without_spills_and_fits(arch: int, tmp_path: Path) -> None:
+    report = _compile(arch, tmp_path)
+    kernels_per_shape = [
+        "_store_kv_kernel",
+        "_paged_decode_kernel",
+        "_paged_decode_kernel",
+        "_merge_splits_kernel",
+        "_paged_prefill_kernel",
+    ]
+    assert [entry["kernel"] for entry in report] == kernels_per_shape * len(SHAPES)
+    for entry in report:
+        label = f"{entry['case']} {entry['kernel']}"
+        assert entry["arch"] == arch
+        assert entry["local_bytes"] == 0, f"{label} spills registers"
+        assert entry["programs_per_sm"] >= 1, f"{label} does not fit on a multiprocessor"
+        if entry["kernel"] in ("_paged_decode_kernel", "_paged_prefill_kernel"):
+            # K/V tiles stream into shared memory 16 bytes per copy.
+            assert "16" in entry["async_copy_bytes"], label
+            fp32 = entry["constexprs"]["DOT_FP32"]
+            if fp32:
+                assert entry["mma"] == "none", label
+            elif entry["kernel"] == "_paged_prefill_kernel" and arch == 90:
+                assert entry["mma"] == "wgmma", label
+            else:
+                assert entry["mma"] == "mma.sync", label
+    split = [e for e in report if e["kernel"] == "_paged_decode_kernel"]
+    assert {e["constexprs"]["SPLIT"] for e in split} == {True, False}
