@@ -6,14 +6,22 @@
   same shapes, measured in the same run;
 - store_kv: GB/s moved (rows read plus rows written).
 
-Every kernel's output is checked against its torch reference before it is timed.
+Every kernel's output is checked against its torch reference before it is timed. With
+``--sweep`` the attention kernels are also timed under each tile choice of ``DECODE_SWEEP`` and
+``PREFILL_SWEEP`` (and decode under several split counts), to show which defaults to keep.
+``--device cpu`` runs every step through Triton's interpreter (``TRITON_INTERPRET=1``, tiny
+shapes): it checks the benchmark itself; its timings mean nothing.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.timing import BenchmarkUnavailable, machine_info
 
@@ -22,6 +30,22 @@ if TYPE_CHECKING:
 
 # Datasheet HBM bandwidth in bytes/s, by a substring of the device name (SXM parts).
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+# (block_n, num_warps, num_stages) for paged_decode; (block_m, block_n, num_warps) x stages for
+# paged_prefill. The launchers' defaults are among them.
+DECODE_SWEEP = [(n, 4, s) for n in (16, 32, 64, 128) for s in (2, 3)] + [(64, 8, 2)]
+PREFILL_SWEEP = [
+    (m, n, w, s)
+    for m, n, w in ((64, 16, 4), (64, 64, 4), (128, 32, 8), (128, 64, 8), (128, 128, 8))
+    for s in (2, 3)
+]
+DECODE_SPLITS = (1, 2, 4, 8)
+DTYPES = ("bfloat16", "float16", "float32")
+TOLERANCES = {
+    "bfloat16": {"atol": 1.5e-2, "rtol": 1e-2},
+    "float16": {"atol": 2e-3, "rtol": 1e-3},
+    "float32": {"atol": 1e-4, "rtol": 1e-4},
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +59,9 @@ class KernelBenchConfig:
     head_dim: int = 128
     block_size: int = 16
     store_tokens: int = 16384
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    sweep: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,151 +70,234 @@ class KernelBenchConfig:
         for name in ("decode_batch", "decode_context", "prefill_batch", "prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
 
 
-def _paged_cache(num_seqs: int, seq_len: int, config: KernelBenchConfig, gen: torch.Generator):
-    """A bf16 cache holding ``num_seqs`` sequences of ``seq_len`` tokens on scattered pages."""
-    import torch
-
-    pages_per_seq = math.ceil(seq_len / config.block_size)
-    num_blocks = num_seqs * pages_per_seq
-    shape = (num_blocks, config.block_size, config.num_kv_heads, config.head_dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    block_tables = order.view(num_seqs, pages_per_seq).cuda()
-    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
-    return k_cache, v_cache, block_tables, seq_lens
+def _progress(line: str) -> None:
+    print(f"  {line}", file=sys.stderr, flush=True)
 
 
-def _copy_bandwidth(do_bench) -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write)."""
-    import torch
+def _cpu_ms(fn: Callable[[], object]) -> float:
+    """Median wall time of three calls: enough to exercise the steps, not to measure them."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
-    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+class _Bench:
+    """The data, the timer and the checks that every section shares."""
+
+    def __init__(self, config: KernelBenchConfig) -> None:
+        import torch
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.tolerance = TOLERANCES[config.dtype]
+        self.scale = config.head_dim**-0.5
+        self.gen = torch.Generator().manual_seed(config.seed)
+        torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            from triton.testing import do_bench
+
+            self.time_ms: Callable[[Callable[[], object]], float] = do_bench
+        else:
+            self.time_ms = _cpu_ms
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        import torch
+
+        return torch.randn(shape, generator=self.gen).to(self.dtype).to(self.device)
+
+    def paged_cache(self, num_seqs: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+        """A cache holding ``num_seqs`` sequences of ``seq_len`` tokens on scattered pages."""
+        import torch
+
+        config = self.config
+        pages_per_seq = math.ceil(seq_len / config.block_size)
+        num_blocks = num_seqs * pages_per_seq
+        shape = (num_blocks, config.block_size, config.num_kv_heads, config.head_dim)
+        k_cache, v_cache = self.randn(*shape), self.randn(*shape)
+        order = torch.randperm(num_blocks, generator=self.gen).to(torch.int32)
+        block_tables = order.view(num_seqs, pages_per_seq).to(self.device)
+        seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device)
+        return k_cache, v_cache, block_tables, seq_lens
+
+    def copy_bytes_per_s(self) -> float:
+        """Bytes/s of a device-to-device copy (read + write): 2 GiB on a GPU."""
+        import torch
+
+        numel = 2**30 if self.device.type == "cuda" else 2**20
+        src = torch.empty(numel, dtype=torch.int16, device=self.device)
+        dst = torch.empty_like(src)
+        ms = self.time_ms(lambda: dst.copy_(src))
+        return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def run(config: KernelBenchConfig) -> dict:
     # NOTE: torch is imported here, not at the top, so that `kvswitch --help` starts fast.
     import torch
 
-    if not torch.cuda.is_available():
+    from kernels.layout import interpreting
+
+    if config.device == "cuda" and not torch.cuda.is_available():
         raise BenchmarkUnavailable(
             "bench kernels needs a CUDA GPU: none is visible to torch here. The kernels "
             "are tested on CPU through Triton's interpreter (make test); their speed is measured "
             "on a GPU only."
         )
-    from triton.testing import do_bench
+    if config.device == "cpu" and not interpreting():
+        raise BenchmarkUnavailable(
+            "bench kernels --device cpu runs the kernels through Triton's interpreter: set "
+            "TRITON_INTERPRET=1 and use tiny shapes"
+        )
+    bench = _Bench(config)
+    name = torch.cuda.get_device_name() if config.device == "cuda" else "cpu (interpreter)"
+    results: dict[str, Any] = {
+        "device": name,
+        "dtype": config.dtype,
+        "machine": machine_info(),
+    }
+    results.update(_decode(bench, name))
+    results.update(_prefill(bench))
+    results.update(_store(bench))
+    return results
 
-    from kernels import paged_decode, paged_decode_ref, paged_prefill, store_kv, store_kv_ref
 
-    gen = torch.Generator().manual_seed(config.seed)
-    torch.manual_seed(config.seed)
-    name = torch.cuda.get_device_name()
-    scale = config.head_dim**-0.5
-    tolerance = {"atol": 1.5e-2, "rtol": 1e-2}
-    results: dict = {"device": name, "machine": machine_info()}
+def _decode(bench: _Bench, device_name: str) -> dict[str, Any]:
+    """paged_decode: memory bound, so bandwidth is the figure."""
+    import torch
 
-    # -- paged_decode: memory bound, so bandwidth is the figure --------------------------------
+    from kernels import paged_decode, paged_decode_ref
+    from kernels.tiles import Tiles
+
+    config = bench.config
     batch, context = config.decode_batch, config.decode_context
-    k_cache, v_cache, block_tables, seq_lens = _paged_cache(batch, context, config, gen)
-    query = torch.randn(
-        batch, config.num_q_heads, config.head_dim, dtype=torch.bfloat16, device="cuda"
-    )
-    out = paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=context)
+    k_cache, v_cache, block_tables, seq_lens = bench.paged_cache(batch, context)
+    query = bench.randn(batch, config.num_q_heads, config.head_dim)
+    args = (query, k_cache, v_cache, block_tables, seq_lens, bench.scale)
     check = slice(0, 2)
     ref = paged_decode_ref(
-        query[check], k_cache, v_cache, block_tables[check], seq_lens[check], scale
+        query[check], k_cache, v_cache, block_tables[check], seq_lens[check], bench.scale
     )
-    torch.testing.assert_close(out[check], ref, **tolerance)
-    decode_ms = do_bench(
-        lambda: paged_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=context, out=out
-        )
-    )
-    kv_bytes = 2 * batch * context * config.num_kv_heads * config.head_dim * 2
-    decode_bw = kv_bytes / (decode_ms * 1e-3)
-    copy_bw = _copy_bandwidth(do_bench)
-    peak_bw = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
-    results.update(
-        decode_ms=decode_ms,
-        decode_bytes_per_s=decode_bw,
-        copy_bytes_per_s=copy_bw,
-        decode_fraction_of_copy=decode_bw / copy_bw,
-        datasheet_bytes_per_s=peak_bw,
-        decode_fraction_of_peak=decode_bw / peak_bw if peak_bw else None,
-    )
-    del k_cache, v_cache
+    out = torch.empty_like(query)
 
-    # -- paged_prefill: compute bound, against SDPA on contiguous K/V ------------------------
+    def timed_ms(**options: Any) -> float:
+        got = paged_decode(*args, max_seq_len=context, **options)
+        torch.testing.assert_close(got[check], ref, **bench.tolerance)
+        return bench.time_ms(lambda: paged_decode(*args, max_seq_len=context, out=out, **options))
+
+    kv_bytes = 2 * k_cache.element_size() * batch * context * config.num_kv_heads * config.head_dim
+    decode_ms = timed_ms()
+    decode_bw = kv_bytes / (decode_ms * 1e-3)
+    copy_bw = bench.copy_bytes_per_s()
+    peak_bw = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in device_name), None)
+    results: dict[str, Any] = {
+        "decode_ms": decode_ms,
+        "decode_bytes_per_s": decode_bw,
+        "copy_bytes_per_s": copy_bw,
+        "decode_fraction_of_copy": decode_bw / copy_bw,
+        "datasheet_bytes_per_s": peak_bw,
+        "decode_fraction_of_peak": decode_bw / peak_bw if peak_bw else None,
+    }
+    if config.sweep:
+        rows = []
+        for n, w, s in DECODE_SWEEP:
+            tiles = Tiles(block_n=n, num_warps=w, num_stages=s)
+            rows.append(
+                {"block_n": n, "num_warps": w, "num_stages": s, "ms": timed_ms(tiles=tiles)}
+            )
+        rows += [{"num_splits": n, "ms": timed_ms(num_splits=n)} for n in DECODE_SPLITS]
+        for row in rows:
+            row["bytes_per_s"] = kv_bytes / (row["ms"] * 1e-3)
+            _progress(f"paged_decode {row}")
+        results["decode_sweep"] = rows
+    return results
+
+
+def _prefill(bench: _Bench) -> dict[str, Any]:
+    """paged_prefill: compute bound, against SDPA on contiguous K/V of the same shapes."""
+    import torch
+
+    from kernels import paged_prefill
+    from kernels.tiles import Tiles
+
+    config = bench.config
     batch, tokens = config.prefill_batch, config.prefill_tokens
-    k_cache, v_cache, block_tables, seq_lens = _paged_cache(batch, tokens, config, gen)
-    query = torch.randn(
-        batch * tokens, config.num_q_heads, config.head_dim, dtype=torch.bfloat16, device="cuda"
-    )
-    cu_q_lens = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * tokens
-    out = paged_prefill(
-        query, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale, max_q_len=tokens
-    )
+    heads, head_dim = config.num_q_heads, config.head_dim
+    k_cache, v_cache, block_tables, seq_lens = bench.paged_cache(batch, tokens)
+    query = bench.randn(batch * tokens, heads, head_dim)
+    cu_q_lens = torch.arange(0, batch + 1, dtype=torch.int32, device=bench.device) * tokens
+    args = (query, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, bench.scale)
     # Contiguous copies of the same K/V for SDPA: [batch, heads, tokens, head_dim].
     pages = block_tables.long()
-    k_dense = k_cache[pages].reshape(batch, -1, config.num_kv_heads, config.head_dim)[:, :tokens]
-    v_dense = v_cache[pages].reshape(batch, -1, config.num_kv_heads, config.head_dim)[:, :tokens]
-    q_sdpa = query.view(batch, tokens, config.num_q_heads, config.head_dim).transpose(1, 2)
+    k_dense = k_cache[pages].reshape(batch, -1, config.num_kv_heads, head_dim)[:, :tokens]
+    v_dense = v_cache[pages].reshape(batch, -1, config.num_kv_heads, head_dim)[:, :tokens]
+    q_sdpa = query.view(batch, tokens, heads, head_dim).transpose(1, 2).contiguous()
     k_sdpa, v_sdpa = k_dense.transpose(1, 2).contiguous(), v_dense.transpose(1, 2).contiguous()
-    q_sdpa = q_sdpa.contiguous()
 
     def sdpa() -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(
-            q_sdpa, k_sdpa, v_sdpa, is_causal=True, scale=scale, enable_gqa=True
+            q_sdpa, k_sdpa, v_sdpa, is_causal=True, scale=bench.scale, enable_gqa=True
         )
 
-    expected = sdpa().transpose(1, 2).reshape(batch * tokens, config.num_q_heads, config.head_dim)
-    torch.testing.assert_close(out, expected, **tolerance)
-    prefill_ms = do_bench(
-        lambda: paged_prefill(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            cu_q_lens,
-            seq_lens,
-            scale,
-            max_q_len=tokens,
-            out=out,
-        )
-    )
-    sdpa_ms = do_bench(sdpa)
+    expected = sdpa().transpose(1, 2).reshape(batch * tokens, heads, head_dim)
+    out = torch.empty_like(query)
+
+    def timed_ms(tiles: Tiles | None = None) -> float:
+        got = paged_prefill(*args, max_q_len=tokens, tiles=tiles)
+        torch.testing.assert_close(got, expected, **bench.tolerance)
+        return bench.time_ms(lambda: paged_prefill(*args, max_q_len=tokens, tiles=tiles, out=out))
+
     # Causal: each query attends to (position + 1) keys; two matmuls of 2 flops per MAC.
-    flops = 4 * batch * config.num_q_heads * config.head_dim * tokens * (tokens + 1) / 2
-    results.update(
-        prefill_ms=prefill_ms,
-        prefill_tflops=flops / (prefill_ms * 1e-3) / 1e12,
-        sdpa_ms=sdpa_ms,
-        sdpa_tflops=flops / (sdpa_ms * 1e-3) / 1e12,
-        prefill_vs_sdpa=sdpa_ms / prefill_ms,
-    )
-    del k_cache, v_cache
+    flops = 4 * batch * heads * head_dim * tokens * (tokens + 1) / 2
+    prefill_ms = timed_ms()
+    sdpa_ms = bench.time_ms(sdpa)
+    results: dict[str, Any] = {
+        "prefill_ms": prefill_ms,
+        "prefill_tflops": flops / (prefill_ms * 1e-3) / 1e12,
+        "sdpa_ms": sdpa_ms,
+        "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
+        "prefill_vs_sdpa": sdpa_ms / prefill_ms,
+    }
+    if config.sweep:
+        rows = []
+        for m, n, w, s in PREFILL_SWEEP:
+            ms = timed_ms(Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s))
+            row = {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s, "ms": ms}
+            row.update(tflops=flops / (ms * 1e-3) / 1e12, vs_sdpa=sdpa_ms / ms)
+            _progress(f"paged_prefill {row}")
+            rows.append(row)
+        results["prefill_sweep"] = rows
+    return results
 
-    # -- store_kv: bytes moved ------------------------------------------------------------------
+
+def _store(bench: _Bench) -> dict[str, Any]:
+    """store_kv: bytes moved."""
+    import torch
+
+    from kernels import store_kv, store_kv_ref
+
+    config = bench.config
     num_tokens = config.store_tokens
     num_blocks = math.ceil(num_tokens / config.block_size) * 2
     shape = (num_blocks, config.block_size, config.num_kv_heads, config.head_dim)
-    k_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.zeros(shape, dtype=bench.dtype, device=bench.device)
     v_cache = torch.zeros_like(k_cache)
-    rows = (num_tokens, config.num_kv_heads, config.head_dim)
-    key = torch.randn(rows, dtype=torch.bfloat16, device="cuda")
-    value = torch.randn(rows, dtype=torch.bfloat16, device="cuda")
-    slots = torch.randperm(num_blocks * config.block_size, generator=gen)[:num_tokens]
-    slots = slots.to(torch.int32).cuda()
+    key = bench.randn(num_tokens, config.num_kv_heads, config.head_dim)
+    value = bench.randn(num_tokens, config.num_kv_heads, config.head_dim)
+    slots = torch.randperm(num_blocks * config.block_size, generator=bench.gen)[:num_tokens]
+    slots = slots.to(torch.int32).to(bench.device)
     store_kv(key, value, k_cache, v_cache, slots)
     k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     store_kv_ref(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    store_ms = do_bench(lambda: store_kv(key, value, k_cache, v_cache, slots))
+    store_ms = bench.time_ms(lambda: store_kv(key, value, k_cache, v_cache, slots))
     moved = 2 * 2 * key.numel() * key.element_size()  # K and V, each read once and written once
-    results.update(store_ms=store_ms, store_bytes_per_s=moved / (store_ms * 1e-3))
-    return results
+    return {"store_ms": store_ms, "store_bytes_per_s": moved / (store_ms * 1e-3)}

@@ -254,7 +254,6 @@ def _launch_cases(shape: Shape) -> list[tuple[str, Callable[[], object]]]:
     slots = torch.zeros(8, dtype=torch.int32)
     query = torch.zeros(2, shape.num_q_heads, shape.head_dim, dtype=shape.dtype)
     tokens = torch.zeros(2 * context, shape.num_q_heads, shape.head_dim, dtype=shape.dtype)
-    cu_q_lens = torch.tensor([0, context, 2 * context], dtype=torch.int32)
 
     def decode(num_splits: int) -> Callable[[], object]:
         return lambda: paged_decode(
@@ -268,23 +267,25 @@ def _launch_cases(shape: Shape) -> list[tuple[str, Callable[[], object]]]:
             num_splits=num_splits,
         )
 
+    def prefill(q_len: int) -> Callable[[], object]:
+        cu_q_lens = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
+        return lambda: paged_prefill(
+            tokens[: 2 * q_len],
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_q_lens,
+            seq_lens,
+            scale,
+            max_q_len=q_len,
+        )
+
     return [
         ("store_kv", lambda: store_kv(kv_rows, kv_rows, k_cache, v_cache, slots)),
         ("paged_decode", decode(1)),
         ("paged_decode split", decode(4)),
-        (
-            "paged_prefill",
-            lambda: paged_prefill(
-                tokens,
-                k_cache,
-                v_cache,
-                block_tables,
-                cu_q_lens,
-                seq_lens,
-                scale,
-                max_q_len=context,
-            ),
-        ),
+        ("paged_prefill", prefill(context)),
+        ("paged_prefill 16-token chunk", prefill(16)),
     ]
 
 
@@ -315,13 +316,13 @@ def compile_report(
 def format_report(compiled: list[CompiledLaunch]) -> str:
     """One line per compiled launch, for a terminal."""
     header = (
-        f"{'case':<46} {'kernel':<22} {'warps':>5} {'stages':>6} {'regs':>4} {'spill':>5} "
+        f"{'case':<54} {'kernel':<22} {'warps':>5} {'stages':>6} {'regs':>4} {'spill':>5} "
         f"{'smem':>6} {'per SM':>6} {'loads B':>9} {'async B':>9}  mma"
     )
     lines = [header]
     for c in compiled:
         lines.append(
-            f"{c.case:<46} {c.kernel.strip('_'):<22} {c.num_warps:>5} {c.num_stages:>6} "
+            f"{c.case:<54} {c.kernel.strip('_'):<22} {c.num_warps:>5} {c.num_stages:>6} "
             f"{c.registers:>4} {c.local_bytes:>5} {c.shared_bytes:>6} {c.programs_per_sm:>6} "
             f"{_widths(c.global_load_bytes):>9} {_widths(c.async_copy_bytes):>9}  {c.mma}"
         )

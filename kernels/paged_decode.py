@@ -29,6 +29,7 @@ from kernels.layout import (
     next_pow2,
 )
 from kernels.tile import load_kv_tile, online_softmax_step
+from kernels.tiles import Tiles, decode_tiles
 
 LOG2_E = 1.4426950408889634
 
@@ -191,7 +192,7 @@ def paged_decode(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    block_n: int | None = None,
+    tiles: Tiles | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole context, read from pages.
@@ -222,7 +223,8 @@ def paged_decode(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     group = num_q_heads // num_kv_heads
-    block_n = block_n or max(min_dot_size(), min(64, next_pow2(block_size)))
+    tiles = tiles or decode_tiles(block_size, k_cache.dtype)
+    block_n = tiles.block_n
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
     # Splits start on tile boundaries so that no tile straddles two programs.
@@ -266,6 +268,8 @@ def paged_decode(
         BLOCK_D=next_pow2(head_dim),
         SPLIT=split,
         DOT_FP32=interpreting() or k_cache.dtype == torch.float32,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_q_heads)](

@@ -9,7 +9,8 @@ same case::
     query i      | all of it                        | new[0] .. new[i]        |
 
 One program handles a tile of ``BLOCK_M`` queries of one sequence and one query head, and walks
-the context in tiles of ``BLOCK_N`` tokens up to the causal limit of its last query.
+the context in tiles of ``BLOCK_N`` tokens up to the causal limit of its last query; only the
+tiles that reach past its first query's position apply the causal mask.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from kernels.layout import (
     check_kv_cache,
     check_rows,
     interpreting,
-    min_dot_size,
     next_pow2,
 )
 from kernels.paged_decode import LOG2_E
 from kernels.tile import load_kv_tile, online_softmax_step
+from kernels.tiles import Tiles, prefill_tiles
 
 
 @triton.jit
@@ -58,9 +59,11 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
+    # NOTE: the heaviest query tiles (last in their sequence, longest causal span) start first
+    # and the query heads of one KV head run side by side, sharing its K/V through L2.
+    q_head = tl.program_id(0)
     seq = tl.program_id(1)
-    q_head = tl.program_id(2)
+    q_tile = tl.num_programs(2) - 1 - tl.program_id(2)
     kv_head = q_head // GROUP
     q_first = tl.load(cu_q_lens_ptr + seq)
     q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_first
@@ -81,15 +84,38 @@ def _paged_prefill_kernel(
         query = query.to(tl.float32)
     positions = prefix_len + rows  # where each query sits in the context
 
-    # The last query of this tile sees up to its own position; a tile past q_len sees nothing.
-    kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
-    kv_end = tl.where(q_tile * BLOCK_M < q_len, kv_end, 0)
+    # Context tiles that end before the tile's first query position are seen whole by every row
+    # and need no causal mask; the rest, up to the last row's position, do. A tile past q_len
+    # sees nothing.
+    has_rows = q_tile * BLOCK_M < q_len
+    first_position = prefix_len + q_tile * BLOCK_M
+    full_end = tl.where(has_rows, first_position // BLOCK_N * BLOCK_N, 0)
+    kv_end = tl.where(has_rows, tl.minimum(seq_len, first_position + BLOCK_M), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    for tok_start in range(0, kv_end, BLOCK_N):
+    for tok_start in range(0, full_end, BLOCK_N):
+        toks = tok_start + tl.arange(0, BLOCK_N)
+        key, value = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            toks,
+            toks < full_end,
+            kv_head,
+            dims,
+            dim_mask,
+            block_size,
+            stride_cache_b,
+            stride_cache_s,
+            stride_cache_h,
+        )
+        m_i, l_i, acc = online_softmax_step(
+            query, key, value, None, qk_scale, m_i, l_i, acc, DOT_FP32, MASKED=False
+        )
+    for tok_start in range(full_end, kv_end, BLOCK_N):
         toks = tok_start + tl.arange(0, BLOCK_N)
         tok_mask = toks < kv_end
         key, value = load_kv_tile(
@@ -130,8 +156,7 @@ def paged_prefill(
     scale: float,
     *,
     max_q_len: int | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
+    tiles: Tiles | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged contexts.
@@ -164,11 +189,10 @@ def paged_prefill(
         return out
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item())
-    if block_m is None:
-        block_m = max(min_dot_size(), min(64, next_pow2(max_q_len)))
-    if block_n is None:
-        block_n = max(min_dot_size(), min(64, next_pow2(block_size)))
-    grid = (math.ceil(max_q_len / block_m), num_seqs, num_q_heads)
+    tiles = tiles or prefill_tiles(max_q_len, block_size, k_cache.dtype)
+    if tiles.block_m == 0:
+        raise ValueError("paged_prefill needs tiles with block_m set")
+    grid = (num_q_heads, num_seqs, math.ceil(max_q_len / tiles.block_m))
     _paged_prefill_kernel[grid](
         query,
         k_cache,
@@ -189,9 +213,11 @@ def paged_prefill(
         block_size,
         head_dim,
         GROUP=num_q_heads // num_kv_heads,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         BLOCK_D=next_pow2(head_dim),
         DOT_FP32=interpreting() or k_cache.dtype == torch.float32,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

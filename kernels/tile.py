@@ -3,7 +3,8 @@
 ``load_kv_tile`` gathers a tile's K/V rows through the block table (rows past the mask read as 0,
 so whatever sits in unused slots never reaches the math); ``online_softmax_step`` folds the tile
 into the running max ``m``, normalizer ``l`` and unnormalized output ``acc`` (scores in log2
-units, so ``exp2`` does the exponentials).
+units, so ``exp2`` does the exponentials); with ``MASKED`` false every row sees the whole tile
+and ``visible`` is not read.
 """
 
 from __future__ import annotations
@@ -38,14 +39,25 @@ def load_kv_tile(
 
 @triton.jit
 def online_softmax_step(
-    query, key, value, visible, qk_scale, m_i, l_i, acc, DOT_FP32: tl.constexpr
+    query,
+    key,
+    value,
+    visible,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    DOT_FP32: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     if DOT_FP32:
         # NOTE: also the interpreter's path: its low-precision dot is wrong.
         scores = tl.dot(query, tl.trans(key.to(tl.float32)), input_precision="ieee")
     else:
         scores = tl.dot(query, tl.trans(key))
-    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    scores = scores * qk_scale
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
     # A row that sees nothing in this tile keeps its max; every row sees a token in its first
     # tile, so m_new is finite and no exp2(-inf - -inf) arises.
     m_new = tl.maximum(m_i, tl.max(scores, 1))

@@ -66,7 +66,11 @@ KERNEL_HELP = {
     "head_dim": "dimension of each head",
     "block_size": "tokens per KV page",
     "store_tokens": "store_kv: tokens written per call",
+    "dtype": "bfloat16, float16 or float32",
+    "device": "cuda; or cpu, through Triton's interpreter (TRITON_INTERPRET=1, tiny shapes): "
+    "checks the benchmark's steps, times nothing worth reading",
     "seed": "random seed of the data",
+    "sweep": "also time decode and prefill under other tile sizes, warps, stages and splits",
 }
 TTFT_HELP = {
     "model": "Hugging Face checkpoint directory; empty = the built-in tiny model",

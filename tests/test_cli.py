@@ -127,6 +127,29 @@ def test_bench_kernels_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -
     assert "needs a CUDA GPU" in captured.err
 
 
+def test_bench_kernels_runs_every_step_through_the_interpreter(tmp_path: Path) -> None:
+    """The GPU benchmark's own steps, sweep included, on tiny shapes on CPU."""
+    from benchmarks.kernels import DECODE_SPLITS, DECODE_SWEEP, PREFILL_SWEEP
+
+    out = tmp_path / "kernels.json"
+    tiny = "--decode-batch 2 --decode-context 40 --prefill-batch 2 --prefill-tokens 24 "
+    tiny += "--num-q-heads 4 --num-kv-heads 2 --head-dim 16 --block-size 4 --store-tokens 8"
+    args = ["bench", "kernels", "--device", "cpu", "--dtype", "float32", "--sweep"]
+    assert main([*args, *tiny.split(), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["device"] == "cpu (interpreter)"
+    assert figures["datasheet_bytes_per_s"] is None
+    for key in ("decode_bytes_per_s", "prefill_tflops", "sdpa_tflops", "store_bytes_per_s"):
+        assert figures[key] > 0
+    decode_rows = figures["decode_sweep"]
+    assert len(decode_rows) == len(DECODE_SWEEP) + len(DECODE_SPLITS)
+    assert [r["block_n"] for r in decode_rows[: len(DECODE_SWEEP)]] == [
+        n for n, _, _ in DECODE_SWEEP
+    ]
+    assert len(figures["prefill_sweep"]) == len(PREFILL_SWEEP)
+    assert all(r["ms"] > 0 for r in decode_rows + figures["prefill_sweep"])
+
+
 def test_bench_ttft_and_decode_write_json(tmp_path: Path) -> None:
     out = tmp_path / "ttft.json"
     args = ["--num-prompt-tokens", "256", "--num-cached-tokens", "192", "--num-trials", "1"]

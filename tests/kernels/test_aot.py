@@ -89,6 +89,7 @@ def test_every_kernel_compiles_without_spills_and_fits(arch: int, tmp_path: Path
         "_paged_decode_kernel",
         "_merge_splits_kernel",
         "_paged_prefill_kernel",
+        "_paged_prefill_kernel",
     ]
     assert [entry["kernel"] for entry in report] == kernels_per_shape * len(SHAPES)
     for entry in report:
@@ -102,7 +103,8 @@ def test_every_kernel_compiles_without_spills_and_fits(arch: int, tmp_path: Path
             fp32 = entry["constexprs"]["DOT_FP32"]
             if fp32:
                 assert entry["mma"] == "none", label
-            elif entry["kernel"] == "_paged_prefill_kernel" and arch == 90:
+            elif entry["constexprs"].get("BLOCK_M", 0) >= 64 and arch == 90:
+                # Hopper's warp-group MMA takes 64 rows per warp group.
                 assert entry["mma"] == "wgmma", label
             else:
                 assert entry["mma"] == "mma.sync", label

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import paged_prefill, paged_prefill_ref
+from kernels.tiles import Tiles
 from tests.kernels.paged_case import (
     DEVICE,
     DTYPES,
@@ -29,8 +30,8 @@ def run_case(
     block_size: int = 4,
     num_kv_heads: int = 2,
     head_dim: int = 16,
-    block_m: int | None = None,
-    block_n: int | None = None,
+    block_m: int = 0,
+    block_n: int = 0,
 ) -> None:
     seq_lens = [seq_len for seq_len, _ in seqs]
     q_lens = [q_len for _, q_len in seqs]
@@ -44,7 +45,8 @@ def run_case(
     cu_q_lens = cu_q_lens.to(DEVICE)
     scale = head_dim**-0.5
     args = (query, case.k_cache, case.v_cache, case.block_tables, cu_q_lens, case.seq_lens, scale)
-    out = paged_prefill(*args, block_m=block_m, block_n=block_n)
+    tiles = Tiles(block_m=block_m, block_n=block_n) if block_m else None
+    out = paged_prefill(*args, tiles=tiles)
     ref = paged_prefill_ref(*args)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
