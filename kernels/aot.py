@@ -147,6 +147,11 @@ def _compile(launch: _Launch, arch: Arch, case: str) -> CompiledLaunch:
     target = GPUTarget("cuda", arch.capability, 32)
     backend = make_backend(target)
     fn = launch.kernel
+    if not hasattr(fn, "_pack_args"):
+        raise RuntimeError(
+            f"kernels compile drives Triton's JIT internals as of Triton 3.6 to 3.9; this is "
+            f"Triton {triton.__version__}"
+        )
     # The JIT's own binder, so the signature and specializations are the ones a GPU run gets.
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.kwargs)

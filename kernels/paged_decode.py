@@ -28,7 +28,7 @@ from kernels.layout import (
     min_dot_size,
     next_pow2,
 )
-from kernels.tile import load_kv_tile, online_softmax_step
+from kernels.tile import attend_range
 from kernels.tiles import Tiles, decode_tiles
 
 LOG2_E = 1.4426950408889634
@@ -89,27 +89,30 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    for tok_start in range(start, end, BLOCK_N):
-        toks = tok_start + tl.arange(0, BLOCK_N)
-        tok_mask = toks < end
-        key, value = load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table,
-            toks,
-            tok_mask,
-            kv_head,
-            dims,
-            dim_mask,
-            block_size,
-            stride_cache_b,
-            stride_cache_s,
-            stride_cache_h,
-        )
-        visible = tok_mask[None, :]
-        m_i, l_i, acc = online_softmax_step(
-            query, key, value, visible, qk_scale, m_i, l_i, acc, DOT_FP32
-        )
+    m_i, l_i, acc = attend_range(
+        query,
+        m_i,
+        l_i,
+        acc,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table,
+        kv_head,
+        dims,
+        dim_mask,
+        block_size,
+        stride_cache_b,
+        stride_cache_s,
+        stride_cache_h,
+        start,
+        end,
+        None,
+        qk_scale,
+        BLOCK_N,
+        DOT_FP32,
+        TAIL=True,
+        CAUSAL=False,
+    )
 
     # NOTE: an empty split (start >= seq_len) leaves l_i = 0: it writes 0 and lse = -inf, which
     # the merge weighs as nothing.

@@ -29,7 +29,7 @@ from kernels.layout import (
     next_pow2,
 )
 from kernels.paged_decode import LOG2_E
-from kernels.tile import load_kv_tile, online_softmax_step
+from kernels.tile import attend_range
 from kernels.tiles import Tiles, prefill_tiles
 
 
@@ -96,46 +96,54 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    for tok_start in range(0, full_end, BLOCK_N):
-        toks = tok_start + tl.arange(0, BLOCK_N)
-        key, value = load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table,
-            toks,
-            toks < full_end,
-            kv_head,
-            dims,
-            dim_mask,
-            block_size,
-            stride_cache_b,
-            stride_cache_s,
-            stride_cache_h,
-        )
-        m_i, l_i, acc = online_softmax_step(
-            query, key, value, None, qk_scale, m_i, l_i, acc, DOT_FP32, MASKED=False
-        )
-    for tok_start in range(full_end, kv_end, BLOCK_N):
-        toks = tok_start + tl.arange(0, BLOCK_N)
-        tok_mask = toks < kv_end
-        key, value = load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table,
-            toks,
-            tok_mask,
-            kv_head,
-            dims,
-            dim_mask,
-            block_size,
-            stride_cache_b,
-            stride_cache_s,
-            stride_cache_h,
-        )
-        visible = tok_mask[None, :] & (toks[None, :] <= positions[:, None])
-        m_i, l_i, acc = online_softmax_step(
-            query, key, value, visible, qk_scale, m_i, l_i, acc, DOT_FP32
-        )
+    m_i, l_i, acc = attend_range(
+        query,
+        m_i,
+        l_i,
+        acc,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table,
+        kv_head,
+        dims,
+        dim_mask,
+        block_size,
+        stride_cache_b,
+        stride_cache_s,
+        stride_cache_h,
+        0,
+        full_end,
+        positions,
+        qk_scale,
+        BLOCK_N,
+        DOT_FP32,
+        TAIL=False,
+        CAUSAL=False,
+    )
+    m_i, l_i, acc = attend_range(
+        query,
+        m_i,
+        l_i,
+        acc,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table,
+        kv_head,
+        dims,
+        dim_mask,
+        block_size,
+        stride_cache_b,
+        stride_cache_s,
+        stride_cache_h,
+        full_end,
+        kv_end,
+        positions,
+        qk_scale,
+        BLOCK_N,
+        DOT_FP32,
+        TAIL=True,
+        CAUSAL=True,
+    )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offsets = (q_first + rows).to(tl.int64)[:, None] * stride_o_t + q_head * stride_o_h

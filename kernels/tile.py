@@ -1,10 +1,10 @@
-"""The steps every paged-attention kernel takes per tile of context tokens.
+"""The steps every paged-attention kernel takes over its context, a tile of tokens at a time.
 
-``load_kv_tile`` gathers a tile's K/V rows through the block table (rows past the mask read as 0,
-so whatever sits in unused slots never reaches the math); ``online_softmax_step`` folds the tile
-into the running max ``m``, normalizer ``l`` and unnormalized output ``acc`` (scores in log2
-units, so ``exp2`` does the exponentials); with ``MASKED`` false every row sees the whole tile
-and ``visible`` is not read.
+``attend_range`` walks a range of context tokens. Per tile, ``load_kv_tile`` gathers the K/V
+rows through the block table (rows past the mask read as 0, so whatever sits in unused slots
+never reaches the math) and ``online_softmax_step`` folds them into the running max ``m``,
+normalizer ``l`` and unnormalized output ``acc`` (scores in log2 units, so ``exp2`` does the
+exponentials); with ``MASKED`` false every row sees the whole tile and ``visible`` is not read.
 """
 
 from __future__ import annotations
@@ -69,3 +69,61 @@ def online_softmax_step(
     else:
         pv = tl.dot(probs.to(value.dtype), value)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def attend_range(
+    query,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    kv_head,
+    dims,
+    dim_mask,
+    block_size,
+    stride_cache_b,
+    stride_cache_s,
+    stride_cache_h,
+    start,
+    end,
+    positions,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    TAIL: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Fold context tokens ``[start, end)`` into the running state, ``BLOCK_N`` at a time.
+
+    ``TAIL``: the last tile may run past ``end``, so tokens from ``end`` on are hidden.
+    ``CAUSAL``: row ``r`` sees only tokens up to ``positions[r]``. Neither: every row sees every
+    token of every tile, and the scores go unmasked.
+    """
+    for tok_start in range(start, end, BLOCK_N):
+        toks = tok_start + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        key, value = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            toks,
+            tok_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            block_size,
+            stride_cache_b,
+            stride_cache_s,
+            stride_cache_h,
+        )
+        if CAUSAL:
+            visible = tok_mask[None, :] & (toks[None, :] <= positions[:, None])
+        else:
+            visible = tok_mask[None, :]
+        m_i, l_i, acc = online_softmax_step(
+            query, key, value, visible, qk_scale, m_i, l_i, acc, DOT_FP32, TAIL or CAUSAL
+        )
+    return m_i, l_i, acc
