@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, in one run, from the repository root:
+#   1. the compiled-kernel tests (pytest -m gpu tests/kernels), bf16 included;
+#   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
+#      tile sweep that tells which defaults to keep);
+#   3. the worker's time to first token on the GPU, prompt mostly cached against cold.
+# Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default out/gpu)
+# PYTHON picks the interpreter (default python3); it must hold torch with CUDA, triton and the
+# project's dependencies (pip install -e . does it). Every step runs even if one before it fails;
+# the exit status is 1 if any failed.
+set -uo pipefail
+
+out=${1:-out/gpu}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+status=0
+
+step() {
+    local name=$1
+    shift
+    echo "== $name: $*" >&2
+    if ! "$@"; then
+        echo "== $name FAILED" >&2
+        status=1
+    fi
+}
+
+step gpu nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+step versions "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+step tests "$python" -m pytest -m gpu tests/kernels -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
+step kernels "$python" -m kvswitch bench kernels --sweep --json "$out/kernels.json"
+step ttft "$python" -m kvswitch bench ttft --model random:llama-1b --device cuda --dtype bfloat16 \
+    --json "$out/ttft.json"
+exit $status
