@@ -14,6 +14,7 @@ Loads past a sequence's length are masked, so the tail of its last page may hold
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -173,14 +174,17 @@ def _merge_splits_kernel(
     )
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> int:
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or interpreting():
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
+) -> int:
     """Enough splits to give every multiprocessor a few programs, never a split without tokens."""
-    if interpreting() or not torch.cuda.is_available():
-        num_sms = 4
-    else:
-        num_sms = torch.cuda.get_device_properties(
-            torch.cuda.current_device()
-        ).multi_processor_count
     wanted = math.ceil(4 * num_sms / max(num_seqs * num_kv_heads, 1))
     return max(1, min(wanted, math.ceil(max_seq_len / block_n)))
 
@@ -229,7 +233,9 @@ def paged_decode(
     tiles = tiles or decode_tiles(block_size, k_cache.dtype)
     block_n = tiles.block_n
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_seq_len, block_n, _num_sms(query.device)
+        )
     # Splits start on tile boundaries so that no tile straddles two programs.
     tokens_per_split = math.ceil(math.ceil(max_seq_len / num_splits) / block_n) * block_n
     split = num_splits > 1

@@ -87,3 +87,15 @@ def test_decode_gpu_shapes(group: int) -> None:
         num_kv_heads=2,
         head_dim=128,
     )
+
+
+def test_num_splits_fill_the_multiprocessors_without_empty_splits() -> None:
+    from kernels.paged_decode import choose_num_splits
+
+    # The benchmark's batch on an H100: 512 (sequence, KV head) programs, 4 per SM wanted.
+    assert choose_num_splits(64, 8, 4096, 16, num_sms=132) == 2
+    # One sequence: 8 programs need 66 splits each to fill 132 SMs four deep.
+    assert choose_num_splits(1, 8, 4096, 16, num_sms=132) == 66
+    # ... but never more splits than 16-token tiles.
+    assert choose_num_splits(1, 8, 40, 16, num_sms=132) == 3
+    assert choose_num_splits(1024, 8, 4096, 16, num_sms=132) == 1
