@@ -230,7 +230,7 @@ def paged_decode(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     group = num_q_heads // num_kv_heads
-    tiles = tiles or decode_tiles(block_size, k_cache.dtype)
+    tiles = tiles or decode_tiles(block_size)
     block_n = tiles.block_n
     if num_splits is None:
         num_splits = choose_num_splits(

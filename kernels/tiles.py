@@ -39,9 +39,8 @@ class Tiles:
             )
 
 
-def decode_tiles(block_size: int, dtype: torch.dtype) -> Tiles:
-    """paged_decode's tiles for this page size and dtype."""
-    del dtype  # the same tiles serve every dtype so far
+def decode_tiles(block_size: int) -> Tiles:
+    """paged_decode's tiles for this page size (every dtype alike)."""
     return Tiles(block_n=max(min_dot_size(), min(64, next_pow2(block_size))))
 
 
