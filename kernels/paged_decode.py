@@ -90,21 +90,21 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
+    k_head = k_cache_ptr + kv_head * stride_cache_h
+    v_head = v_cache_ptr + kv_head * stride_cache_h
     m_i, l_i, acc = attend_range(
         query,
         m_i,
         l_i,
         acc,
-        k_cache_ptr,
-        v_cache_ptr,
+        k_head,
+        v_head,
         block_table,
-        kv_head,
-        dims,
-        dim_mask,
         block_size,
         stride_cache_b,
         stride_cache_s,
-        stride_cache_h,
+        dims,
+        dim_mask,
         start,
         end,
         None,

@@ -1,40 +1,15 @@
 """The steps every paged-attention kernel takes over its context, a tile of tokens at a time.
 
-``attend_range`` walks a range of context tokens. Per tile, ``load_kv_tile`` gathers the K/V
-rows through the block table (rows past the mask read as 0, so whatever sits in unused slots
-never reaches the math) and ``online_softmax_step`` folds them into the running max ``m``,
-normalizer ``l`` and unnormalized output ``acc`` (scores in log2 units, so ``exp2`` does the
-exponentials); with ``MASKED`` false every row sees the whole tile and ``visible`` is not read.
+``attend_range`` walks a range of context tokens: per tile it gathers the K/V rows through the
+block table and ``online_softmax_step`` folds them into the running max ``m``, normalizer ``l``
+and unnormalized output ``acc`` (scores in log2 units, so ``exp2`` does the exponentials); with
+``MASKED`` false every row sees the whole tile and ``visible`` is not read.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def load_kv_tile(
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table,
-    toks,
-    tok_mask,
-    kv_head,
-    dims,
-    dim_mask,
-    block_size,
-    stride_cache_b,
-    stride_cache_s,
-    stride_cache_h,
-):
-    pages = tl.load(block_table + toks // block_size, mask=tok_mask, other=0).to(tl.int64)
-    rows = pages * stride_cache_b + (toks % block_size) * stride_cache_s
-    offsets = rows[:, None] + kv_head * stride_cache_h + dims[None, :]
-    mask = tok_mask[:, None] & dim_mask[None, :]
-    key = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
-    value = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
-    return key, value
 
 
 @triton.jit
@@ -77,16 +52,14 @@ def attend_range(
     m_i,
     l_i,
     acc,
-    k_cache_ptr,
-    v_cache_ptr,
+    k_head_ptr,
+    v_head_ptr,
     block_table,
-    kv_head,
-    dims,
-    dim_mask,
     block_size,
     stride_cache_b,
     stride_cache_s,
-    stride_cache_h,
+    dims,
+    dim_mask,
     start,
     end,
     positions,
@@ -98,6 +71,8 @@ def attend_range(
 ):
     """Fold context tokens ``[start, end)`` into the running state, ``BLOCK_N`` at a time.
 
+    ``k_head_ptr`` / ``v_head_ptr`` point at the KV head's first element in the caches; a
+    token's row is found through ``block_table`` (its page) and ``block_size`` (its slot).
     ``TAIL``: the last tile may run past ``end``, so tokens from ``end`` on are hidden.
     ``CAUSAL``: row ``r`` sees only tokens up to ``positions[r]``. Neither: every row sees every
     token of every tile, and the scores go unmasked.
@@ -105,20 +80,13 @@ def attend_range(
     for tok_start in range(start, end, BLOCK_N):
         toks = tok_start + tl.arange(0, BLOCK_N)
         tok_mask = toks < end
-        key, value = load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table,
-            toks,
-            tok_mask,
-            kv_head,
-            dims,
-            dim_mask,
-            block_size,
-            stride_cache_b,
-            stride_cache_s,
-            stride_cache_h,
-        )
+        # Rows past the mask read as 0, so whatever sits in unused slots never reaches the math.
+        pages = tl.load(block_table + toks // block_size, mask=tok_mask, other=0).to(tl.int64)
+        rows = pages * stride_cache_b + (toks % block_size) * stride_cache_s
+        offsets = rows[:, None] + dims[None, :]
+        kv_mask = tok_mask[:, None] & dim_mask[None, :]
+        key = tl.load(k_head_ptr + offsets, mask=kv_mask, other=0.0)
+        value = tl.load(v_head_ptr + offsets, mask=kv_mask, other=0.0)
         if CAUSAL:
             visible = tok_mask[None, :] & (toks[None, :] <= positions[:, None])
         else:
