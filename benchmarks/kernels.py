@@ -113,7 +113,9 @@ class _Bench:
     def randn(self, *shape: int) -> torch.Tensor:
         import torch
 
-        return torch.randn(shape, generator=self.gen).to(self.dtype).to(self.device)
+        # NOTE: drawn on the device itself (seeded by torch.manual_seed): the decode cache is
+        # 2 x 268 M values, too many to draw on the host and copy over.
+        return torch.randn(shape, dtype=self.dtype, device=self.device)
 
     def paged_cache(self, num_seqs: int, seq_len: int) -> tuple[torch.Tensor, ...]:
         """A cache holding ``num_seqs`` sequences of ``seq_len`` tokens on scattered pages."""

@@ -33,6 +33,10 @@ import torch
 from kernels.layout import interpreting
 
 
+class CompileUnavailable(RuntimeError):
+    """This process cannot compile the kernels (interpreter on, or a Triton it cannot drive)."""
+
+
 @dataclass(frozen=True)
 class Arch:
     """The per-multiprocessor limits that bound how many programs run at once."""
@@ -147,11 +151,6 @@ def _compile(launch: _Launch, arch: Arch, case: str) -> CompiledLaunch:
     target = GPUTarget("cuda", arch.capability, 32)
     backend = make_backend(target)
     fn = launch.kernel
-    if not hasattr(fn, "_pack_args"):
-        raise RuntimeError(
-            f"kernels compile drives Triton's JIT internals as of Triton 3.6 to 3.9; this is "
-            f"Triton {triton.__version__}"
-        )
     # The JIT's own binder, so the signature and specializations are the ones a GPU run gets.
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
@@ -300,10 +299,18 @@ def compile_report(
     progress: Callable[[str], None] | None = None,
 ) -> list[CompiledLaunch]:
     """Compile every kernel launch of every shape for ``config.arch``."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
     if interpreting():
-        raise RuntimeError(
-            "kernels are compiled only with TRITON_INTERPRET unset: the interpreter replaces "
-            "them with Python when the kernel modules are imported"
+        raise CompileUnavailable(
+            "kernels compile needs TRITON_INTERPRET unset: the interpreter replaces the kernels "
+            "with Python when they are imported"
+        )
+    if not hasattr(JITFunction, "_pack_args"):
+        raise CompileUnavailable(
+            f"kernels compile drives Triton's JIT internals as of Triton 3.6 to 3.9; this is "
+            f"Triton {triton.__version__}"
         )
     arch = ARCHS[config.arch]
     compiled = []
@@ -311,7 +318,7 @@ def compile_report(
         for name, launch in _launch_cases(shape):
             case = f"{name} [{shape.label}]"
             if progress is not None:
-                progress(f"compiling {case} for sm_{arch.capability}")
+                progress(f"compiling {case} for sm_{arch.capability} ({arch.name})")
             with _caught_launches() as launches:
                 launch()
             compiled.extend(_compile(caught, arch, case) for caught in launches)
