@@ -13,12 +13,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from client import Client, GenerateResult, KvswitchError
 from kvswitch.cli import main
 from kvswitch.cluster import ClusterConfig, LocalCluster, running
 from kvswitch.demo import DemoConfig, document_questions
+from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from worker.engine import EngineConfig, LLMEngine
 from worker.sampler import SamplingParams
 from worker.tokenizer import ByteTokenizer
@@ -98,6 +100,21 @@ def test_two_routers_share_one_redis_index() -> None:
     assert {label for label, _ in results[1::2]} & {f"doc {d} q2" for d in (1, 2, 3)}
 
 
+def busiest_worker(cluster: LocalCluster):
+    """The worker running the most requests right now (asked over its own GetLoad)."""
+
+    def num_running(address: str) -> int:
+        with grpc.insecure_channel(address) as channel:
+            load = worker_pb2_grpc.WorkerStub(channel).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=5
+            )
+        return load.num_running_requests
+
+    running_per_worker = [num_running(worker.address) for worker in cluster.workers]
+    assert max(running_per_worker) > 0, "every request finished before the kill"
+    return cluster.workers[running_per_worker.index(max(running_per_worker))]
+
+
 def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
     prompts = [
         f"Request {i}: " + "tell me a long story about routers. " * (4 + i) for i in range(8)
@@ -126,7 +143,8 @@ def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
             futures = [pool.submit(consume, i) for i in range(len(prompts))]
             for event in started:
                 assert event.wait(60)
-            cluster.workers[0].popen.kill()  # SIGKILL: no goodbye to the router or the index
+            victim = busiest_worker(cluster)
+            victim.popen.kill()  # SIGKILL: no goodbye to the router or the index
             for future in futures:
                 future.result(timeout=120)
         client.close()
@@ -135,7 +153,7 @@ def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
     assert [r.token_ids for r in results if r is not None] == expected
     moved = [r for r in results if r is not None and r.route.reason.startswith("failover")]
     assert moved, "no request was running on the killed worker"
-    assert all(r.stats.worker_id != "worker-0" for r in moved)
+    assert all(r.stats.worker_id != victim.name for r in moved)
     assert all(r.stats.num_output_tokens == max_tokens for r in results if r is not None)
 
 
