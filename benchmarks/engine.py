@@ -31,6 +31,7 @@ class TTFTBenchConfig:
     num_prompt_tokens: int = 4096
     num_cached_tokens: int = 3968
     num_trials: int = 5
+    profile: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -98,7 +99,17 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         warm.append(_time_to_first_token(engine, f"warm-{trial}", prefix + tokens(num_new)))
         print(f"  trial {trial + 1}: cold {cold[-1]:.3f}s  warm {warm[-1]:.3f}s", file=sys.stderr)
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    profiles = {}
+    if config.profile:
+        prefix = tokens(config.num_cached_tokens)
+        _time_to_first_token(engine, "prime-profile", prefix + tokens(num_new))
+        for name, prompt in (
+            ("warm", prefix + tokens(num_new)),
+            ("cold", tokens(len(prefix) + num_new)),
+        ):
+            profiles[name] = _profile(engine, f"profile-{name}", prompt)
     return {
+        **({"profile": profiles} if profiles else {}),
         "cold_ttft_s": cold_s,
         "warm_ttft_s": warm_s,
         "speedup": cold_s / warm_s,
@@ -108,6 +119,34 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         "device": config.device,
         "dtype": config.dtype,
         "machine": machine_info(),
+    }
+
+
+def _profile(engine: LLMEngine, request_id: str, prompt: list[int]) -> dict:
+    """One time-to-first-token under torch's profiler: how much of it the host spends issuing
+    work and how much the device spends running it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if engine.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        wall_s = _time_to_first_token(engine, request_id, prompt)
+    events = prof.key_averages()
+    # NOTE: a torch op and the kernels it launches both report device time; the kernels alone
+    # (events on the device) add up to what the device ran.
+    kernels = sorted(
+        (e for e in events if e.device_type != DeviceType.CPU),
+        key=lambda e: -e.self_device_time_total,
+    )
+    return {
+        "wall_ms": wall_s * 1e3,
+        "host_ms": events.self_cpu_time_total / 1e3,
+        "device_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "num_torch_ops": sum(e.count for e in events if e.key.startswith("aten::")),
+        "num_kernels": sum(e.count for e in kernels),
+        "top_kernels_ms": {e.key[:60]: e.self_device_time_total / 1e3 for e in kernels[:8]},
     }
 
 

@@ -3,11 +3,15 @@
 #   1. the compiled-kernel tests (pytest -m gpu tests/kernels), bf16 included;
 #   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
 #      tile sweep that tells which defaults to keep);
-#   3. the worker's time to first token on the GPU, prompt mostly cached against cold.
+#   3. the worker's time to first token on the GPU, prompt mostly cached against cold;
+#   4. a local cluster serving a random 1B-class model on the GPU, its greedy output checked
+#      against the torch reference attention (bf16 and fp32), cold and cached;
+#   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine.
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default out/gpu)
 # PYTHON picks the interpreter (default python3); it must hold torch with CUDA, triton and the
 # project's dependencies (pip install -e . does it). Every step runs even if one before it fails;
-# the exit status is 1 if any failed.
+# the exit status is 1 if any failed. Each step has a time limit (STEP_TIMEOUT_S, default 300 s),
+# so one that hangs cannot take the others' time.
 set -uo pipefail
 
 out=${1:-out/gpu}
@@ -16,12 +20,13 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 status=0
+step_timeout=${STEP_TIMEOUT_S:-300}
 
 step() {
     local name=$1
     shift
     echo "== $name: $*" >&2
-    if ! "$@"; then
+    if ! timeout "$step_timeout" "$@"; then
         echo "== $name FAILED" >&2
         status=1
     fi
@@ -33,4 +38,9 @@ step tests "$python" -m pytest -m gpu tests/kernels -q -p no:cacheprovider --jun
 step kernels "$python" -m kvswitch bench kernels --sweep --json "$out/kernels.json"
 step ttft "$python" -m kvswitch bench ttft --model random:llama-1b --device cuda --dtype bfloat16 \
     --json "$out/ttft.json"
+for dtype in bfloat16 float32; do
+    step "serve-$dtype" "$python" -m kvswitch bench serve --model random:llama-1b --device cuda \
+        --dtype "$dtype" --json "$out/serve_$dtype.json"
+done
+step router "$python" -m kvswitch bench router --json "$out/router.json"
 exit $status

@@ -41,7 +41,11 @@ class Tiles:
 
 def decode_tiles(block_size: int) -> Tiles:
     """paged_decode's tiles for this page size (every dtype alike)."""
-    return Tiles(block_n=max(min_dot_size(), min(64, next_pow2(block_size))))
+    if interpreting():
+        return Tiles(block_n=max(min_dot_size(), min(64, next_pow2(block_size))))
+    # Measured on an H100 (docs/BENCHMARKS.md, `bench kernels --sweep`): 64-token tiles (several
+    # pages each) in two stages read K/V at 2.8 TB/s; one page per tile in three stages, 2.1.
+    return Tiles(block_n=64, num_stages=2)
 
 
 def prefill_tiles(max_q_len: int, block_size: int, dtype: torch.dtype) -> Tiles:
@@ -53,8 +57,9 @@ def prefill_tiles(max_q_len: int, block_size: int, dtype: torch.dtype) -> Tiles:
             block_n=max(min_dot_size(), min(64, next_pow2(block_size))),
             block_m=max(min_dot_size(), block_m),
         )
-    # 64-key tiles feed the tensor cores wide enough dots and rescale the accumulator once per 64
-    # keys; a long prompt gets 128-query tiles over two warp groups (8 warps).
+    # Wide key tiles feed the tensor cores wide dots and rescale the accumulator once per tile; a
+    # long prompt gets 128-query tiles over two warp groups (8 warps). Measured on an H100
+    # (`bench kernels --sweep`): 128x128 tiles 305 TFLOP/s, 128x64 265, 64x64 294 (two stages).
     if max_q_len >= 128:
-        return Tiles(block_n=64, block_m=128, num_warps=8)
-    return Tiles(block_n=64, block_m=max(min_dot_size(), block_m))
+        return Tiles(block_n=128, block_m=128, num_warps=8, num_stages=2)
+    return Tiles(block_n=64, block_m=max(min_dot_size(), block_m), num_stages=2)

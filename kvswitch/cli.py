@@ -79,6 +79,8 @@ TTFT_HELP = {
     "num_prompt_tokens": "prompt length in tokens",
     "num_cached_tokens": "leading prompt tokens already cached in the warm case",
     "num_trials": "cold/warm pairs to take the median of",
+    "profile": "also profile one warm and one cold request with torch's profiler: host time, "
+    "device time, torch ops",
     "seed": "random seed of the prompts",
 }
 DECODE_HELP = {
@@ -113,6 +115,20 @@ ROUTER_BENCH_HELP = {
     "concurrency": "client threads sending requests for the decisions-per-second figure",
     "duration_s": "seconds to measure decisions per second for",
     "seed": "random seed of the prompt",
+}
+SERVE_HELP = {
+    "model": "Hugging Face checkpoint directory or random:NAME; empty = the built-in tiny model",
+    "device": "cpu or cuda (on cpu both sides take the torch references: no kernel is checked)",
+    "dtype": TTFT_HELP["dtype"],
+    "workers": "workers in the local cluster",
+    "num_prompts": "distinct prompts, each sent twice (cold, then cached)",
+    "num_prompt_tokens": "prompt length in tokens, sent as token ids",
+    "num_shared_tokens": "leading tokens every prompt shares",
+    "max_tokens": "greedy tokens generated per request",
+    "kv_cache_bytes": "KV cache memory per worker, in bytes",
+    "max_logit_gap": "most a served token's reference logit may sit below the reference's best; "
+    "< 0 = 1e-3 for float32, 0.25 (eight bf16 steps at a logit of 4) for 16-bit dtypes",
+    "seed": "random seed of the prompts",
 }
 HASH_HELP = {
     "num_tokens": "prompt length in tokens",
@@ -237,7 +253,10 @@ def _write_json(result: dict[str, Any], path: Path | None) -> None:
 def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Callable:
     def command(args: argparse.Namespace) -> None:
         config = config_from_args(config_cls, args)
-        _write_json(run(config), args.json)
+        result = run(config)
+        _write_json(result, args.json)
+        if result.get("ok") is False:  # a benchmark that also checks, and found a difference
+            sys.exit(1)
 
     return command
 
@@ -320,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks import kernels as kernel_bench
     from benchmarks import pool as pool_bench
     from benchmarks import router as router_bench
+    from benchmarks import serve as serve_bench
     from kvswitch import cluster, demo, generate
     from router import server as router_server
     from worker import server as worker_server
@@ -482,6 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
             router_bench.RouterBenchConfig,
             ROUTER_BENCH_HELP,
             "router overhead against going straight to a worker, and decisions per second",
+        ),
+        (
+            "serve",
+            serve_bench.run,
+            serve_bench.ServeBenchConfig,
+            SERVE_HELP,
+            "a local cluster's greedy output against the torch reference path, cold and cached",
         ),
         (
             "hash",

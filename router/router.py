@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_POLICIES = 64  # per-request overrides build policies; keep their rotations alive
 
 
+class NoTokenizerError(Exception):
+    """A text prompt reached a router whose model has no tokenizer."""
+
+
 class NoWorkerError(Exception):
     """No live worker can take the request (none registered, or every one failed)."""
 
@@ -51,8 +55,9 @@ class Router:
         self,
         index: BlockIndex,
         directory: WorkerDirectory,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         *,
+        no_tokenizer_reason: str = "this router's model has no tokenizer",
         policy: str = "cost",
         weights: Mapping[str, float] | None = None,
         namespace: str = "",
@@ -60,7 +65,8 @@ class Router:
     ) -> None:
         self.index = index
         self.directory = directory
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None: the model has none, and prompts come as token ids
+        self.no_tokenizer_reason = no_tokenizer_reason
         self.namespace = namespace  # empty: the one namespace the live workers serve
         self.pending = pending or PendingBlocks()
         self.default_policy = make_policy(policy, weights)
@@ -79,9 +85,12 @@ class Router:
         cache_salt: str | None = None,
     ) -> RoutePlan:
         """Tokenize (when given text) and hash the prompt; ValueError for a bad prompt,
-        NoWorkerError when no worker is live to say which model is served."""
+        NoTokenizerError for text without a tokenizer, NoWorkerError when no worker is live to
+        say which model is served."""
         if (text is None) == (token_ids is None):
             raise ValueError("give the prompt as text or as token ids, not both or neither")
+        if text is not None and self.tokenizer is None:
+            raise NoTokenizerError(f"{self.no_tokenizer_reason}: send the prompt as token ids")
         ids = self.tokenizer.encode(text) if text is not None else token_ids
         if not ids:
             raise ValueError("the prompt is empty")

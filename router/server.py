@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,7 +30,8 @@ from router.policy import POLICIES, make_policy
 from router.router import Router
 from router.servicer import RouterServicer
 from router.workers import DirectoryConfig, WorkerDirectory
-from worker.tokenizer import load_tokenizer
+from worker.tokenizer import Tokenizer, load_tokenizer
+from worker.weights import RANDOM_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +142,16 @@ class RouterServer:
 
 
 class RouterStartError(Exception):
-    """The router could not start: its port is taken, or its index cannot be reached."""
+    """The router could not start: its model directory is missing, its port is taken, or its
+    index cannot be reached."""
 
 
 async def start_router(config: RouterConfig) -> RouterServer:
     """Bind the port, open the index and start serving; ``RouterStartError`` says why not."""
+    try:
+        tokenizer, no_tokenizer_reason = _load_tokenizer(config.model)
+    except (ValueError, OSError) as e:
+        raise RouterStartError(str(e)) from e
     interceptors = [_BearerTokenInterceptor(config.token)] if config.token else []
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     address = host_port(config.host, config.port)
@@ -158,7 +165,6 @@ async def start_router(config: RouterConfig) -> RouterServer:
     address = host_port(config.host, port)
     try:
         index = await connect_index(config.index)
-        tokenizer = load_tokenizer(config.model or None)
     except (ValueError, OSError) as e:
         raise RouterStartError(str(e)) from e
 
@@ -167,6 +173,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         index,
         directory,
         tokenizer,
+        no_tokenizer_reason=no_tokenizer_reason,
         policy=config.policy,
         weights=config.policy_weights(),
         namespace=config.namespace,
@@ -225,3 +232,18 @@ def _worker_loads(directory: WorkerDirectory) -> list[WorkerLoadSample]:
         WorkerLoadSample(h.worker_id, h.num_in_flight, h.num_outstanding_tokens())
         for h in directory.handles()
     ]
+
+
+def _load_tokenizer(model: str) -> tuple[Tokenizer | None, str]:
+    """The model's tokenizer, or None and why for a model that has none (``random:NAME``, or a
+    checkpoint without tokenizer.json), whose prompts must come as token ids. A missing
+    directory is an error: it is a typo, not a model."""
+    if model.startswith(RANDOM_PREFIX):
+        return None, f"{model} has random weights and no tokenizer"
+    if model and not Path(model).is_dir():
+        raise ValueError(f"--model {model}: no such checkpoint directory")
+    try:
+        return load_tokenizer(model or None), ""
+    except ValueError as e:
+        logger.warning("%s; text prompts will be refused", e)
+        return None, f"{Path(model) / 'tokenizer.json'} is missing, so text cannot be tokenized"

@@ -23,7 +23,7 @@ import grpc
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.metrics import RouterMetrics
 from router.policy import Decision
-from router.router import NoWorkerError, RoutePlan, Router
+from router.router import NoTokenizerError, NoWorkerError, RoutePlan, Router
 from router.workers import InFlight, WorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
         except ValueError as e:
             await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoTokenizerError as e:
+            await _abort(context, outcome, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except NoWorkerError as e:
             await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -147,7 +149,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         started_s = time.monotonic()
         first_token_s: float | None = None
         stop_token_ids = set(request.sampling.stop_token_ids)
-        stop_token_ids.update(self._router.tokenizer.stop_token_ids)
+        if self._router.tokenizer is not None:
+            stop_token_ids.update(self._router.tokenizer.stop_token_ids)
         while True:
             if sent and (len(sent) >= max_tokens or sent[-1] in stop_token_ids):
                 # The failed worker had sent everything but its final message.

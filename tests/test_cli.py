@@ -28,6 +28,7 @@ COMMANDS = [
     ["bench", "decode"],
     ["bench", "index"],
     ["bench", "router"],
+    ["bench", "serve"],
     ["index"],
     ["index", "stats"],
     ["index", "audit"],
@@ -153,9 +154,12 @@ def test_bench_kernels_runs_every_step_through_the_interpreter(tmp_path: Path) -
 def test_bench_ttft_and_decode_write_json(tmp_path: Path) -> None:
     out = tmp_path / "ttft.json"
     args = ["--num-prompt-tokens", "256", "--num-cached-tokens", "192", "--num-trials", "1"]
-    main(["bench", "ttft", *args, "--json", str(out)])
+    main(["bench", "ttft", *args, "--profile", "--json", str(out)])
     figures = json.loads(out.read_text())
     assert figures["cold_ttft_s"] > 0 and figures["warm_ttft_s"] > 0
+    for case in ("warm", "cold"):
+        profile = figures["profile"][case]
+        assert profile["host_ms"] > 0 and profile["num_torch_ops"] > 100  # per-layer ops, 2 layers
     assert figures["speedup"] == pytest.approx(figures["cold_ttft_s"] / figures["warm_ttft_s"])
     out = tmp_path / "decode.json"
     main(
@@ -174,3 +178,39 @@ def test_bench_index_writes_json(tmp_path: Path) -> None:
     assert 0 < figures["lookup_p50_ms"] <= figures["lookup_p99_ms"]
     assert figures["events_per_s"] > 0
     assert figures["bytes_per_entry"] >= 16
+
+
+def test_bench_serve_checks_a_local_cluster_against_the_reference(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    args = ["--num-prompts", "2", "--num-prompt-tokens", "48", "--num-shared-tokens", "32"]
+    assert main(["bench", "serve", *args, "--max-tokens", "4", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["ok"] and figures["max_logit_gap"] == 0.0
+    assert figures["num_requests"] == 4 and figures["num_tokens"] == 16
+    # The second prompt reuses the 32 shared tokens; in the second pass each prompt hits all its
+    # blocks but the last (the last prompt token is always computed): 32 of 48 again.
+    assert figures["cached_tokens"] == {"cold": 32, "cached": 64}
+
+
+def test_bench_serve_flags_a_token_the_reference_would_not_choose() -> None:
+    from benchmarks.serve import ServeBenchConfig, _reference_gaps
+
+    config = ServeBenchConfig(num_prompts=1, num_prompt_tokens=20, num_shared_tokens=0)
+    prompt = [256, *b"the reference decides"][:20]
+    greedy = [{"prompt": 0, "token_ids": []}]
+    # The reference's own greedy continuation has no gap anywhere.
+    from worker.engine import EngineConfig, LLMEngine
+    from worker.sampler import SamplingParams
+
+    greedy[0]["token_ids"] = LLMEngine(EngineConfig()).generate(
+        [prompt], SamplingParams(max_tokens=6)
+    )[0]
+    _reference_gaps(config, greedy, [prompt])
+    assert greedy[0]["gaps"] == [0.0] * 6
+    # Swap the fourth token for another: only that position is flagged, well past tolerance.
+    wrong = list(greedy[0]["token_ids"])
+    wrong[3] = (wrong[3] + 1) % 257
+    records = [{"prompt": 0, "token_ids": wrong}]
+    _reference_gaps(config, records, [prompt])
+    gaps = records[0]["gaps"]
+    assert gaps[:3] == [0.0] * 3 and gaps[3] > config.logit_tolerance

@@ -58,8 +58,9 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Logits [num_seqs, vocab] (fp32) after each sequence's last new token."""
+    def execute(self, seqs: Sequence[ScheduledSeq], *, every_token: bool = False) -> torch.Tensor:
+        """Logits [num_seqs, vocab] (fp32) after each sequence's last new token; with
+        ``every_token``, [num_new_tokens, vocab] after every new token (teacher forcing)."""
         if not seqs:
             raise ValueError("nothing to run")
         block_size = self.block_size
@@ -95,11 +96,14 @@ class ModelRunner:
             max_q_len=max(b - a for a, b in itertools.pairwise(cu_q_lens)),
             max_seq_len=max(seq_lens),
         )
-        last_rows = torch.tensor(cu_q_lens[1:], device=device) - 1
+        if every_token:
+            logit_rows = torch.arange(len(input_ids), device=device)
+        else:
+            logit_rows = torch.tensor(cu_q_lens[1:], device=device) - 1
         return self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_caches,
             meta,
-            last_rows,
+            logit_rows,
         )

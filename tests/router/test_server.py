@@ -6,10 +6,12 @@ sampling are deterministic, so every token a client receives can be checked.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cache_index.index import WorkerInfo
 from cache_index.local_redis import LocalRedis
 from client import Client, KvswitchError, KvswitchTimeoutError
-from router.server import RouterConfig
+from router.server import RouterConfig, RouterStartError, start_router
 from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
 from worker.engine import LLMEngine
 from worker.sampler import SamplingParams
@@ -234,6 +236,35 @@ def test_a_router_with_a_token_refuses_clients_without_it() -> None:
             assert len(c.generate("hello", max_tokens=3).token_ids) == 3
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("model", ["random:llama-1b", "checkpoint-without-tokenizer"])
+def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_text(
+    model: str, tmp_path: Path, reference: LLMEngine
+) -> None:
+    if model == "checkpoint-without-tokenizer":
+        model = str(tmp_path)  # a directory with no tokenizer.json in it
+    config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "model": model})
+    cluster = BackgroundCluster(num_workers=1, router_config=config)
+    try:
+        with Client(cluster.address, max_retries=0) as c:
+            prompt = [256, *b"token ids need no tokenizer"]
+            result = c.generate(prompt_token_ids=prompt, max_tokens=4)
+            assert list(result.token_ids) == expected(reference, prompt, max_tokens=4)
+            with pytest.raises(KvswitchError) as error:
+                c.generate("text needs one", max_tokens=4)
+        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "send the prompt as token ids" in error.value.details
+        if not model.startswith("random:"):
+            assert f"{model}/tokenizer.json is missing" in error.value.details
+    finally:
+        cluster.close()
+
+
+def test_a_router_refuses_a_model_directory_that_does_not_exist(tmp_path: Path) -> None:
+    config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "model": str(tmp_path / "typo")})
+    with pytest.raises(RouterStartError, match="no such checkpoint directory"):
+        asyncio.run(start_router(config))
 
 
 def test_router_config_is_checked() -> None:

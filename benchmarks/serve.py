@@ -1,0 +1,184 @@
+"""``kvswitch bench serve``: the whole serving path on one device, its greedy output checked.
+
+Starts a local cluster (``kvswitch up``: a router and ``--workers`` workers on ``--device``) and
+sends ``--num-prompts`` prompts through the client SDK, greedy, twice: once cold and once again,
+when most of each prompt is in the worker's prefix cache. Every prompt shares its first
+``--num-shared-tokens`` tokens with the others, so even the first pass hits the cache after its
+first request. Then each served output is teacher-forced through the same model in this process,
+with its attention on the pure-torch references (``kernels/reference.py``) instead of the Triton
+kernels: at every output position, given the same tokens before it, the served token must be the
+reference's greedy choice, or within ``--max-logit-gap`` of its logit (16-bit numbers round
+differently in the kernels and the references, and a random model has many near-ties; a wrong
+token from a broken kernel or a stale cache block sits several units below).
+
+On ``--device cpu`` both sides take the torch references, so the check covers the serving path
+(router, worker, prefix cache) but not the kernels; on ``cuda`` it covers the kernels too.
+Exits 1 if a served token is further from the reference's choice than the tolerance.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+from benchmarks.timing import machine_info
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    model: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    workers: int = 1
+    num_prompts: int = 8
+    num_prompt_tokens: int = 256
+    num_shared_tokens: int = 128
+    max_tokens: int = 32
+    kv_cache_bytes: int = 1 << 30
+    max_logit_gap: float = -1.0  # < 0: 1e-3 for float32, 0.25 for 16-bit dtypes
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_shared_tokens < self.num_prompt_tokens:
+            raise ValueError("num_shared_tokens must be in [0, num_prompt_tokens)")
+        for name in ("workers", "num_prompts", "max_tokens", "kv_cache_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+    @property
+    def logit_tolerance(self) -> float:
+        if self.max_logit_gap >= 0:
+            return self.max_logit_gap
+        return 1e-3 if self.dtype == "float32" else 0.25
+
+
+def _prompts(config: ServeBenchConfig, vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(config.seed)
+    shared = rng.integers(0, vocab_size, config.num_shared_tokens).tolist()
+    num_own = config.num_prompt_tokens - config.num_shared_tokens
+    return [
+        shared + rng.integers(0, vocab_size, num_own).tolist() for _ in range(config.num_prompts)
+    ]
+
+
+def _serve(config: ServeBenchConfig, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Each prompt through a live cluster, cold then again: one record per request."""
+    from client import Client
+    from kvswitch.cluster import ClusterConfig, LocalCluster
+
+    cluster_config = ClusterConfig(
+        workers=config.workers,
+        port=0,
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        kv_cache_bytes=config.kv_cache_bytes,
+    )
+    records = []
+    with LocalCluster(cluster_config) as cluster:
+        cluster.wait_for_registration()
+        with Client(cluster.address, timeout_s=300) as client:
+            for pass_name in ("cold", "cached"):
+                for i, prompt in enumerate(prompts):
+                    result = client.generate(
+                        prompt_token_ids=prompt, max_tokens=config.max_tokens, temperature=0.0
+                    )
+                    stats = result.stats
+                    records.append(
+                        {
+                            "prompt": i,
+                            "pass": pass_name,
+                            "token_ids": list(result.token_ids),
+                            "worker_id": stats.worker_id,
+                            "num_cached_tokens": stats.num_cached_tokens,
+                            "ttft_s": stats.ttft_s,
+                        }
+                    )
+                    print(
+                        f"  {pass_name} prompt {i}: {stats.num_cached_tokens} cached, "
+                        f"ttft {stats.ttft_s * 1e3:.1f} ms",
+                        file=sys.stderr,
+                    )
+    return records
+
+
+def _reference_gaps(config: ServeBenchConfig, records: list[dict[str, Any]], prompts) -> None:
+    """Teacher-forces each served output through the model with the torch reference attention
+    and stores, per output token, how far its logit is below the reference's best
+    (``record["gaps"]``; 0.0 where the served token is the reference's greedy choice)."""
+    import torch
+
+    from worker.model_runner import ModelRunner, ScheduledSeq
+    from worker.weights import load_model
+
+    # NOTE: worker.attention.use_triton is the one switch between kernels and references; only
+    # this process's model is made to take the references, the served side is left as it is.
+    with mock.patch("worker.attention.use_triton", return_value=False):
+        model = load_model(
+            config.model or None, device=config.device, dtype=getattr(torch, config.dtype)
+        )
+        block_size = 16
+        longest = config.num_prompt_tokens + config.max_tokens
+        runner = ModelRunner(model, -(-longest // block_size), block_size)
+        for record in records:
+            prompt, output = prompts[record["prompt"]], record["token_ids"]
+            tokens = prompt + output[:-1]
+            seq = ScheduledSeq(tokens, 0, range(-(-len(tokens) // block_size)))
+            logits = runner.execute([seq], every_token=True)[len(prompt) - 1 :]
+            served = torch.tensor(output, device=logits.device)
+            gaps = logits.max(dim=-1).values - logits.gather(1, served[:, None])[:, 0]
+            record["gaps"] = gaps.tolist()
+
+
+def _vocab_size(model: str) -> int:
+    from worker.model_config import ModelConfig
+    from worker.weights import RANDOM_PREFIX
+
+    if not model:
+        return ModelConfig.tiny().vocab_size
+    if model.startswith(RANDOM_PREFIX):
+        return ModelConfig.random_preset(model[len(RANDOM_PREFIX) :]).vocab_size
+    return ModelConfig.from_dir(model).vocab_size
+
+
+def run(config: ServeBenchConfig) -> dict[str, Any]:
+    prompts = _prompts(config, _vocab_size(config.model))
+    records = _serve(config, prompts)
+    _reference_gaps(config, records, prompts)
+    gaps = [gap for record in records for gap in record["gaps"]]
+    differing = [
+        {"prompt": r["prompt"], "pass": r["pass"], "first_difference": _first_positive(r["gaps"])}
+        for r in records
+        if max(r["gaps"]) > 0.0
+    ]
+    by_pass = {p: [r for r in records if r["pass"] == p] for p in ("cold", "cached")}
+    return {
+        "ok": max(gaps) <= config.logit_tolerance,
+        "logit_tolerance": config.logit_tolerance,
+        "num_requests": len(records),
+        "num_outputs_equal": len(records) - len(differing),
+        "num_tokens": len(gaps),
+        "num_tokens_greedy": sum(gap == 0.0 for gap in gaps),
+        "max_logit_gap": max(gaps),
+        "differing": differing,
+        "cached_tokens": {p: sum(r["num_cached_tokens"] for r in rs) for p, rs in by_pass.items()},
+        "prompt_tokens": {p: len(rs) * config.num_prompt_tokens for p, rs in by_pass.items()},
+        "median_ttft_ms": {
+            p: statistics.median(r["ttft_s"] for r in rs) * 1e3 for p, rs in by_pass.items()
+        },
+        "model": config.model or "tiny",
+        "device": config.device,
+        "dtype": config.dtype,
+        "machine": machine_info(),
+    }
+
+
+def _first_positive(gaps: list[float]) -> int:
+    return next(i for i, gap in enumerate(gaps) if gap > 0.0)
