@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from benchmarks.timing import machine_info
+from kvswitch.benchmarks.timing import machine_info
 
 if TYPE_CHECKING:
-    from worker.engine import LLMEngine
+    from kvswitch.worker.engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class DecodeBenchConfig:
 
 def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
     # NOTE: imported here so that `kvswitch --help` does not load torch.
-    from worker.engine import EngineConfig, LLMEngine
+    from kvswitch.worker.engine import EngineConfig, LLMEngine
 
     return LLMEngine(
         EngineConfig(
@@ -68,7 +68,7 @@ def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
 
 
 def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
-    from worker.sampler import SamplingParams
+    from kvswitch.worker.sampler import SamplingParams
 
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
@@ -155,7 +155,7 @@ def run_decode(config: DecodeBenchConfig) -> dict:
     if not batch_sizes or min(batch_sizes) <= 0:
         raise ValueError(f"batch_sizes must list positive integers, got {config.batch_sizes!r}")
     results: dict = {"machine": machine_info(), "device": config.device, "dtype": config.dtype}
-    from worker.sampler import SamplingParams
+    from kvswitch.worker.sampler import SamplingParams
 
     rng = np.random.default_rng(config.seed)
     for batch in batch_sizes:

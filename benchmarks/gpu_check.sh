@@ -9,7 +9,8 @@
 #   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine.
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default out/gpu)
 # PYTHON picks the interpreter (default python3); it must hold torch with CUDA, triton and the
-# project's dependencies (pip install -e . does it). Every step runs even if one before it fails;
+# project's dependencies; kvswitch itself is installed (pip install -e . --no-deps, which needs
+# setuptools >= 77 there) if it is not yet. Every step runs even if one before it fails;
 # the exit status is 1 if any failed. Each step has a time limit (STEP_TIMEOUT_S, default 300 s),
 # so one that hangs cannot take the others' time.
 set -uo pipefail
@@ -17,7 +18,12 @@ set -uo pipefail
 out=${1:-out/gpu}
 python=${PYTHON:-python3}
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+if ! "$python" -c "import kvswitch.router" 2>/dev/null; then
+    # The folders install under kvswitch through pyproject.toml's package-dir map, so the project
+    # must be installed; editable, so that the checkout's own kvswitch/ does not hide the rest.
+    "$python" -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
+fi
 unset TRITON_INTERPRET
 status=0
 step_timeout=${STEP_TIMEOUT_S:-300}

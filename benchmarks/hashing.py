@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.timing import machine_info, rate_per_s
-from cache_index.hashing import hash_prompt_blocks
+from kvswitch.benchmarks.timing import machine_info, rate_per_s
+from kvswitch.cache_index.hashing import hash_prompt_blocks
 
 
 @dataclass(frozen=True)

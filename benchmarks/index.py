@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.timing import machine_info
-from cache_index.connect import connect_index
-from cache_index.events import BlockRemoved, BlockStored
-from cache_index.hashing import hash_prompt_blocks
-from cache_index.index import BlockIndex, WorkerInfo
-from cache_index.local_redis import LocalRedis, LocalRedisCluster
+from kvswitch.benchmarks.timing import machine_info
+from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.events import BlockRemoved, BlockStored
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.local_redis import LocalRedis, LocalRedisCluster
 
 BACKENDS = ("memory", "redis", "cluster")
 

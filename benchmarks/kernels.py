@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.timing import BenchmarkUnavailable, machine_info
+from kvswitch.benchmarks.timing import BenchmarkUnavailable, machine_info
 
 if TYPE_CHECKING:
     import torch
@@ -146,7 +146,7 @@ def run(config: KernelBenchConfig) -> dict:
     # NOTE: torch is imported here, not at the top, so that `kvswitch --help` starts fast.
     import torch
 
-    from kernels.layout import interpreting
+    from kvswitch.kernels.layout import interpreting
 
     if config.device == "cuda" and not torch.cuda.is_available():
         raise BenchmarkUnavailable(
@@ -176,8 +176,8 @@ def _decode(bench: _Bench, device_name: str) -> dict[str, Any]:
     """paged_decode: memory bound, so bandwidth is the figure."""
     import torch
 
-    from kernels import paged_decode, paged_decode_ref
-    from kernels.tiles import Tiles
+    from kvswitch.kernels import paged_decode, paged_decode_ref
+    from kvswitch.kernels.tiles import Tiles
 
     config = bench.config
     batch, context = config.decode_batch, config.decode_context
@@ -227,8 +227,8 @@ def _prefill(bench: _Bench) -> dict[str, Any]:
     """paged_prefill: compute bound, against SDPA on contiguous K/V of the same shapes."""
     import torch
 
-    from kernels import paged_prefill
-    from kernels.tiles import Tiles
+    from kvswitch.kernels import paged_prefill
+    from kvswitch.kernels.tiles import Tiles
 
     config = bench.config
     batch, tokens = config.prefill_batch, config.prefill_tokens
@@ -284,7 +284,7 @@ def _store(bench: _Bench) -> dict[str, Any]:
     """store_kv: bytes moved."""
     import torch
 
-    from kernels import store_kv, store_kv_ref
+    from kvswitch.kernels import store_kv, store_kv_ref
 
     config = bench.config
     num_tokens = config.store_tokens

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.timing import machine_info, rate_per_s
-from cache_index.hashing import BlockHasher
-from worker.kv_cache_manager import KVCacheManager
-from worker.request import Request
+from kvswitch.benchmarks.timing import machine_info, rate_per_s
+from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.request import Request
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,14 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from benchmarks.timing import machine_info
-from cache_index.connect import connect_index
-from cache_index.hashing import BlockHasher
-from cache_index.index import WorkerInfo
-from cache_index.memory_index import MemoryIndex
+from kvswitch.benchmarks.timing import machine_info
+from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.cache_index.index import WorkerInfo
+from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.cluster import READY_MARK
+from kvswitch.router.router import Router
+from kvswitch.router.workers import WorkerDirectory
 from kvswitch.v1 import (
     common_pb2,
     router_pb2,
@@ -41,10 +43,8 @@ from kvswitch.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from router.router import Router
-from router.workers import WorkerDirectory
-from worker.publisher import EventPublisher
-from worker.tokenizer import ByteTokenizer
+from kvswitch.worker.publisher import EventPublisher
+from kvswitch.worker.tokenizer import ByteTokenizer
 
 NAMESPACE = "stub-model"
 

@@ -26,7 +26,7 @@ from unittest import mock
 
 import numpy as np
 
-from benchmarks.timing import machine_info
+from kvswitch.benchmarks.timing import machine_info
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _prompts(config: ServeBenchConfig, vocab_size: int) -> list[list[int]]:
 
 def _serve(config: ServeBenchConfig, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Each prompt through a live cluster, cold then again: one record per request."""
-    from client import Client
+    from kvswitch.client import Client
     from kvswitch.cluster import ClusterConfig, LocalCluster
 
     cluster_config = ClusterConfig(
@@ -115,12 +115,12 @@ def _reference_gaps(config: ServeBenchConfig, records: list[dict[str, Any]], pro
     (``record["gaps"]``; 0.0 where the served token is the reference's greedy choice)."""
     import torch
 
-    from worker.model_runner import ModelRunner, ScheduledSeq
-    from worker.weights import load_model
+    from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq
+    from kvswitch.worker.weights import load_model
 
     # NOTE: worker.attention.use_triton is the one switch between kernels and references; only
     # this process's model is made to take the references, the served side is left as it is.
-    with mock.patch("worker.attention.use_triton", return_value=False):
+    with mock.patch("kvswitch.worker.attention.use_triton", return_value=False):
         model = load_model(
             config.model or None, device=config.device, dtype=getattr(torch, config.dtype)
         )
@@ -138,8 +138,8 @@ def _reference_gaps(config: ServeBenchConfig, records: list[dict[str, Any]], pro
 
 
 def _vocab_size(model: str) -> int:
-    from worker.model_config import ModelConfig
-    from worker.weights import RANDOM_PREFIX
+    from kvswitch.worker.model_config import ModelConfig
+    from kvswitch.worker.weights import RANDOM_PREFIX
 
     if not model:
         return ModelConfig.tiny().vocab_size

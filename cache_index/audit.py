@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -82,7 +82,7 @@ class IndexToolConfig:
 
 
 async def stats_report(config: IndexToolConfig) -> dict:
-    from cache_index.connect import connect_index
+    from kvswitch.cache_index.connect import connect_index
 
     index = await connect_index(config.index, prefix=config.prefix)
     try:
@@ -110,7 +110,7 @@ async def stats_report(config: IndexToolConfig) -> dict:
 
 
 async def audit_report(config: IndexToolConfig) -> dict:
-    from cache_index.connect import connect_index
+    from kvswitch.cache_index.connect import connect_index
 
     index = await connect_index(config.index, prefix=config.prefix)
     try:

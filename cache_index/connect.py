@@ -8,7 +8,7 @@ grpc://host:port                  the embedded index of a router, served over gR
 
 from __future__ import annotations
 
-from cache_index.index import BlockIndex
+from kvswitch.cache_index.index import BlockIndex
 
 DEFAULT_PREFIX = "kvswitch"
 SCHEMES = "memory://, redis://, rediss://, redis+cluster://, rediss+cluster:// or grpc://"
@@ -19,18 +19,18 @@ async def connect_index(url: str, *, prefix: str = DEFAULT_PREFIX) -> BlockIndex
     if not sep:
         raise ValueError(f"index URL {url!r} has no scheme: use {SCHEMES}")
     if scheme == "memory":
-        from cache_index.memory_index import MemoryIndex
+        from kvswitch.cache_index.memory_index import MemoryIndex
 
         return MemoryIndex()
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        from cache_index.redis_index import RedisIndex
+        from kvswitch.cache_index.redis_index import RedisIndex
 
         base_scheme, _, cluster = scheme.partition("+")
         return await RedisIndex.connect(
             f"{base_scheme}://{rest}", prefix=prefix, cluster=bool(cluster)
         )
     if scheme == "grpc":
-        from cache_index.grpc_index import GrpcIndex
+        from kvswitch.cache_index.grpc_index import GrpcIndex
 
         if not rest:
             raise ValueError(f"index URL {url!r} names no server: use grpc://host:port")

@@ -27,9 +27,9 @@ from typing import Any
 
 import grpc
 
-from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from cache_index.hashing import HASH_BYTES
-from cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo
+from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from kvswitch.cache_index.hashing import HASH_BYTES
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo
 from kvswitch.v1 import index_pb2, index_pb2_grpc
 
 SERVICE_NAME = "kvswitch.v1.CacheIndex"  # its health-check name

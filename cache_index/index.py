@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cache_index.events import CacheEvent
+from kvswitch.cache_index.events import CacheEvent
 
 logger = logging.getLogger(__name__)
 

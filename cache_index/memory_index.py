@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from cache_index.events import CacheEvent, replay
-from cache_index.hashing import HASH_BYTES
-from cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
+from kvswitch.cache_index.events import CacheEvent, replay
+from kvswitch.cache_index.hashing import HASH_BYTES
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
 
 _BYTES_PER_HASH_OBJECT = sys.getsizeof(b"\x00" * HASH_BYTES)
 

@@ -29,10 +29,10 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from cache_index import redis_scripts
-from cache_index.events import AllBlocksCleared, BlockStored, CacheEvent
-from cache_index.hashing import HASH_BYTES
-from cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
+from kvswitch.cache_index import redis_scripts
+from kvswitch.cache_index.events import AllBlocksCleared, BlockStored, CacheEvent
+from kvswitch.cache_index.hashing import HASH_BYTES
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
 
 AnyPipeline = Pipeline | ClusterPipeline
 

@@ -9,10 +9,10 @@
 - ``errors``: ``KvswitchError`` and ``KvswitchTimeoutError``
 """
 
-from client.async_client import AsyncClient, AsyncStream
-from client.errors import KvswitchError, KvswitchTimeoutError
-from client.result import Chunk, FinishReason, GenerateResult, RouteInfo, Stats
-from client.sync_client import Client, Stream
+from kvswitch.client.async_client import AsyncClient, AsyncStream
+from kvswitch.client.errors import KvswitchError, KvswitchTimeoutError
+from kvswitch.client.result import Chunk, FinishReason, GenerateResult, RouteInfo, Stats
+from kvswitch.client.sync_client import Client, Stream
 
 __all__ = [
     "AsyncClient",

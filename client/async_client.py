@@ -11,10 +11,10 @@ from typing import Unpack
 
 import grpc
 
-from client.channel import TlsOption, call_metadata, channel_credentials, check_timeout_s
-from client.request import GenerateOptions, GenerateParams
-from client.result import Chunk, GenerateResult, ResultBuilder
-from client.retry import Attempts, RetryPolicy
+from kvswitch.client.channel import TlsOption, call_metadata, channel_credentials, check_timeout_s
+from kvswitch.client.request import GenerateOptions, GenerateParams
+from kvswitch.client.result import Chunk, GenerateResult, ResultBuilder
+from kvswitch.client.retry import Attempts, RetryPolicy
 from kvswitch.v1 import router_pb2, router_pb2_grpc
 
 

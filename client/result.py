@@ -11,7 +11,7 @@ import enum
 
 import grpc
 
-from client.errors import KvswitchError
+from kvswitch.client.errors import KvswitchError
 from kvswitch.v1 import common_pb2, router_pb2
 
 

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from client.errors import KvswitchTimeoutError, error_from_rpc
+from kvswitch.client.errors import KvswitchTimeoutError, error_from_rpc
 
 # Transient failures: the router is unreachable, or it (or every worker) is busy for a moment.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})

@@ -7,10 +7,10 @@ also the CPU execution path. Set ``TRITON_INTERPRET=1`` before importing this pa
 kernels on CPU through Triton's interpreter (tiny shapes only).
 """
 
-from kernels.paged_decode import paged_decode
-from kernels.paged_prefill import paged_prefill
-from kernels.reference import paged_decode_ref, paged_prefill_ref, store_kv_ref
-from kernels.store_kv import store_kv
+from kvswitch.kernels.paged_decode import paged_decode
+from kvswitch.kernels.paged_prefill import paged_prefill
+from kvswitch.kernels.reference import paged_decode_ref, paged_prefill_ref, store_kv_ref
+from kvswitch.kernels.store_kv import store_kv
 
 __all__ = [
     "paged_decode",

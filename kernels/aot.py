@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kernels.layout import interpreting
+from kvswitch.kernels.layout import interpreting
 
 
 class CompileUnavailable(RuntimeError):
@@ -249,7 +249,7 @@ def _cache(shape: Shape, max_seq_len: int):
 
 
 def _launch_cases(shape: Shape) -> list[tuple[str, Callable[[], object]]]:
-    from kernels import paged_decode, paged_prefill, store_kv
+    from kvswitch.kernels import paged_decode, paged_prefill, store_kv
 
     scale = shape.head_dim**-0.5
     context = 4096

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import (
+from kvswitch.kernels.layout import (
     check_index,
     check_kv_cache,
     check_rows,
@@ -29,8 +29,8 @@ from kernels.layout import (
     min_dot_size,
     next_pow2,
 )
-from kernels.tile import attend_range
-from kernels.tiles import Tiles, decode_tiles
+from kvswitch.kernels.tile import attend_range
+from kvswitch.kernels.tiles import Tiles, decode_tiles
 
 LOG2_E = 1.4426950408889634
 

@@ -21,16 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import (
+from kvswitch.kernels.layout import (
     check_index,
     check_kv_cache,
     check_rows,
     interpreting,
     next_pow2,
 )
-from kernels.paged_decode import LOG2_E
-from kernels.tile import attend_range
-from kernels.tiles import Tiles, prefill_tiles
+from kvswitch.kernels.paged_decode import LOG2_E
+from kvswitch.kernels.tile import attend_range
+from kvswitch.kernels.tiles import Tiles, prefill_tiles
 
 
 @triton.jit

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import check_index, check_kv_cache, check_rows, next_pow2
+from kvswitch.kernels.layout import check_index, check_kv_cache, check_rows, next_pow2
 
 
 @triton.jit

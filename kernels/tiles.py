@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import interpreting, min_dot_size, next_pow2
+from kvswitch.kernels.layout import interpreting, min_dot_size, next_pow2
 
 
 @dataclass(frozen=True, slots=True)

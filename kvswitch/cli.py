@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.timing import BenchmarkUnavailable
 from kvswitch import __version__
+from kvswitch.benchmarks.timing import BenchmarkUnavailable
 from kvswitch.cli_args import ConfigError, add_config_args, config_from_args
 from kvswitch.logs import configure_logging, log_format_from_env, log_level_from_env
 
@@ -262,7 +262,7 @@ def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Ca
 
 
 def _kernels_compile_command(args: argparse.Namespace) -> None:
-    from kernels import aot
+    from kvswitch.kernels import aot
 
     config = config_from_args(aot.CompileReportConfig, args)
     try:
@@ -276,7 +276,7 @@ def _kernels_compile_command(args: argparse.Namespace) -> None:
 
 
 def _worker_command(args: argparse.Namespace) -> None:
-    from worker import server as worker_server
+    from kvswitch.worker import server as worker_server
 
     config = config_from_args(worker_server.WorkerConfig, args)
     _configure_logging()
@@ -295,7 +295,7 @@ def _configure_logging() -> None:
 
 
 def _router_command(args: argparse.Namespace) -> None:
-    from router import server as router_server
+    from kvswitch.router import server as router_server
 
     config = config_from_args(router_server.RouterConfig, args)
     _configure_logging()
@@ -324,7 +324,7 @@ def _index_command(report: Callable) -> Callable:
     def command(args: argparse.Namespace) -> None:
         import asyncio
 
-        from cache_index.audit import IndexToolConfig
+        from kvswitch.cache_index.audit import IndexToolConfig
 
         config = config_from_args(IndexToolConfig, args)
         _write_json(asyncio.run(report(config)), None)
@@ -333,16 +333,16 @@ def _index_command(report: Callable) -> Callable:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks import engine as engine_bench
-    from benchmarks import hashing as hash_bench
-    from benchmarks import index as index_bench
-    from benchmarks import kernels as kernel_bench
-    from benchmarks import pool as pool_bench
-    from benchmarks import router as router_bench
-    from benchmarks import serve as serve_bench
     from kvswitch import cluster, demo, generate
-    from router import server as router_server
-    from worker import server as worker_server
+    from kvswitch.benchmarks import engine as engine_bench
+    from kvswitch.benchmarks import hashing as hash_bench
+    from kvswitch.benchmarks import index as index_bench
+    from kvswitch.benchmarks import kernels as kernel_bench
+    from kvswitch.benchmarks import pool as pool_bench
+    from kvswitch.benchmarks import router as router_bench
+    from kvswitch.benchmarks import serve as serve_bench
+    from kvswitch.router import server as router_server
+    from kvswitch.worker import server as worker_server
 
     parser = argparse.ArgumentParser(
         prog="kvswitch",
@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     index_tools = index_parser.add_subparsers(
         dest="index_tool", metavar="TOOL", required=True, help="what to do"
     )
-    from cache_index import audit as index_audit
+    from kvswitch.cache_index import audit as index_audit
 
     for name, report, summary in [
         ("stats", index_audit.stats_report, "live workers, entries and memory of the index"),
@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernel_tools = kernels_parser.add_subparsers(
         dest="kernel_tool", metavar="TOOL", required=True, help="what to do"
     )
-    from kernels import aot
+    from kvswitch.kernels import aot
 
     compile_parser = kernel_tools.add_parser(
         "compile",

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from cache_index.local_redis import LocalRedis
+from kvswitch.cache_index.local_redis import LocalRedis
 
 STARTUP_TIMEOUT_S = 120.0  # a worker loads its model before it prints its address
 READY_MARK = "listening on "
@@ -181,7 +181,7 @@ class LocalCluster:
         """Block until every worker has registered with the index (after loading its model)."""
         import asyncio
 
-        from cache_index.connect import connect_index
+        from kvswitch.cache_index.connect import connect_index
 
         async def count_workers() -> int:
             index = await connect_index(self.index_url)

@@ -19,9 +19,9 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from client import Client, GenerateResult
+from kvswitch.client import Client, GenerateResult
 from kvswitch.cluster import ClusterConfig, running
-from worker.tokenizer import ByteTokenizer
+from kvswitch.worker.tokenizer import ByteTokenizer
 
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena"]
 SURNAMES = ["Stone", "Reyes", "Okafor", "Novak", "Berg", "Costa", "Ito", "Moreau", "Singh", "Walsh"]

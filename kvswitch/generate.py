@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from client import Client, KvswitchError
+from kvswitch.client import Client, KvswitchError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache_index.hashing import BlockHasher
-from cache_index.index import BlockIndex
-from router.pending import PendingBlocks
-from router.policy import Decision, Policy, RouteRequest, make_policy
-from router.workers import WorkerDirectory, WorkerHandle
-from worker.tokenizer import Tokenizer
+from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.cache_index.index import BlockIndex
+from kvswitch.router.pending import PendingBlocks
+from kvswitch.router.policy import Decision, Policy, RouteRequest, make_policy
+from kvswitch.router.workers import WorkerDirectory, WorkerHandle
+from kvswitch.worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

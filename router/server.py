@@ -19,19 +19,19 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cache_index.connect import connect_index
-from cache_index.index import BlockIndex, reclaim_forever
+from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.metrics import MetricsServer, start_metrics_server
+from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
+from kvswitch.router.pending import PendingBlocks
+from kvswitch.router.policy import POLICIES, make_policy
+from kvswitch.router.router import Router
+from kvswitch.router.servicer import RouterServicer
+from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
 from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.v1 import router_pb2_grpc
-from router.metrics import RouterMetrics, WorkerLoadSample
-from router.pending import PendingBlocks
-from router.policy import POLICIES, make_policy
-from router.router import Router
-from router.servicer import RouterServicer
-from router.workers import DirectoryConfig, WorkerDirectory
-from worker.tokenizer import Tokenizer, load_tokenizer
-from worker.weights import RANDOM_PREFIX
+from kvswitch.worker.tokenizer import Tokenizer, load_tokenizer
+from kvswitch.worker.weights import RANDOM_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     serving = [SERVICE_NAME, ""]
     if config.index.startswith("memory://"):
-        from cache_index import grpc_index
+        from kvswitch.cache_index import grpc_index
 
         grpc_index.add_index_service(server, index)
         serving.append(grpc_index.SERVICE_NAME)

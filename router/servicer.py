@@ -20,11 +20,11 @@ import uuid
 
 import grpc
 
+from kvswitch.router.metrics import RouterMetrics
+from kvswitch.router.policy import Decision
+from kvswitch.router.router import NoTokenizerError, NoWorkerError, RoutePlan, Router
+from kvswitch.router.workers import InFlight, WorkerHandle
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
-from router.metrics import RouterMetrics
-from router.policy import Decision
-from router.router import NoTokenizerError, NoWorkerError, RoutePlan, Router
-from router.workers import InFlight, WorkerHandle
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.router.policy import WorkerState
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
-from router.policy import WorkerState
 
 logger = logging.getLogger(__name__)
 

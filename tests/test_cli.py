@@ -75,7 +75,7 @@ def test_console_script_runs() -> None:
 
 
 def test_option_defaults_come_from_config() -> None:
-    from benchmarks.pool import PoolBenchConfig
+    from kvswitch.benchmarks.pool import PoolBenchConfig
 
     args = build_parser().parse_args(["bench", "pool"])
     assert args.num_blocks == PoolBenchConfig.num_blocks
@@ -130,7 +130,7 @@ def test_bench_kernels_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -
 
 def test_bench_kernels_runs_every_step_through_the_interpreter(tmp_path: Path) -> None:
     """The GPU benchmark's own steps, sweep included, on tiny shapes on CPU."""
-    from benchmarks.kernels import DECODE_SPLITS, DECODE_SWEEP, PREFILL_SWEEP
+    from kvswitch.benchmarks.kernels import DECODE_SPLITS, DECODE_SWEEP, PREFILL_SWEEP
 
     out = tmp_path / "kernels.json"
     tiny = "--decode-batch 2 --decode-context 40 --prefill-batch 2 --prefill-tokens 24 "
@@ -193,14 +193,14 @@ def test_bench_serve_checks_a_local_cluster_against_the_reference(tmp_path: Path
 
 
 def test_bench_serve_flags_a_token_the_reference_would_not_choose() -> None:
-    from benchmarks.serve import ServeBenchConfig, _reference_gaps
+    from kvswitch.benchmarks.serve import ServeBenchConfig, _reference_gaps
 
     config = ServeBenchConfig(num_prompts=1, num_prompt_tokens=20, num_shared_tokens=0)
     prompt = [256, *b"the reference decides"][:20]
     greedy = [{"prompt": 0, "token_ids": []}]
     # The reference's own greedy continuation has no gap anywhere.
-    from worker.engine import EngineConfig, LLMEngine
-    from worker.sampler import SamplingParams
+    from kvswitch.worker.engine import EngineConfig, LLMEngine
+    from kvswitch.worker.sampler import SamplingParams
 
     greedy[0]["token_ids"] = LLMEngine(EngineConfig()).generate(
         [prompt], SamplingParams(max_tokens=6)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvswitch.logs import JsonFormatter, KeyValueFormatter, configure_logging, log_format_from_env
 from kvswitch.metrics import start_metrics_server
-from router.metrics import RouterMetrics, WorkerLoadSample
+from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 
 
 def _get(address: str) -> str:
@@ -123,8 +123,8 @@ def test_router_metrics_serve() -> None:
 
 
 def _record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
-    record = logging.getLogger("worker.server").makeRecord(
-        "worker.server", logging.INFO, __file__, 1, msg, args, None, extra=extra
+    record = logging.getLogger("kvswitch.worker.server").makeRecord(
+        "kvswitch.worker.server", logging.INFO, __file__, 1, msg, args, None, extra=extra
     )
     record.created, record.msecs = 1738324800.123, 123.0  # 2025-01-31T12:00:00.123Z
     return record
@@ -149,7 +149,7 @@ def test_json_lines_parse() -> None:
     assert json.loads(JsonFormatter().format(record)) == {
         "ts": "2025-01-31T12:00:00.123Z",
         "level": "INFO",
-        "logger": "worker.server",
+        "logger": "kvswitch.worker.server",
         "msg": "stop after 8 tokens",
         "request_id": "r-1",
     }
@@ -176,14 +176,14 @@ def test_configure_logging_writes_json_to_stderr(
     root_logger: logging.Logger, capsys: pytest.CaptureFixture[str]
 ) -> None:
     configure_logging("DEBUG", json=True)
-    logging.getLogger("router.server").debug("routed", extra={"request_id": "r-2"})
+    logging.getLogger("kvswitch.router.server").debug("routed", extra={"request_id": "r-2"})
     fields = json.loads(capsys.readouterr().err)
     assert (fields["level"], fields["msg"], fields["request_id"]) == ("DEBUG", "routed", "r-2")
 
     configure_logging()  # INFO, key=value
-    logging.getLogger("router.server").debug("hidden")
-    logging.getLogger("router.server").info("shown")
-    assert capsys.readouterr().err.endswith(" level=INFO logger=router.server msg=shown\n")
+    logging.getLogger("kvswitch.router.server").debug("hidden")
+    logging.getLogger("kvswitch.router.server").info("shown")
+    assert capsys.readouterr().err.endswith(" level=INFO logger=kvswitch.router.server msg=shown\n")
 
 
 def test_log_format_from_env() -> None:

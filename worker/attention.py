@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kvswitch.kernels import reference
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class PagedAttention:
         """query [num_tokens, num_q_heads, head_dim], key/value [num_tokens, num_kv_heads,
         head_dim] -> [num_tokens, num_q_heads, head_dim]."""
         if use_triton(query.device):
-            from kernels import paged_decode, paged_prefill, store_kv
+            from kvswitch.kernels import paged_decode, paged_prefill, store_kv
 
             store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
             if meta.is_decode_only:

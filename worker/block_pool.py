@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 
 
 class KVBlock:

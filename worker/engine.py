@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_index.events import CacheEvent
-from cache_index.hashing import BlockHasher
-from worker.kv_cache_manager import KVCacheManager
-from worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
-from worker.request import FinishReason, Request
-from worker.sampler import Sampler, SamplingParams, make_generator, seed_for_position
-from worker.scheduler import Scheduler, SchedulerConfig
-from worker.weights import load_model
+from kvswitch.cache_index.events import CacheEvent
+from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
+from kvswitch.worker.request import FinishReason, Request
+from kvswitch.worker.sampler import Sampler, SamplingParams, make_generator, seed_for_position
+from kvswitch.worker.scheduler import Scheduler, SchedulerConfig
+from kvswitch.worker.weights import load_model
 
 
 @dataclass(frozen=True)

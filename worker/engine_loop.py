@@ -25,12 +25,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from cache_index.events import CacheEvent
+from kvswitch.cache_index.events import CacheEvent
 
 if TYPE_CHECKING:
     # NOTE: type-only, so that importing this module (and the CLI) does not load torch.
-    from worker.engine import LLMEngine, RequestOutput
-    from worker.sampler import SamplingParams
+    from kvswitch.worker.engine import LLMEngine, RequestOutput
+    from kvswitch.worker.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cache_index.events import CacheEvent
-from worker.block_pool import BlockPool, KVBlock
-from worker.request import Request
+from kvswitch.cache_index.events import CacheEvent
+from kvswitch.worker.block_pool import BlockPool, KVBlock
+from kvswitch.worker.request import Request
 
 
 @dataclass(slots=True)

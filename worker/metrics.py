@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import GaugeMetricFamily
 
 from kvswitch.metrics import RequestMetrics
-from worker.engine_loop import LoadReport
+from kvswitch.worker.engine_loop import LoadReport
 
 # "rejected": refused before the engine took it (invalid, or the worker is stopping);
 # "error": the engine failed it; the rest are the engine's own finish reasons.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.attention import AttentionMetadata, PagedAttention
-from worker.model_config import ModelConfig
+from kvswitch.worker.attention import AttentionMetadata, PagedAttention
+from kvswitch.worker.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import AttentionMetadata
-from worker.model import CausalLM
+from kvswitch.worker.attention import AttentionMetadata
+from kvswitch.worker.model import CausalLM
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cache_index.hashing import BlockHasher
+from kvswitch.cache_index.hashing import BlockHasher
 
 if TYPE_CHECKING:
     import torch
 
-    from worker.sampler import SamplingParams
+    from kvswitch.worker.sampler import SamplingParams
 
 
 class RequestStatus(enum.Enum):

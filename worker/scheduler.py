@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from worker.kv_cache_manager import KVCacheManager
-from worker.request import Request, RequestStatus
+from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

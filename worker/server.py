@@ -19,23 +19,23 @@ from typing import TYPE_CHECKING, cast
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cache_index.connect import connect_index
-from cache_index.index import ROLES, WorkerInfo
+from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.metrics import MetricsServer, start_metrics_server
 from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
-from worker.metrics import WorkerMetrics
-from worker.publisher import EventPublisher
-from worker.request import FinishReason
-from worker.scheduler import SchedulerConfig
-from worker.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from kvswitch.worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
+from kvswitch.worker.metrics import WorkerMetrics
+from kvswitch.worker.publisher import EventPublisher
+from kvswitch.worker.request import FinishReason
+from kvswitch.worker.scheduler import SchedulerConfig
+from kvswitch.worker.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 # NOTE: worker.engine and worker.sampler import torch; they are imported where they are used, so
 # that `kvswitch --help` (which reads WorkerConfig for its options) stays fast.
 if TYPE_CHECKING:
-    from worker.engine import EngineConfig, RequestOutput
-    from worker.sampler import SamplingParams
+    from kvswitch.worker.engine import EngineConfig, RequestOutput
+    from kvswitch.worker.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class WorkerConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's config: every ``EngineConfig`` field has a field of the same name here."""
-        from worker.engine import EngineConfig
+        from kvswitch.worker.engine import EngineConfig
 
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
         return EngineConfig(**{**values, "model": self.model or None})
@@ -106,7 +106,7 @@ class WorkerConfig:
 
 def sampling_params_from_proto(sampling: common_pb2.SamplingParams) -> SamplingParams:
     """The engine's params; 0 means the default for max_tokens and top_p. ValueError if invalid."""
-    from worker.sampler import SamplingParams
+    from kvswitch.worker.sampler import SamplingParams
 
     return SamplingParams(
         max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
@@ -328,7 +328,7 @@ class WorkerStartError(Exception):
 
 async def start_worker(config: WorkerConfig) -> WorkerServer:
     """Bind the port, build the engine and start serving; ``WorkerStartError`` says why not."""
-    from worker.engine import LLMEngine
+    from kvswitch.worker.engine import LLMEngine
 
     # NOTE: without so_reuseport 0, gRPC lets a second server bind the same port and share its
     # traffic. Binding before the model loads makes a taken port fail at once.

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.model import CausalLM
-from worker.model_config import ModelConfig
+from kvswitch.worker.model import CausalLM
+from kvswitch.worker.model_config import ModelConfig
 
 DEFAULT_SEED = 0
 RANDOM_PREFIX = "random:"

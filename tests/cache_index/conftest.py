@@ -16,11 +16,11 @@ import grpc
 import pytest
 import redis
 
-from cache_index.grpc_index import GrpcIndex, add_index_service
-from cache_index.index import BlockIndex
-from cache_index.local_redis import LocalRedis, LocalRedisCluster
-from cache_index.memory_index import MemoryIndex
-from cache_index.redis_index import RedisIndex
+from kvswitch.cache_index.grpc_index import GrpcIndex, add_index_service
+from kvswitch.cache_index.index import BlockIndex
+from kvswitch.cache_index.local_redis import LocalRedis, LocalRedisCluster
+from kvswitch.cache_index.memory_index import MemoryIndex
+from kvswitch.cache_index.redis_index import RedisIndex
 
 MakeIndex = Callable[[], Awaitable[BlockIndex]]
 

@@ -9,10 +9,10 @@ import time
 import pytest
 import redis
 
-from cache_index.redis_index import KeySchema
+from kvswitch.cache_index.redis_index import KeySchema
 from kvswitch.cli import main
+from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
-from worker.server import WorkerConfig
 
 CONFIG = WorkerConfig(port=0, kv_cache_bytes=64 * (32 << 10), grace_s=0.0)
 PROMPT = [256, *b"a document that several questions will share. " * 2]

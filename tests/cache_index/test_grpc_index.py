@@ -10,16 +10,16 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 
-from cache_index.connect import connect_index
-from cache_index.events import BlockStored
-from cache_index.grpc_index import HASHES_PER_CHUNK, GrpcIndex
-from cache_index.hashing import hash_prompt_blocks
-from cache_index.index import ApplyStatus, WorkerInfo
-from cache_index.memory_index import MemoryIndex
+from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.events import BlockStored
+from kvswitch.cache_index.grpc_index import HASHES_PER_CHUNK, GrpcIndex
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.index import ApplyStatus, WorkerInfo
+from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.v1 import index_pb2, index_pb2_grpc
+from kvswitch.worker.publisher import Backoff, EventPublisher
 from tests.cache_index.conftest import ServedIndex
 from tests.worker.test_publisher import FAST, generate, index_matches_worker, make_loop
-from worker.publisher import Backoff, EventPublisher
 
 NS = "model-a"
 TTL_S = 30.0

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_128_digest
 
-from cache_index.hashing import (
+from kvswitch.cache_index.hashing import (
     BlockHasher,
     MMItem,
     hash_block_tokens,

@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from cache_index.hashing import hash_prompt_blocks
-from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo, reclaim_forever
+from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo, reclaim_forever
 
 MakeIndex = Callable[[], Awaitable[BlockIndex]]
 NS = "model-a"
@@ -167,11 +167,11 @@ def test_workers_by_namespace_and_stats(make_index: MakeIndex) -> None:
 
 def test_replaying_a_worker_event_stream_matches_its_pool() -> None:
     """The events a real block pool emits, applied in batches, describe its cache exactly."""
-    from cache_index.hashing import BlockHasher
-    from cache_index.memory_index import MemoryIndex
+    from kvswitch.cache_index.hashing import BlockHasher
+    from kvswitch.cache_index.memory_index import MemoryIndex
+    from kvswitch.worker.kv_cache_manager import KVCacheManager
+    from kvswitch.worker.request import Request
     from tests.worker.driver import admit
-    from worker.kv_cache_manager import KVCacheManager
-    from worker.request import Request
 
     async def main() -> None:
         index = MemoryIndex()

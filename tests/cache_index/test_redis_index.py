@@ -14,11 +14,11 @@ import pytest
 import redis
 from redis.asyncio.connection import AbstractConnection
 
-from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from cache_index.hashing import hash_prompt_blocks
-from cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
-from cache_index.local_redis import LocalRedis
-from cache_index.redis_index import WORKER_LIST_TTL_S, KeySchema, RedisIndex, hash_tag
+from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+from kvswitch.cache_index.local_redis import LocalRedis
+from kvswitch.cache_index.redis_index import WORKER_LIST_TTL_S, KeySchema, RedisIndex, hash_tag
 from tests.cache_index.conftest import ACL_PREFIX, unique_prefix
 
 NS = "model-a"

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from client import Chunk, FinishReason, GenerateResult, RouteInfo, Stats
+from kvswitch.client import Chunk, FinishReason, GenerateResult, RouteInfo, Stats
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 CHUNKS = [

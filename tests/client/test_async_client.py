@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from client import AsyncClient, Chunk, KvswitchError, KvswitchTimeoutError
+from kvswitch.client import AsyncClient, Chunk, KvswitchError, KvswitchTimeoutError
 from tests.client.scripted_router import EXPECTED, EXPECTED_CHUNKS, ScriptedRouter
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.channel import call_metadata, channel_credentials, check_timeout_s
+from kvswitch.client.channel import call_metadata, channel_credentials, check_timeout_s
 
 
 def test_tls_options(tmp_path: Path) -> None:

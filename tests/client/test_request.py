@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.request import GenerateParams
+from kvswitch.client.request import GenerateParams
 from kvswitch.v1 import common_pb2, router_pb2
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from client import Chunk, FinishReason, KvswitchError
-from client.result import ResultBuilder
+from kvswitch.client import Chunk, FinishReason, KvswitchError
+from kvswitch.client.result import ResultBuilder
 from kvswitch.v1 import common_pb2, router_pb2
 from tests.client.scripted_router import CHUNKS, FINAL
 
@@ -67,7 +67,7 @@ def test_broken_streams_are_internal_errors(
 
 
 def test_stats_short_names_are_the_counts() -> None:
-    from client.result import Stats
+    from kvswitch.client.result import Stats
 
     stats = Stats("w0", 10, 8, 0.5, 3, route_reason="lowest cost")
     assert (stats.prompt_tokens, stats.cached_tokens, stats.output_tokens) == (10, 8, 3)

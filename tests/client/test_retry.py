@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from client.errors import KvswitchError, KvswitchTimeoutError
-from client.retry import Attempts, RetryPolicy
+from kvswitch.client.errors import KvswitchError, KvswitchTimeoutError
+from kvswitch.client.retry import Attempts, RetryPolicy
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 

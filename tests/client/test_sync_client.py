@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client import Chunk, Client, KvswitchError, KvswitchTimeoutError
+from kvswitch.client import Chunk, Client, KvswitchError, KvswitchTimeoutError
 from kvswitch.v1 import common_pb2, router_pb2
 from tests.client.scripted_router import EXPECTED, EXPECTED_CHUNKS, BackgroundRouter, ScriptedRouter
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.layout import interpreting
-from kernels.reference import store_kv_ref
+from kvswitch.kernels.layout import interpreting
+from kvswitch.kernels.reference import store_kv_ref
 
 ON_GPU = torch.cuda.is_available() and not interpreting()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

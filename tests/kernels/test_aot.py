@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.aot import (
+from kvswitch.cli import main
+from kvswitch.kernels.aot import (
     ARCHS,
     SHAPES,
     async_copy_widths,
@@ -21,8 +22,7 @@ from kernels.aot import (
     mma_kind,
     programs_per_sm,
 )
-from kernels.layout import interpreting
-from kvswitch.cli import main
+from kvswitch.kernels.layout import interpreting
 
 PTX = """
     ld.global.b32 { %r46 }, [ %rd7 + 0 ];

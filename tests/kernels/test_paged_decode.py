@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_decode, paged_decode_ref
+from kvswitch.kernels import paged_decode, paged_decode_ref
 from tests.kernels.paged_case import (
     DEVICE,
     DTYPES,
@@ -90,7 +90,7 @@ def test_decode_gpu_shapes(group: int) -> None:
 
 
 def test_num_splits_fill_the_multiprocessors_without_empty_splits() -> None:
-    from kernels.paged_decode import choose_num_splits
+    from kvswitch.kernels.paged_decode import choose_num_splits
 
     # The benchmark's batch on an H100: 512 (sequence, KV head) programs, 4 per SM wanted.
     assert choose_num_splits(64, 8, 4096, 16, num_sms=132) == 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_prefill, paged_prefill_ref
-from kernels.tiles import Tiles
+from kvswitch.kernels import paged_prefill, paged_prefill_ref
+from kvswitch.kernels.tiles import Tiles
 from tests.kernels.paged_case import (
     DEVICE,
     DTYPES,
@@ -71,7 +71,7 @@ def test_prefill_tile_sizes(block_m: int, block_n: int) -> None:
 
 def test_prefill_full_prefix_single_token_matches_decode() -> None:
     """Prefill of one token on top of a cached prefix is a decode step."""
-    from kernels import paged_decode
+    from kvswitch.kernels import paged_decode
 
     case = make_case([11, 16], block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     query = torch.randn(2, 4, 16, device=DEVICE)

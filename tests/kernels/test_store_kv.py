@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import store_kv, store_kv_ref
+from kvswitch.kernels import store_kv, store_kv_ref
 from tests.kernels.paged_case import DEVICE, DTYPES
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_prefill
-from kernels.layout import interpreting
-from kernels.tiles import Tiles, decode_tiles, prefill_tiles
+from kvswitch.kernels import paged_prefill
+from kvswitch.kernels.layout import interpreting
+from kvswitch.kernels.tiles import Tiles, decode_tiles, prefill_tiles
 from tests.kernels.paged_case import DEVICE, make_case
 
 

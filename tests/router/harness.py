@@ -13,8 +13,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from router.server import RouterConfig, RouterServer, start_router
-from worker.server import WorkerConfig, WorkerServer, start_worker
+from kvswitch.router.server import RouterConfig, RouterServer, start_router
+from kvswitch.worker.server import WorkerConfig, WorkerServer, start_worker
 
 T = TypeVar("T")
 

@@ -16,14 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from client import Client, GenerateResult, KvswitchError
 from kvswitch.cli import main
+from kvswitch.client import Client, GenerateResult, KvswitchError
 from kvswitch.cluster import ClusterConfig, LocalCluster, running
 from kvswitch.demo import DemoConfig, document_questions
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
-from worker.engine import EngineConfig, LLMEngine
-from worker.sampler import SamplingParams
-from worker.tokenizer import ByteTokenizer
+from kvswitch.worker.engine import EngineConfig, LLMEngine
+from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.tokenizer import ByteTokenizer
 
 QUESTIONS = document_questions(DemoConfig(num_documents=3, questions_per_document=3))
 NUM_DOCUMENTS = 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.pending import PendingBlocks
+from kvswitch.router.pending import PendingBlocks
 
 
 class Clock:

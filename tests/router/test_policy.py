@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from router.policy import (
+from kvswitch.router.policy import (
     CostPolicy,
     LeastLoaded,
     PrefixPolicy,

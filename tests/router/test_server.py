@@ -18,15 +18,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_index.index import WorkerInfo
-from cache_index.local_redis import LocalRedis
-from client import Client, KvswitchError, KvswitchTimeoutError
-from router.server import RouterConfig, RouterStartError, start_router
+from kvswitch.cache_index.index import WorkerInfo
+from kvswitch.cache_index.local_redis import LocalRedis
+from kvswitch.client import Client, KvswitchError, KvswitchTimeoutError
+from kvswitch.router.server import RouterConfig, RouterStartError, start_router
+from kvswitch.worker.engine import LLMEngine
+from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.server import WorkerServer
+from kvswitch.worker.tokenizer import ByteTokenizer
 from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
-from worker.engine import LLMEngine
-from worker.sampler import SamplingParams
-from worker.server import WorkerServer
-from worker.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 DOCUMENTS = [

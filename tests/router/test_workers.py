@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from cache_index.index import WorkerInfo
-from cache_index.memory_index import MemoryIndex
+from kvswitch.cache_index.index import WorkerInfo
+from kvswitch.cache_index.memory_index import MemoryIndex
+from kvswitch.router.policy import CostPolicy, RouteRequest
+from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
 from kvswitch.v1 import worker_pb2
-from router.policy import CostPolicy, RouteRequest
-from router.workers import DirectoryConfig, WorkerDirectory
 
 
 async def directory_of(*worker_ids: str) -> WorkerDirectory:

@@ -9,7 +9,7 @@ import time
 import grpc
 
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from worker.server import WorkerConfig, WorkerServer, start_worker
+from kvswitch.worker.server import WorkerConfig, WorkerServer, start_worker
 
 
 class BackgroundWorker:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.kv_cache_manager import KVCacheManager
-from worker.request import Request
+from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.request import Request
 
 
 def admit(manager: KVCacheManager, request: Request) -> list[int]:

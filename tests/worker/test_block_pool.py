@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, replay
-from worker.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, replay
+from kvswitch.worker.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 BLOCK_SIZE = 2
 ROOT = b"\x00" * 16

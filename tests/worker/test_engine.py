@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine import EngineConfig, LLMEngine
-from worker.request import FinishReason
-from worker.sampler import SamplingParams
+from kvswitch.worker.engine import EngineConfig, LLMEngine
+from kvswitch.worker.request import FinishReason
+from kvswitch.worker.sampler import SamplingParams
 
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
 

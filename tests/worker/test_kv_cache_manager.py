@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cache_index.events import BlockRemoved, BlockStored, replay
-from cache_index.hashing import BlockHasher, MMItem, hash_block_tokens
+from kvswitch.cache_index.events import BlockRemoved, BlockStored, replay
+from kvswitch.cache_index.hashing import BlockHasher, MMItem, hash_block_tokens
+from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.request import Request
 from tests.worker.driver import admit, decode
-from worker.kv_cache_manager import KVCacheManager
-from worker.request import Request
 
 B = 4
 HASHER = BlockHasher("mgr-model", block_size=B)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.model_config import ModelConfig
-from worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
-from worker.weights import load_model
+from kvswitch.worker.model_config import ModelConfig
+from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
+from kvswitch.worker.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 

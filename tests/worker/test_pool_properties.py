@@ -21,10 +21,10 @@ import itertools
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from cache_index.events import BlockRemoved, BlockStored, CacheEvent, replay
-from cache_index.hashing import BlockHasher, hash_block_tokens
-from worker.kv_cache_manager import KVCacheManager
-from worker.request import Request
+from kvswitch.cache_index.events import BlockRemoved, BlockStored, CacheEvent, replay
+from kvswitch.cache_index.hashing import BlockHasher, hash_block_tokens
+from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.request import Request
 
 ALPHABET = st.integers(min_value=0, max_value=2)
 NAMESPACE = "prop-model"

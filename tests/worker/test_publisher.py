@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from cache_index.hashing import hash_prompt_blocks
-from cache_index.index import BlockIndex, WorkerInfo
-from cache_index.memory_index import MemoryIndex
-from worker.engine import EngineConfig, LLMEngine
-from worker.engine_loop import EngineLoop
-from worker.publisher import Backoff, EventPublisher, PublisherConfig
-from worker.sampler import SamplingParams
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.memory_index import MemoryIndex
+from kvswitch.worker.engine import EngineConfig, LLMEngine
+from kvswitch.worker.engine_loop import EngineLoop
+from kvswitch.worker.publisher import Backoff, EventPublisher, PublisherConfig
+from kvswitch.worker.sampler import SamplingParams
 
 FAST = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=0.5)
 

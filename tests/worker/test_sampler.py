@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.sampler import Sampler, SamplingParams, make_generator
+from kvswitch.worker.sampler import Sampler, SamplingParams, make_generator
 
 VOCAB_SIZE = 50
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from cache_index.events import BlockRemoved, BlockStored, replay
-from cache_index.hashing import BlockHasher
+from kvswitch.cache_index.events import BlockRemoved, BlockStored, replay
+from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.request import Request
 from tests.worker.driver import admit, decode
-from worker.kv_cache_manager import KVCacheManager
-from worker.request import Request
 
 HASHER = BlockHasher("seed-model", block_size=4)
 

@@ -22,16 +22,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_index.events import replay
-from cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.events import replay
+from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cli import main
 from kvswitch.v1 import common_pb2, worker_pb2
+from kvswitch.worker.engine import EngineConfig, LLMEngine
+from kvswitch.worker.engine_loop import EngineLoop
+from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.server import WorkerConfig, WorkerStartError, start_worker
+from kvswitch.worker.tokenizer import ByteTokenizer
 from tests.worker.background import BackgroundWorker
-from worker.engine import EngineConfig, LLMEngine
-from worker.engine_loop import EngineLoop
-from worker.sampler import SamplingParams
-from worker.server import WorkerConfig, WorkerStartError, start_worker
-from worker.tokenizer import ByteTokenizer
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
