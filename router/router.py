@@ -145,7 +145,16 @@ class Router:
         self.last_lookup_s = time.perf_counter() - started_s
         matches = self.pending.match(plan.block_hashes, index_matches)
         request = RouteRequest(len(plan.token_ids), plan.block_size)
-        states = [h.state(matches.get(worker_id, 0)) for worker_id, h in handles.items()]
+        # NOTE: blocks matched by a guess alone are still being prefilled there for an earlier
+        # request; that prefill is in the worker's outstanding work and serves this one too.
+        states = [
+            h.state(
+                matches.get(worker_id, 0),
+                num_shared_prefill_tokens=plan.block_size
+                * max(matches.get(worker_id, 0) - index_matches.get(worker_id, 0), 0),
+            )
+            for worker_id, h in handles.items()
+        ]
         decision = chosen_policy.choose(request, states)
         return decision, handles[decision.worker_id]
 

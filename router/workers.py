@@ -11,6 +11,7 @@ from two sources, because each alone misleads:
 A worker's outstanding work, in tokens, is therefore::
 
     max(reported queued prefill tokens, this router's not-yet-prefilled tokens there)
+      - the part of that prefill the request being routed shares (blocks guessed, not yet indexed)
       + this router's remaining output tokens there
 
 A worker whose RPC failed is left out for ``down_s`` (it may be dying; the index drops it when
@@ -54,15 +55,19 @@ class WorkerHandle:
     def worker_id(self) -> str:
         return self.info.worker_id
 
-    def num_outstanding_tokens(self) -> int:
+    def num_outstanding_tokens(self, num_shared_prefill_tokens: int = 0) -> int:
+        """Work queued here, in tokens. ``num_shared_prefill_tokens``: prompt tokens still being
+        prefilled here for another request that the request being routed shares; that prefill
+        serves both, so it is not charged to the newcomer a second time."""
         reported = self.load.num_queued_prefill_tokens if self.load is not None else 0
-        return max(reported, self.num_prefill_tokens) + self.num_output_tokens
+        prefill = max(reported, self.num_prefill_tokens)
+        return max(prefill - num_shared_prefill_tokens, 0) + self.num_output_tokens
 
-    def state(self, num_matched_blocks: int) -> WorkerState:
+    def state(self, num_matched_blocks: int, num_shared_prefill_tokens: int = 0) -> WorkerState:
         return WorkerState(
             worker_id=self.worker_id,
             num_matched_blocks=num_matched_blocks,
-            num_outstanding_tokens=self.num_outstanding_tokens(),
+            num_outstanding_tokens=self.num_outstanding_tokens(num_shared_prefill_tokens),
             num_free_blocks=self.load.num_free_blocks if self.load is not None else 0,
             num_total_blocks=self.info.num_blocks,
         )

@@ -7,6 +7,7 @@ sampling are deterministic, so every token a client receives can be checked.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,7 +27,13 @@ from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.sampler import SamplingParams
 from kvswitch.worker.server import WorkerServer
 from kvswitch.worker.tokenizer import ByteTokenizer
-from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
+from tests.router.harness import (
+    BLOCK_BYTES,
+    BLOCK_SIZE,
+    ROUTER_CONFIG,
+    WORKER_CONFIG,
+    BackgroundCluster,
+)
 
 TOKENIZER = ByteTokenizer()
 DOCUMENTS = [
@@ -111,6 +118,22 @@ def test_a_burst_on_one_document_stays_together(cluster: BackgroundCluster) -> N
         results = list(pool.map(lambda p: c.generate(p, max_tokens=2, cache_salt="burst"), prompts))
     by_document = [{r.stats.worker_id for r in results[d::2]} for d in range(2)]
     assert all(len(workers) == 1 for workers in by_document), by_document
+
+
+def test_a_burst_on_one_long_document_is_prefilled_once() -> None:
+    """8 requests at once on one 4,000-token document, 4 idle workers: the first one's prefill of
+    the document serves the other seven, so they follow it instead of prefilling it again."""
+    document = "".join(f"| {row} | person {row * 7} | {row % 40} |\n" for row in range(170))
+    worker_config = dataclasses.replace(WORKER_CONFIG, kv_cache_bytes=1024 * BLOCK_BYTES)
+    cluster = BackgroundCluster(num_workers=4, worker_config=worker_config)
+    try:
+        prompts = [f"{document}Question {q}: who is on row {q + 3}?\n" for q in range(8)]
+        with Client(cluster.address, timeout_s=60) as c, ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda p: c.generate(p, max_tokens=2), prompts))
+    finally:
+        cluster.close()
+    assert len(TOKENIZER.encode(document)) >= 4000
+    assert len({r.stats.worker_id for r in results}) == 1, [r.stats.worker_id for r in results]
 
 
 def test_policy_override_and_bad_policy(client: Client) -> None:

@@ -61,6 +61,28 @@ def test_a_burst_of_new_prompts_avoids_the_busy_worker() -> None:
     asyncio.run(main())
 
 
+def test_prefill_a_request_shares_is_not_charged_to_it_twice() -> None:
+    """``a`` is prefilling a 4,000-token document for one request; the next request on the same
+    document would reuse that prefill there, but pay all of it on idle ``b``."""
+
+    async def main() -> None:
+        directory = await directory_of("a", "b")
+        handles = {h.worker_id: h for h in directory.handles()}
+        directory.begin(handles["a"], num_prefill_tokens=4016, num_output_tokens=16)
+        assert handles["a"].num_outstanding_tokens(num_shared_prefill_tokens=4000) == 32
+        # Never below what is still owed: shared tokens beyond the queued prefill count as 0.
+        assert handles["a"].num_outstanding_tokens(num_shared_prefill_tokens=9000) == 16
+        request = RouteRequest(num_prompt_tokens=4016, block_size=16)
+        states = [
+            handles["a"].state(num_matched_blocks=250, num_shared_prefill_tokens=4000),
+            handles["b"].state(num_matched_blocks=0),
+        ]
+        assert CostPolicy().choose(request, states).worker_id == "a"
+        await directory.stop()
+
+    asyncio.run(main())
+
+
 def test_a_failed_worker_is_left_out_for_a_while() -> None:
     async def main() -> None:
         now = [0.0]
