@@ -133,8 +133,8 @@ def _record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
 def test_key_value_lines_carry_the_request_id() -> None:
     record = _record("stop after %d tokens", 8, request_id="r-1")
     assert KeyValueFormatter().format(record) == (
-        'ts=2025-01-31T12:00:00.123Z level=INFO logger=kvswitch.worker.server msg="stop after 8 tokens" '
-        "request_id=r-1"
+        "ts=2025-01-31T12:00:00.123Z level=INFO logger=kvswitch.worker.server "
+        'msg="stop after 8 tokens" request_id=r-1'
     )
     record = _record('a "quoted"\nvalue=1', request_id="has space")
     assert (
