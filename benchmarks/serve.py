@@ -137,19 +137,10 @@ def _reference_gaps(config: ServeBenchConfig, records: list[dict[str, Any]], pro
             record["gaps"] = gaps.tolist()
 
 
-def _vocab_size(model: str) -> int:
-    from kvswitch.worker.model_config import ModelConfig
-    from kvswitch.worker.weights import RANDOM_PREFIX
-
-    if not model:
-        return ModelConfig.tiny().vocab_size
-    if model.startswith(RANDOM_PREFIX):
-        return ModelConfig.random_preset(model[len(RANDOM_PREFIX) :]).vocab_size
-    return ModelConfig.from_dir(model).vocab_size
-
-
 def run(config: ServeBenchConfig) -> dict[str, Any]:
-    prompts = _prompts(config, _vocab_size(config.model))
+    from kvswitch.worker.weights import model_config
+
+    prompts = _prompts(config, model_config(config.model or None).vocab_size)
     records = _serve(config, prompts)
     _reference_gaps(config, records, prompts)
     gaps = [gap for record in records for gap in record["gaps"]]

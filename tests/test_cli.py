@@ -194,17 +194,14 @@ def test_bench_serve_checks_a_local_cluster_against_the_reference(tmp_path: Path
 
 def test_bench_serve_flags_a_token_the_reference_would_not_choose() -> None:
     from kvswitch.benchmarks.serve import ServeBenchConfig, _reference_gaps
-
-    config = ServeBenchConfig(num_prompts=1, num_prompt_tokens=20, num_shared_tokens=0)
-    prompt = [256, *b"the reference decides"][:20]
-    greedy = [{"prompt": 0, "token_ids": []}]
-    # The reference's own greedy continuation has no gap anywhere.
     from kvswitch.worker.engine import EngineConfig, LLMEngine
     from kvswitch.worker.sampler import SamplingParams
 
-    greedy[0]["token_ids"] = LLMEngine(EngineConfig()).generate(
-        [prompt], SamplingParams(max_tokens=6)
-    )[0]
+    config = ServeBenchConfig(num_prompts=1, num_prompt_tokens=20, num_shared_tokens=0)
+    prompt = [256, *b"the reference decides"][:20]
+    # The engine's own greedy continuation has no gap anywhere.
+    output = LLMEngine(EngineConfig()).generate([prompt], SamplingParams(max_tokens=6))[0]
+    greedy = [{"prompt": 0, "token_ids": output}]
     _reference_gaps(config, greedy, [prompt])
     assert greedy[0]["gaps"] == [0.0] * 6
     # Swap the fourth token for another: only that position is flagged, well past tolerance.

@@ -23,14 +23,26 @@ def load_model(
     """The checkpoint in ``model_dir`` (``config.json`` + ``*.safetensors``); with None the
     built-in tiny model, and with ``random:NAME`` a preset shape (``ModelConfig.random_preset``),
     both with deterministic random weights."""
-    if model_dir is None or str(model_dir).startswith(RANDOM_PREFIX):
-        name = str(model_dir)[len(RANDOM_PREFIX) :] if model_dir else "tiny"
-        model = CausalLM(ModelConfig.random_preset(name))
+    model = CausalLM(model_config(model_dir))
+    if is_random(model_dir):
         init_random_weights(model, seed=DEFAULT_SEED)
     else:
-        model = CausalLM(ModelConfig.from_dir(model_dir))
         load_safetensors(model, Path(model_dir))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def is_random(model_dir: str | Path | None) -> bool:
+    """Whether ``model_dir`` names a model with random weights (None or ``random:NAME``)."""
+    return model_dir is None or str(model_dir).startswith(RANDOM_PREFIX)
+
+
+def model_config(model_dir: str | Path | None) -> ModelConfig:
+    """The shapes of the model ``load_model`` would build, without building it."""
+    if is_random(model_dir):
+        return ModelConfig.random_preset(
+            str(model_dir)[len(RANDOM_PREFIX) :] if model_dir else "tiny"
+        )
+    return ModelConfig.from_dir(model_dir)
 
 
 def init_random_weights(model: CausalLM, seed: int) -> None:
