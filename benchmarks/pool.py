@@ -71,6 +71,7 @@ def run(config: PoolBenchConfig) -> dict[str, float | int]:
         new = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hit)
         if new is None:
             raise RuntimeError("benchmark pool too small for its running window")
+        manager.commit()  # as the engine does after each forward pass
         request.num_computed_tokens = request.num_tokens
         counts["hit_blocks"] += len(hit)
         counts["new_blocks"] += len(new)

@@ -25,6 +25,7 @@ from typing import IO
 
 from kvswitch.cache_index.local_redis import LocalRedis
 
+_KVSWITCH = (sys.executable, "-m", "kvswitch.cli")
 STARTUP_TIMEOUT_S = 120.0  # a worker loads its model before it prints its address
 READY_MARK = "listening on "
 
@@ -79,12 +80,15 @@ class LocalCluster:
         log_dir: Path | None = None,
         inherit_logs: bool = False,
         extra_worker_args: tuple[str, ...] = (),
+        worker_command: tuple[str, ...] = (),
     ) -> None:
         self.config = config
         self._own_log_dir = log_dir is None and not inherit_logs
         self.log_dir = Path(tempfile.mkdtemp(prefix="kvswitch-")) if log_dir is None else log_dir
         self._inherit_logs = inherit_logs
         self._extra_worker_args = extra_worker_args
+        # How to run ``kvswitch worker ...``; tests put a wrapper here.
+        self._worker_command = worker_command or _KVSWITCH
         self._redis: LocalRedis | None = None
         self.router: _Process | None = None
         self.workers: list[_Process] = []
@@ -134,7 +138,11 @@ class LocalCluster:
                 "--kv-cache-bytes", str(config.kv_cache_bytes),
                 *self._extra_worker_args,
             ]  # fmt: skip
-            self.workers.append(self._spawn(f"worker-{i}", args, env=self._worker_env(i)))
+            self.workers.append(
+                self._spawn(
+                    f"worker-{i}", args, env=self._worker_env(i), command=self._worker_command
+                )
+            )
 
     def add_router(self) -> str:
         """Start one more router on a free port, sharing the cluster's Redis index; returns its
@@ -214,14 +222,20 @@ class LocalCluster:
                 env["CUDA_VISIBLE_DEVICES"] = str(i % num_gpus)
         return env
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> _Process:
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        command: tuple[str, ...] = (),
+    ) -> _Process:
         """Start ``kvswitch ARGS`` and wait for the line that says where it listens."""
         log: IO | None = None
         if not self._inherit_logs:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (lives with the child)
         popen = subprocess.Popen(
-            [sys.executable, "-m", "kvswitch.cli", *args],
+            [*(command or _KVSWITCH), *args],
             stdout=subprocess.PIPE,
             stderr=log,
             env=env,

@@ -29,6 +29,9 @@ from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this, as on the worker
+# A request whose worker's engine raised (INTERNAL) is retried elsewhere once: if it breaks a
+# second engine too, the request itself is the likely cause, and it would break every worker.
+MAX_ENGINE_FAILURES = 2
 
 # A worker that answers with one of these judged the request, not itself: tell the client.
 _CLIENT_ERRORS = (
@@ -41,10 +44,15 @@ _CLIENT_ERRORS = (
 
 
 class _WorkerFailed(Exception):
-    """A worker failed the request in a way another worker may not (it died, it is stopping)."""
+    """A worker failed the request in a way another worker may not (it died, it is stopping).
 
-    def __init__(self, worker_id: str, why: str) -> None:
+    ``engine_failed``: its engine raised while running the request (INTERNAL). The request may be
+    what breaks engines, so it gets one more worker, not ``max_failovers``.
+    """
+
+    def __init__(self, worker_id: str, why: str, *, engine_failed: bool = False) -> None:
         super().__init__(f"worker {worker_id}: {why}")
+        self.engine_failed = engine_failed
 
 
 class _Refused(Exception):
@@ -146,6 +154,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         num_prompt_tokens = len(plan.token_ids)
         sent: list[int] = []  # output tokens already relayed to the client
         failed: set[str] = set()
+        num_engine_failures = 0
         started_s = time.monotonic()
         first_token_s: float | None = None
         stop_token_ids = set(request.sampling.stop_token_ids)
@@ -221,6 +230,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 failed.add(decision.worker_id)
                 self._directory.mark_down(handle)
                 self._router.pending.forget_worker(decision.worker_id)
+                num_engine_failures += e.engine_failed
+                if num_engine_failures >= MAX_ENGINE_FAILURES:
+                    await _abort(
+                        context,
+                        outcome,
+                        grpc.StatusCode.INTERNAL,
+                        f"the request failed the engines of {num_engine_failures} workers; "
+                        f"not retried further; last: {e}",
+                    )
                 if len(failed) > self._max_failovers:
                     await _abort(
                         context,
@@ -261,7 +279,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise _Refused(code, e.details() or code.name) from None
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise _Refused(code, "the request's deadline passed") from None
-            raise _WorkerFailed(handle.worker_id, f"{code.name}: {e.details()}") from None
+            raise _WorkerFailed(
+                handle.worker_id,
+                f"{code.name}: {e.details()}",
+                engine_failed=code is grpc.StatusCode.INTERNAL,
+            ) from None
         finally:
             call.cancel()
 

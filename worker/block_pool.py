@@ -177,20 +177,9 @@ class BlockPool:
                 f"cannot take {num_blocks} blocks: only {self.free_queue.num_free_blocks} are free"
             )
         blocks = self.free_queue.popleft_n(num_blocks)
-        removed: list[bytes] = []
-        hash_to_block, duplicates = self._hash_to_block, self._duplicates
+        self.uncache_blocks(blocks)
         for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:
-                if block_hash in duplicates:
-                    self._evict_copy(block)
-                else:
-                    del hash_to_block[block_hash]
-                    removed.append(block_hash)
-                    block.block_hash = None
             block.ref_cnt = 1
-        if removed:
-            self._events.append(BlockRemoved(tuple(removed)))
         return blocks
 
     def cache_full_blocks(
@@ -240,6 +229,24 @@ class BlockPool:
                     extra_keys=tuple(extra_keys[start:end]),
                 )
             )
+
+    def uncache_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget the hashes of ``blocks`` (their KV is not what the hash names), keeping the
+        blocks where they are. A hash another block also holds stays cached there."""
+        removed: list[bytes] = []
+        hash_to_block, duplicates = self._hash_to_block, self._duplicates
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None:
+                continue
+            if block_hash in duplicates:
+                self._evict_copy(block)
+            else:
+                del hash_to_block[block_hash]
+                removed.append(block_hash)
+                block.block_hash = None
+        if removed:
+            self._events.append(BlockRemoved(tuple(removed)))
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks that reach 0 join the tail in this order."""

@@ -7,12 +7,15 @@
     outputs = postprocess(scheduled, logits)   # sample, stop, free finished requests
 
 The engine is synchronous and single-threaded; the gRPC server drives it from its own thread.
+
+A step that raises fails only the requests it ran (``StepFailed`` names them) and leaves the cache
+as if it had never run: blocks it cached for KV it did not write lose their hashes again.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +67,15 @@ class EngineConfig:
         return self.kv_cache_bytes
 
 
+class StepFailed(RuntimeError):
+    """A step raised. The requests it names were aborted; every other request is intact, and
+    no block keeps a hash for KV the step did not write. The cause is ``__cause__``."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the step failed ({type(cause).__name__}: {cause})")
+        self.request_ids = request_ids
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one request produced in one step."""
@@ -83,7 +95,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    step_tokens: list[int] = field(default_factory=list)
+    num_step_tokens: int = 0  # summed over every step
+    max_step_tokens: int = 0  # the largest step
 
 
 class LLMEngine:
@@ -184,24 +197,47 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        """Run one step; raises ``StepFailed`` (see there) if any part of it raises."""
+        try:
+            scheduled = self.scheduler.schedule()
+        except Exception as e:
+            # Unknown how far scheduling got: no request's state can be trusted.
+            raise self._fail_step(list(self.requests), e) from e
         self.stats.num_preemptions += len(scheduled.preempted)
         if not scheduled.scheduled:
             return []
-        seqs = []
-        for request, num_new in scheduled.scheduled:
-            start = request.num_computed_tokens
-            seqs.append(
-                ScheduledSeq(
-                    request.token_ids[start : start + num_new],
-                    start,
-                    self.kv_cache.get_block_ids(request.request_id),
+        step_ids = [request.request_id for request, _ in scheduled.scheduled]
+        try:
+            seqs = []
+            for request, num_new in scheduled.scheduled:
+                start = request.num_computed_tokens
+                seqs.append(
+                    ScheduledSeq(
+                        request.token_ids[start : start + num_new],
+                        start,
+                        self.kv_cache.get_block_ids(request.request_id),
+                    )
                 )
-            )
-        logits = self.runner.execute(seqs)
+            logits = self.runner.execute(seqs)
+        except Exception as e:
+            raise self._fail_step(step_ids, e) from e
+        self.kv_cache.commit()
         self.stats.num_steps += 1
-        self.stats.step_tokens.append(scheduled.num_tokens)
-        return self._postprocess(scheduled.scheduled, logits)
+        self.stats.num_step_tokens += scheduled.num_tokens
+        self.stats.max_step_tokens = max(self.stats.max_step_tokens, scheduled.num_tokens)
+        try:
+            return self._postprocess(scheduled.scheduled, logits)
+        except Exception as e:
+            raise self._fail_step(step_ids, e) from e
+
+    def _fail_step(self, request_ids: list[str], cause: Exception) -> StepFailed:
+        """Abort the step's requests, and any other that shares a block whose KV the step did
+        not write, after taking those blocks' hashes back."""
+        broken = self.kv_cache.discard_uncommitted()
+        failed = list(dict.fromkeys([*request_ids, *broken]))
+        for request_id in failed:
+            self.abort(request_id)
+        return StepFailed(failed, cause)
 
     def _postprocess(
         self, scheduled: list[tuple[Request, int]], logits: torch.Tensor

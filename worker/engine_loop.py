@@ -49,6 +49,11 @@ class EngineStopped(EngineLoopError):
     """The loop is stopping or stopped and takes no more work."""
 
 
+class EngineStepError(EngineLoopError):
+    """A model step running this request raised. The request was removed and the cache kept
+    clean; the engine goes on serving the others."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     """The engine's load as of the end of its latest step (or command)."""
@@ -110,6 +115,7 @@ class EngineLoop:
         self._max_event_batches = max_event_batches
         self._event_seq = 0
         self.num_dropped_event_batches = 0
+        self.num_failed_steps = 0
         self.load = self._measure_load()
 
     # -- facts that never change ------------------------------------------------------------------
@@ -284,11 +290,22 @@ class EngineLoop:
             return commands
 
     def _step(self) -> None:
+        from kvswitch.worker.engine import StepFailed  # NOTE: here, as engine imports torch
+
         try:
             outputs = self.engine.step()
+        except StepFailed as e:
+            logger.error(
+                "engine step failed; failing its %d requests", len(e.request_ids), exc_info=e
+            )
+            self.num_failed_steps += 1
+            self._fail(e.request_ids, EngineStepError(f"the engine failed running it: {e}"))
+            return
         except Exception:
-            logger.exception("engine step failed; failing %d requests", len(self._streams))
-            self._fail_all(EngineLoopError("the engine failed while running this request"))
+            # Not the engine's contract: nothing about its requests can be trusted any more.
+            logger.exception("engine step failed; failing all %d requests", len(self._streams))
+            self.num_failed_steps += 1
+            self._fail_all(EngineStepError("the engine failed while running this request"))
             return
         self._deliver(outputs)
 
@@ -312,16 +329,23 @@ class EngineLoop:
                         self._streams.pop(output.request_id, None)
                         self.engine.abort(output.request_id)
 
+    def _fail(self, request_ids: list[str], error: EngineLoopError) -> None:
+        """Tell these (already removed) requests' streams that they failed."""
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                # A closed event loop has nobody left to tell.
+                with contextlib.suppress(RuntimeError):
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
     def _fail_all(self, error: EngineLoopError) -> None:
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
+        request_ids = list(self._streams)
+        for request_id in request_ids:
             try:
                 self.engine.abort(request_id)
             except Exception:
                 logger.exception("request %s: abort failed", request_id)
-            # A closed event loop has nobody left to tell.
-            with contextlib.suppress(RuntimeError):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._fail(request_ids, error)
 
     def _shutdown(self) -> None:
         with self._wakeup:

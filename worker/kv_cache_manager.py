@@ -7,6 +7,11 @@ The scheduler talks to this class only; it never sees the pool. A new request is
 
 and every later step calls ``allocate_slots(request, num_new)`` for the tokens it will compute.
 ``free(request)`` returns its blocks, end of the chain first, so that the end is evicted first.
+
+Blocks are cached when they are allocated, before the forward pass writes their KV, so that
+requests in the same step can share them. The step then settles them: ``commit()`` once the
+forward pass wrote them, or ``discard_uncommitted()`` when it failed, which takes their hashes
+back (publishing BlockRemoved) so that no later request reuses KV that was never written.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class KVCacheManager:
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are cached (or known duplicates).
         self._req_to_num_cached_blocks: dict[str, int] = {}
+        # Blocks cached since the last commit, with the hash each got: their KV is not written yet.
+        self._uncommitted: list[tuple[KVBlock, bytes]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,6 +132,26 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def commit(self) -> None:
+        """The forward pass wrote the KV of every block cached since the last commit."""
+        self._uncommitted.clear()
+
+    def discard_uncommitted(self) -> list[str]:
+        """Uncache every block cached since the last commit: the step that was to write their KV
+        failed. Returns the requests whose block tables hold such a block, which can no longer
+        run (their KV is incomplete): the caller must free them."""
+        blocks = [block for block, cached in self._uncommitted if block.block_hash == cached]
+        self._uncommitted.clear()
+        if not blocks:
+            return []
+        self.pool.uncache_blocks(blocks)
+        ids = {block.block_id for block in blocks}
+        return [
+            request_id
+            for request_id, table in self._req_to_blocks.items()
+            if any(block.block_id in ids for block in table)
+        ]
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
@@ -192,8 +219,9 @@ class KVCacheManager:
         extra_keys = ()
         if hasher.has_extras:
             extra_keys = [hasher.block_extra(i) for i in range(num_cached, num_full)]
+        new_full = blocks[num_cached:num_full]
         self.pool.cache_full_blocks(
-            blocks[num_cached:num_full],
+            new_full,
             hashes[num_cached:num_full],
             parent,
             request.token_ids[num_cached * block_size : num_full * block_size],
@@ -201,4 +229,5 @@ class KVCacheManager:
             lora=hasher.lora,
             extra_keys=extra_keys,
         )
+        self._uncommitted.extend(zip(new_full, hashes[num_cached:num_full], strict=True))
         self._req_to_num_cached_blocks[request_id] = num_full

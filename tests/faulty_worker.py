@@ -1,0 +1,34 @@
+"""``kvswitch worker`` whose model step raises on a chosen token: a real worker process with a
+real failure inside its engine. Run as ``python tests/faulty_worker.py worker ARGS``.
+
+- ``KVSWITCH_TEST_FAIL_ON_TOKEN``: a token id; a step that computes it raises before the forward
+  pass, so none of the KV the step was to write is written.
+- ``KVSWITCH_TEST_FAIL_TIMES``: how many such steps fail (default 1); later ones run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from kvswitch.cli import main
+from kvswitch.worker.model_runner import ModelRunner
+
+
+def make_steps_fail() -> None:
+    token = int(os.environ["KVSWITCH_TEST_FAIL_ON_TOKEN"])
+    num_left = [int(os.environ.get("KVSWITCH_TEST_FAIL_TIMES", "1"))]
+    execute = ModelRunner.execute
+
+    def failing_execute(self, seqs, *args, **kwargs):
+        if num_left[0] > 0 and any(token in seq.token_ids for seq in seqs):
+            num_left[0] -= 1
+            raise RuntimeError(f"injected failure on token {token}")
+        return execute(self, seqs, *args, **kwargs)
+
+    ModelRunner.execute = failing_execute
+
+
+if __name__ == "__main__":
+    make_steps_fail()
+    sys.exit(main(sys.argv[1:]))
