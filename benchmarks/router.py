@@ -33,7 +33,7 @@ from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
-from kvswitch.cluster import READY_MARK
+from kvswitch.processes import READY_MARK
 from kvswitch.router.router import Router
 from kvswitch.router.workers import WorkerDirectory
 from kvswitch.v1 import (

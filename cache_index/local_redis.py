@@ -73,13 +73,31 @@ class LocalRedis:
             return f"rediss://{auth}127.0.0.1:{self.port}?ssl_ca_certs={self.cert_path}"
         return f"redis://{auth}127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the server is not running")
+        return self._process.pid
+
+    @property
+    def exited(self) -> bool:
+        """It was started and has died since."""
+        return self._process is not None and self._process.poll() is not None
+
+    def restart(self, timeout_s: float = 10.0) -> LocalRedis:
+        """A new, empty server on the same port (a restarted Redis without persistence)."""
+        self.stop()
+        return self.start(timeout_s, _port_checked=True)
+
+    def start(self, timeout_s: float = 10.0, *, _port_checked: bool = False) -> LocalRedis:
         executable = shutil.which("redis-server")
         if executable is None:
             raise RedisNotInstalled(
                 "redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)"
             )
-        if not _is_free(self.port):
+        # NOTE: a restart skips the check: the old server's closed connections may still hold
+        # the port in TIME_WAIT, which redis-server itself (SO_REUSEADDR) does not mind.
+        if not _port_checked and not _is_free(self.port):
             raise RuntimeError(f"port {self.port} is already in use")
         self._dir = tempfile.TemporaryDirectory(prefix="kvswitch-redis-")
         log_path = Path(self._dir.name) / "redis.log"

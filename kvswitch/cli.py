@@ -205,6 +205,8 @@ ROUTER_HELP = {
     "prefill_weight": "cost policy: what one uncached prompt token costs, in tokens of queued work",
     "temperature": "cost policy: 0 = always the cheapest worker; > 0 = sample near-ties, in tokens",
     "max_failovers": "other workers to try when a worker fails a request",
+    "wait_for_worker_s": "seconds a request that finds no routable worker waits for one (never "
+    "past its deadline) before it fails with UNAVAILABLE",
     "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the worker's "
     "own cache events confirm it",
     "refresh_s": "seconds between readings of the live workers from the index",

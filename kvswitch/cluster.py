@@ -3,31 +3,38 @@
 The router starts first; by default it holds the embedded block index and serves it to the
 workers on its own port (``--index grpc://ROUTER``). With ``--redis local`` the cluster starts a
 redis-server of its own (a free port, nothing on disk) and everyone uses it; with
-``--redis redis://...`` it uses that one. Every process it started is stopped on Ctrl-C or
-SIGTERM (SIGTERM first, so workers leave the index and finish what they can), and if any of them
-dies, the cluster stops with it.
+``--redis redis://...`` it uses that one. The cluster is up once every worker has joined and the
+router routes to all of them.
+
+It outlives its members: a worker that dies is started again after a backoff (1 s, doubling to
+30 s, back to 1 s after a healthy minute) while the router serves on the others, and a local
+redis-server that dies is started again on the same port, empty, for the workers to resync. Only
+the router's death, Ctrl-C or SIGTERM stops the cluster; then every process gets SIGTERM (so
+workers leave the index and finish what they can), and SIGKILL after the grace period.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
 
 from kvswitch.cache_index.local_redis import LocalRedis
+from kvswitch.processes import Child, ChildError, RestartPolicy
 
 _KVSWITCH = (sys.executable, "-m", "kvswitch.cli")
 STARTUP_TIMEOUT_S = 120.0  # a worker loads its model before it prints its address
-READY_MARK = "listening on "
+SUPERVISE_EVERY_S = 0.2
+ROUTER_REFRESH_S = 0.25  # RouterConfig.refresh_s: how often the router re-reads the workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,21 +63,16 @@ class ClusterConfig:
 
 
 class ClusterError(RuntimeError):
-    """A process of the cluster failed to start or died."""
-
-
-@dataclasses.dataclass
-class _Process:
-    name: str
-    popen: subprocess.Popen
-    address: str = ""
+    """A process of the cluster failed to start, or the router died."""
 
 
 class LocalCluster:
-    """Starts and stops the processes; ``with LocalCluster(config) as cluster: cluster.address``.
+    """Starts, supervises and stops the processes: ``with LocalCluster(config) as cluster:``.
 
-    Each process's log goes to ``log_dir/NAME.log`` (a temporary folder unless given), or to
-    this process's stderr with ``inherit_logs``.
+    ``start()`` returns once the cluster is ready. With ``supervise`` a background thread restarts
+    workers (and a local redis-server) that die; ``wait()`` blocks until the router dies.
+    Each process's log goes to ``log_dir/NAME.log`` (a temporary folder, removed on ``stop``,
+    unless given), or to this process's stderr with ``inherit_logs``.
     """
 
     def __init__(
@@ -79,21 +81,36 @@ class LocalCluster:
         *,
         log_dir: Path | None = None,
         inherit_logs: bool = False,
+        supervise: bool = False,
+        restart_policy: RestartPolicy | None = None,
         extra_worker_args: tuple[str, ...] = (),
         worker_command: tuple[str, ...] = (),
+        say: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self._own_log_dir = log_dir is None and not inherit_logs
-        self.log_dir = Path(tempfile.mkdtemp(prefix="kvswitch-")) if log_dir is None else log_dir
+        self.log_dir = Path(tempfile.mkdtemp(prefix="kvswitch-")) if self._own_log_dir else log_dir
         self._inherit_logs = inherit_logs
+        self._supervise = supervise
+        self._restart_policy = restart_policy or RestartPolicy()
         self._extra_worker_args = extra_worker_args
         # How to run ``kvswitch worker ...``; tests put a wrapper here.
         self._worker_command = worker_command or _KVSWITCH
+        self._say = say or (lambda line: print(f"kvswitch up: {line}", file=sys.stderr, flush=True))
         self._redis: LocalRedis | None = None
-        self.router: _Process | None = None
-        self.workers: list[_Process] = []
-        self.extra_routers: list[_Process] = []
+        self.router: Child | None = None
+        self.workers: list[Child] = []
+        self.extra_routers: list[Child] = []
         self.index_url = ""
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._restarting: set[str] = set()  # workers started again, not yet listening
+        self.router_died = threading.Event()
+
+    @property
+    def redis(self) -> LocalRedis | None:
+        """The cluster's own redis-server (``--redis local``)."""
+        return self._redis
 
     @property
     def address(self) -> str:
@@ -113,6 +130,7 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> None:
+        """Start every process and return once the router routes to every worker."""
         config = self.config
         router_index = "memory://"
         if config.redis == "local":
@@ -121,28 +139,26 @@ class LocalCluster:
             router_index = self.index_url = self._redis.url
         elif config.redis:
             router_index = self.index_url = config.redis
-        self.router = self._spawn("router", self._router_args(router_index, config.port))
+        self.router = self._child("router", [*_KVSWITCH, *self._router_args(router_index)])
+        self.router.launch()
+        self._wait_ready(self.router)
         if not self.index_url:
             self.index_url = f"grpc://{self.router.address}"
-        for i in range(config.workers):
-            args = [
-                "worker",
-                "--host", config.host,
-                "--port", "0",
-                "--worker-id", f"worker-{i}",
-                "--index", self.index_url,
-                "--model", config.model,
-                "--device", config.device,
-                "--dtype", config.dtype,
-                "--block-size", str(config.block_size),
-                "--kv-cache-bytes", str(config.kv_cache_bytes),
-                *self._extra_worker_args,
-            ]  # fmt: skip
-            self.workers.append(
-                self._spawn(
-                    f"worker-{i}", args, env=self._worker_env(i), command=self._worker_command
-                )
+        # NOTE: launched together, so the workers load their models in parallel.
+        self.workers = [
+            self._child(f"worker-{i}", self._worker_argv(i), env=self._worker_env(i))
+            for i in range(config.workers)
+        ]
+        for worker in self.workers:
+            worker.launch()
+        for worker in self.workers:
+            self._wait_ready(worker)
+        self.wait_for_registration()
+        if self._supervise:
+            self._supervisor = threading.Thread(
+                target=self._supervise_forever, name="supervisor", daemon=True
             )
+            self._supervisor.start()
 
     def add_router(self) -> str:
         """Start one more router on a free port, sharing the cluster's Redis index; returns its
@@ -150,69 +166,153 @@ class LocalCluster:
         if self.index_url.startswith("grpc://"):
             raise ClusterError("several routers need a Redis index: start the cluster with redis")
         name = f"router-{len(self.extra_routers) + 1}"
-        router = self._spawn(name, self._router_args(self.index_url, 0))
+        router = self._child(name, [*_KVSWITCH, *self._router_args(self.index_url, port=0)])
+        router.launch()
         self.extra_routers.append(router)
-        return router.address
+        return self._wait_ready(router)
 
-    def _router_args(self, index_url: str, port: int) -> list[str]:
-        config = self.config
-        return [
-            "router",
-            "--host", config.host,
-            "--port", str(port),
-            "--index", index_url,
-            "--model", config.model,
-            "--policy", config.policy,
-        ]  # fmt: skip
+    def wait(self) -> None:
+        """Block until the router dies (supervised clusters only)."""
+        self.router_died.wait()
 
     def stop(self) -> None:
         """SIGTERM every process, wait for them to finish, SIGKILL the stragglers."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+            self._supervisor = None
         processes = [*self.workers, *self.extra_routers, *([self.router] if self.router else [])]
         for process in processes:
-            if process.popen.poll() is None:
-                process.popen.send_signal(signal.SIGTERM)
+            process.terminate()
         deadline = time.monotonic() + self.config.grace_s + 10.0
         for process in processes:
-            try:
-                process.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.popen.kill()
-                process.popen.wait()
+            process.wait(deadline - time.monotonic())
         self.workers = []
         self.extra_routers = []
         self.router = None
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
+        if self._own_log_dir and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def wait_for_registration(self, timeout_s: float = 60.0) -> None:
-        """Block until every worker has registered with the index (after loading its model)."""
-        import asyncio
-
+        """Block until every worker is registered with the index and the router has read them."""
         from kvswitch.cache_index.connect import connect_index
 
-        async def count_workers() -> int:
+        async def live_workers() -> dict[str, str]:
             index = await connect_index(self.index_url)
             try:
-                return len(await index.live_workers())
+                return {info.worker_id: info.address for info in await index.live_workers()}
             finally:
                 await index.close()
 
         deadline = time.monotonic() + timeout_s
-        while (num_live := asyncio.run(count_workers())) < len(self.workers):
+        while True:
+            wanted = {w.name: w.address for w in self.workers if w.is_ready}
+            live = asyncio.run(live_workers())
+            joined = [name for name, address in wanted.items() if live.get(name) == address]
+            if len(joined) == len(self.workers):
+                break
             if time.monotonic() > deadline:
                 raise ClusterError(
-                    f"only {num_live} of {len(self.workers)} workers registered in {timeout_s} s"
+                    f"only {len(joined)} of {len(self.workers)} workers registered in "
+                    f"{timeout_s:.0f} s"
                 )
-            time.sleep(0.1)
-        # The router re-reads the live workers every quarter second.
-        time.sleep(0.3)
+            time.sleep(0.05)
+        # NOTE: any refresh that starts from now on sees them all: wait out one whole period.
+        time.sleep(2 * ROUTER_REFRESH_S)
 
     def dead_processes(self) -> list[str]:
+        """Processes that are not running right now (a supervised worker may be restarting)."""
         processes = [*self.workers, *self.extra_routers, *([self.router] if self.router else [])]
-        return [p.name for p in processes if p.popen.poll() is not None]
+        return [p.name for p in processes if p.returncode is not None]
+
+    # -- supervision -------------------------------------------------------------------------
+
+    def _supervise_forever(self) -> None:
+        while not self._stopping.wait(SUPERVISE_EVERY_S):
+            if self.supervise_once():
+                return
+
+    def supervise_once(self) -> bool:
+        """Restart what died; True when the router died, which ends the cluster."""
+        assert self.router is not None
+        if self.router.returncode is not None:
+            self._say(f"the router exited with code {self.router.returncode}; stopping")
+            self.router_died.set()
+            return True
+        if self._redis is not None and self._redis.exited:
+            self._say("redis-server exited; starting a new one on the same port")
+            try:
+                self._redis.restart()
+            except RuntimeError as e:
+                self._say(f"redis-server did not restart ({e}); trying again")
+        now = time.monotonic()
+        for worker in self.workers:
+            self._supervise_worker(worker, now)
+        return False
+
+    def _supervise_worker(self, worker: Child, now: float) -> None:
+        if worker.restart_at_s is not None:
+            if now >= worker.restart_at_s:
+                worker.restart_at_s = None
+                worker.num_restarts += 1
+                worker.launch()
+            return
+        returncode = worker.returncode
+        if returncode is None:
+            if worker.name in self._restarting and worker.is_ready:
+                self._restarting.discard(worker.name)
+                self._say(f"{worker.name} is back at {worker.address}")
+            return
+        if now - worker.started_s >= self._restart_policy.healthy_s:
+            worker.num_failures = 0
+        worker.num_failures += 1
+        delay_s = self._restart_policy.backoff_s(worker.num_failures)
+        worker.restart_at_s = now + delay_s
+        self._restarting.add(worker.name)
+        self._say(f"{worker.name} exited with code {returncode}; restarting it in {delay_s:g} s")
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        log_path = None if self._inherit_logs else self.log_dir / f"{name}.log"
+        return Child(name, argv, env=env, log_path=log_path)
+
+    def _wait_ready(self, child: Child) -> str:
+        try:
+            return child.wait_ready(STARTUP_TIMEOUT_S)
+        except ChildError as e:
+            raise ClusterError(str(e)) from None
+
+    def _router_args(self, index_url: str, port: int | None = None) -> list[str]:
+        config = self.config
+        return [
+            "router",
+            "--host", config.host,
+            "--port", str(config.port if port is None else port),
+            "--index", index_url,
+            "--model", config.model,
+            "--policy", config.policy,
+        ]  # fmt: skip
+
+    def _worker_argv(self, i: int) -> list[str]:
+        config = self.config
+        return [
+            *self._worker_command,
+            "worker",
+            "--host", config.host,
+            "--port", "0",
+            "--worker-id", f"worker-{i}",
+            "--index", self.index_url,
+            "--model", config.model,
+            "--device", config.device,
+            "--dtype", config.dtype,
+            "--block-size", str(config.block_size),
+            "--kv-cache-bytes", str(config.kv_cache_bytes),
+            *self._extra_worker_args,
+        ]  # fmt: skip
 
     def _worker_env(self, i: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -222,59 +322,6 @@ class LocalCluster:
                 env["CUDA_VISIBLE_DEVICES"] = str(i % num_gpus)
         return env
 
-    def _spawn(
-        self,
-        name: str,
-        args: list[str],
-        env: dict[str, str] | None = None,
-        command: tuple[str, ...] = (),
-    ) -> _Process:
-        """Start ``kvswitch ARGS`` and wait for the line that says where it listens."""
-        log: IO | None = None
-        if not self._inherit_logs:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (lives with the child)
-        popen = subprocess.Popen(
-            [*(command or _KVSWITCH), *args],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env=env,
-            text=True,
-            start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop the children
-        )
-        if log is not None:
-            log.close()
-        process = _Process(name, popen)
-        process.address = _read_address(popen, name, self._log_hint(name))
-        return process
-
-    def _log_hint(self, name: str) -> str:
-        return "" if self._inherit_logs else f"; its log: {self.log_dir / f'{name}.log'}"
-
-
-def _read_address(popen: subprocess.Popen, name: str, log_hint: str) -> str:
-    """The address in the child's "listening on" line. A thread reads its stdout to the end, so
-    the child never blocks on a full pipe."""
-    assert popen.stdout is not None
-    stdout = popen.stdout
-    found: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in stdout:
-            if not ready.is_set() and READY_MARK in line:
-                found.append(line.split(READY_MARK, 1)[1].strip())
-                ready.set()
-        ready.set()  # it exited without saying
-
-    threading.Thread(target=read, daemon=True).start()
-    ready.wait(STARTUP_TIMEOUT_S)
-    if not found:
-        popen.kill()
-        why = "exited" if popen.poll() is not None else "did not start in time"
-        raise ClusterError(f"{name} {why}{log_hint}")
-    return found[0]
-
 
 def _num_gpus() -> int:
     import torch
@@ -283,12 +330,12 @@ def _num_gpus() -> int:
 
 
 def run(config: ClusterConfig) -> None:
-    """Run the cluster until Ctrl-C or SIGTERM, or until one of its processes dies."""
+    """Run the cluster until Ctrl-C or SIGTERM; ``ClusterError`` if the router dies first."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting {config.workers} workers and a router ...", file=sys.stderr, flush=True)
-    with LocalCluster(config, inherit_logs=True) as cluster:
+    with LocalCluster(config, inherit_logs=True, supervise=True) as cluster:
         print(
             f"kvswitch cluster up: router at {cluster.address}, index {cluster.index_url}, "
             f"workers {', '.join(w.address for w in cluster.workers)}",
@@ -299,18 +346,16 @@ def run(config: ClusterConfig) -> None:
             file=sys.stderr,
             flush=True,
         )
-        while not stop.wait(0.5):
-            dead = cluster.dead_processes()
-            if dead:
-                print(f"kvswitch up: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                break
+        while not stop.wait(0.2) and not cluster.router_died.is_set():
+            pass
         print("stopping the cluster ...", file=sys.stderr, flush=True)
     print("stopped", file=sys.stderr, flush=True)
+    if not stop.is_set():
+        raise ClusterError("the router died")
 
 
 @contextlib.contextmanager
 def running(config: ClusterConfig, **kwargs: object) -> Iterator[LocalCluster]:
     """A started cluster whose workers the router already sees."""
     with LocalCluster(config, **kwargs) as cluster:  # type: ignore[arg-type]
-        cluster.wait_for_registration()
         yield cluster

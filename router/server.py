@@ -36,6 +36,7 @@ from kvswitch.worker.weights import RANDOM_PREFIX
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvswitch.v1.Router"  # its health-check name
+HEALTH_RECHECK_S = 0.25  # between looks at whether a worker is routable, without a change
 RECLAIM_INTERVAL_S = 5.0
 
 
@@ -52,6 +53,7 @@ class RouterConfig:
     prefill_weight: float = 1.0  # cost: what one uncached prompt token costs, in queued tokens
     temperature: float = 0.0  # cost: 0 = always the cheapest; > 0 samples near-ties
     max_failovers: int = 3  # other workers tried after a worker fails a request
+    wait_for_worker_s: float = 30.0  # a request finding no worker waits this long (or its deadline)
     pending_ttl_s: float = 2.0  # how long an unconfirmed "will hold these blocks" guess lives
     refresh_s: float = 0.25  # how often to re-read the live workers
     load_poll_s: float = 0.1  # how often to ask each worker for its load
@@ -69,6 +71,8 @@ class RouterConfig:
             raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.wait_for_worker_s < 0:
+            raise ValueError(f"wait_for_worker_s must be >= 0, got {self.wait_for_worker_s}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 or in [0, 65535], got {self.metrics_port}")
         PendingBlocks(self.pending_ttl_s)
@@ -190,21 +194,30 @@ async def start_router(config: RouterConfig) -> RouterServer:
             raise RouterStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
-    servicer = RouterServicer(router, metrics, max_failovers=config.max_failovers)
+    servicer = RouterServicer(
+        router,
+        metrics,
+        max_failovers=config.max_failovers,
+        wait_for_worker_s=config.wait_for_worker_s,
+    )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    serving = [SERVICE_NAME, ""]
+    for service in (SERVICE_NAME, ""):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.index.startswith("memory://"):
         from kvswitch.cache_index import grpc_index
 
+        # NOTE: serving from the start: workers must register here before the router can serve.
         grpc_index.add_index_service(server, index)
-        serving.append(grpc_index.SERVICE_NAME)
-    for service in serving:
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(grpc_index.SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     await directory.start()
-    tasks = [asyncio.get_running_loop().create_task(reclaim_forever(index, RECLAIM_INTERVAL_S))]
+    loop = asyncio.get_running_loop()
+    tasks = [
+        loop.create_task(reclaim_forever(index, RECLAIM_INTERVAL_S)),
+        loop.create_task(_report_health(directory, health_servicer)),
+    ]
     logger.info("router listening on %s: index %s, policy %s", address, config.index, config.policy)
     return RouterServer(
         address, router, servicer, server, health_servicer, index, tasks, metrics, metrics_server
@@ -225,6 +238,26 @@ async def serve(config: RouterConfig) -> None:
 def run(config: RouterConfig) -> None:
     """``serve`` on uvloop where it is installed."""
     run_event_loop(serve(config))
+
+
+async def _report_health(
+    directory: WorkerDirectory, health_servicer: health.HealthServicer
+) -> None:
+    """SERVING while some worker is routable, NOT_SERVING while none is."""
+    serving: bool | None = None
+    while True:
+        now_serving = bool(directory.routable())
+        if now_serving != serving:
+            serving = now_serving
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else (health_pb2.HealthCheckResponse.NOT_SERVING)
+            )
+            for service in (SERVICE_NAME, ""):
+                await health_servicer.set(service, status)
+            logger.info("%s", "serving" if serving else "not serving: no routable worker")
+        await directory.wait_for_change(HEALTH_RECHECK_S)
 
 
 def _worker_loads(directory: WorkerDirectory) -> list[WorkerLoadSample]:

@@ -17,6 +17,8 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -28,7 +30,13 @@ from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this, as on the worker
+# How often a request waiting for a worker looks again when no worker joined or left (one marked
+# down comes back by the clock alone).
+_RECHECK_S = 0.25
+_ANSWER_MARGIN_S = 0.1  # a waiting request gives up this long before its deadline
 # A request whose worker's engine raised (INTERNAL) is retried elsewhere once: if it breaks a
 # second engine too, the request itself is the likely cause, and it would break every worker.
 MAX_ENGINE_FAILURES = 2
@@ -106,12 +114,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """``kvswitch.v1.Router`` over a ``Router``: forwards, relays, fails over."""
 
     def __init__(
-        self, router: Router, metrics: RouterMetrics | None = None, *, max_failovers: int = 3
+        self,
+        router: Router,
+        metrics: RouterMetrics | None = None,
+        *,
+        max_failovers: int = 3,
+        wait_for_worker_s: float = 0.0,
     ) -> None:
         self._router = router
         self._directory = router.directory
         self._metrics = metrics or RouterMetrics()
         self._max_failovers = max_failovers
+        self._wait_for_worker_s = wait_for_worker_s
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -141,8 +155,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         request_id = outcome.request_id
         log = {"extra": {"request_id": request_id}}
+        remaining_s = context.time_remaining()
+        wait_s = self._wait_for_worker_s
+        if remaining_s is not None:
+            # NOTE: give up a little before the deadline, so that the client learns why.
+            wait_s = min(wait_s, remaining_s - _ANSWER_MARGIN_S)
+        wait_until_s = time.monotonic() + wait_s
+
+        async def plan_request() -> RoutePlan:
+            return self._plan(request)
+
         try:
-            plan = self._plan(request)
+            plan = await self._when_a_worker_serves(plan_request, wait_until_s)
             max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
         except ValueError as e:
             await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -168,12 +192,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await context.write(router_pb2.GenerateResponse(final=final))
                 return
             resumed = self._router.extend(plan, sent)
-            try:
-                decision, handle = await self._router.choose(
-                    resumed,
+
+            async def choose() -> tuple[Decision, WorkerHandle]:
+                return await self._router.choose(
+                    resumed,  # noqa: B023 (awaited within this iteration)
                     policy=request.routing.policy,
                     weights=dict(request.routing.weights),
                     exclude=failed,
+                )
+
+            try:
+                # NOTE: only the first choice waits: a failover has the others to go to now.
+                decision, handle = await self._when_a_worker_serves(
+                    choose, wait_until_s if not failed else 0.0
                 )
             except ValueError as e:
                 await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -255,6 +286,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
             finally:
                 self._directory.finish(flight)
+
+    async def _when_a_worker_serves(
+        self, attempt: Callable[[], Awaitable[T]], wait_until_s: float
+    ) -> T:
+        """``await attempt()``, again whenever the workers change while it raises
+        ``NoWorkerError``, until ``wait_until_s`` (``time.monotonic``); then the error stands."""
+        while True:
+            try:
+                return await attempt()
+            except NoWorkerError:
+                left_s = wait_until_s - time.monotonic()
+                if left_s <= 0:
+                    raise
+                await self._directory.wait_for_change(min(left_s, _RECHECK_S))
 
     async def _relay(
         self,

@@ -21,6 +21,7 @@ its registration lapses).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -114,6 +115,8 @@ class WorkerDirectory:
         self._channel_options = channel_options or []
         self._handles: dict[str, WorkerHandle] = {}
         self._tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
+        self.num_loop_errors = 0  # unexpected errors in the background loops
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -198,8 +201,10 @@ class WorkerDirectory:
             logger.warning("cannot read the live workers from the index: %s", e)
             return
         live = {info.worker_id: info for info in infos}
+        changed = False
         for worker_id, handle in list(self._handles.items()):
             if worker_id not in live or live[worker_id].address != handle.info.address:
+                changed = True
                 logger.info("worker %s left", worker_id)
                 handle.removed = True
                 del self._handles[worker_id]
@@ -208,6 +213,7 @@ class WorkerDirectory:
         for worker_id, info in live.items():
             handle = self._handles.get(worker_id)
             if handle is None:
+                changed = True
                 logger.info("worker %s joined at %s (%s)", worker_id, info.address, info.role)
                 channel = grpc.aio.insecure_channel(info.address, options=self._channel_options)
                 self._handles[worker_id] = WorkerHandle(
@@ -215,6 +221,15 @@ class WorkerDirectory:
                 )
             else:
                 handle.info = info
+        if changed:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Return when a worker joins or leaves, or after ``timeout_s`` (a worker marked down
+        comes back by the clock alone, with no change to wake anyone)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
 
     async def poll_loads(self) -> None:
         await asyncio.gather(*(self._poll(h) for h in self.handles()))
@@ -231,4 +246,10 @@ class WorkerDirectory:
     async def _every(self, interval_s: float, fn: Callable) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await fn()
+            try:
+                await fn()
+            except Exception:
+                # NOTE: a bug in one round must not end the loop: the router would go on routing
+                # on a frozen view of its workers without a word.
+                self.num_loop_errors += 1
+                logger.exception("%s failed; trying again in %g s", fn.__name__, interval_s)

@@ -21,7 +21,9 @@ T = TypeVar("T")
 BLOCK_SIZE = 16
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
 WORKER_CONFIG = WorkerConfig(port=0, kv_cache_bytes=256 * BLOCK_BYTES, grace_s=0.0)
-ROUTER_CONFIG = RouterConfig(port=0, refresh_s=0.05, load_poll_s=0.05, grace_s=0.0)
+ROUTER_CONFIG = RouterConfig(
+    port=0, refresh_s=0.05, load_poll_s=0.05, grace_s=0.0, wait_for_worker_s=0.3
+)
 
 
 class BackgroundCluster:

@@ -4,6 +4,7 @@ workers (the built-in model), the embedded or a Redis index, requests through th
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -17,9 +18,10 @@ import grpc
 import pytest
 
 from kvswitch.cli import main
-from kvswitch.client import Client, GenerateResult, KvswitchError
+from kvswitch.client import Client, GenerateResult
 from kvswitch.cluster import ClusterConfig, LocalCluster, running
 from kvswitch.demo import DemoConfig, document_questions
+from kvswitch.processes import RestartPolicy
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.sampler import SamplingParams
@@ -115,11 +117,11 @@ def busiest_worker(cluster: LocalCluster):
     return cluster.workers[running_per_worker.index(max(running_per_worker))]
 
 
-def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
+def test_a_worker_killed_mid_load_loses_no_request_and_comes_back() -> None:
     prompts = [
-        f"Request {i}: " + "tell me a long story about routers. " * (4 + i) for i in range(8)
+        f"Request {i}: " + "tell me a long story about routers. " * (2 + i % 6) for i in range(32)
     ]
-    max_tokens = 96
+    max_tokens = 48
     engine = LLMEngine(EngineConfig())
     tokenizer = ByteTokenizer()
     expected = engine.generate(
@@ -128,8 +130,11 @@ def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
     started = [threading.Event() for _ in prompts]
     received: list[list[int]] = [[] for _ in prompts]
     results: list[GenerateResult | None] = [None] * len(prompts)
+    said: list[str] = []
+    config = ClusterConfig(workers=3, port=0, grace_s=1.0)
+    restarts = RestartPolicy(initial_backoff_s=0.5)
 
-    with running(ClusterConfig(workers=3, port=0, grace_s=1.0)) as cluster:
+    with LocalCluster(config, supervise=True, restart_policy=restarts, say=said.append) as cluster:
         client = Client(cluster.address, timeout_s=120)
 
         def consume(i: int) -> None:
@@ -144,9 +149,21 @@ def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
             for event in started:
                 assert event.wait(60)
             victim = busiest_worker(cluster)
+            old_address = victim.address
             victim.popen.kill()  # SIGKILL: no goodbye to the router or the index
+            killed_s = time.monotonic()
             for future in futures:
                 future.result(timeout=120)
+
+        # Back within 15 s, under a new address, and the router sends it new work.
+        while not (victim.is_ready and victim.address != old_address):
+            assert time.monotonic() - killed_s < 15, said
+            time.sleep(0.05)
+        cluster.wait_for_registration(timeout_s=15 - (time.monotonic() - killed_s))
+        assert time.monotonic() - killed_s < 15
+        new_prompts = [f"A new document {i}: " + "fresh words. " * 20 for i in range(6)]
+        with ThreadPoolExecutor(len(new_prompts)) as pool:
+            fresh = list(pool.map(lambda p: client.generate(p, max_tokens=24), new_prompts))
         client.close()
 
     assert received == expected
@@ -155,11 +172,48 @@ def test_a_worker_killed_mid_load_loses_no_request_and_no_token() -> None:
     assert moved, "no request was running on the killed worker"
     assert all(r.stats.worker_id != victim.name for r in moved)
     assert all(r.stats.num_output_tokens == max_tokens for r in results if r is not None)
+    assert victim.name in {r.stats.worker_id for r in fresh}
+    assert f"{victim.name} exited with code -9; restarting it in 0.5 s" in said
+    assert f"{victim.name} is back at {victim.address}" in said
+
+
+def test_a_local_redis_that_dies_is_restarted_and_the_workers_resync(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    said: list[str] = []
+    config = ClusterConfig(workers=2, port=0, redis="local", grace_s=1.0)
+    with LocalCluster(config, supervise=True, say=said.append) as cluster:
+        with Client(cluster.address, timeout_s=60) as client:
+            for _, prompt in QUESTIONS[:3]:
+                client.generate(prompt, max_tokens=2)
+            assert cluster.redis is not None
+            os.kill(cluster.redis.pid, signal.SIGKILL)
+            # Empty again: the workers register and resync their blocks from snapshots.
+            cluster.wait_for_registration(timeout_s=30)
+            deadline = time.monotonic() + 30
+            while True:
+                capsys.readouterr()
+                assert main(["index", "audit", "--index", cluster.index_url]) == 0
+                audit = json.loads(capsys.readouterr().out)
+                if sum(w["num_in_index"] for w in audit["workers"]) > 0:
+                    break
+                assert time.monotonic() < deadline, audit
+                time.sleep(0.2)
+            assert audit["num_stale"] == 0 and audit["num_missing"] == 0
+            # The second question of a document still goes where the document is cached.
+            label, prompt = QUESTIONS[3]
+            result = client.generate(prompt, max_tokens=2)
+            assert result.stats.num_cached_tokens > 0.9 * result.stats.num_prompt_tokens, label
+        assert "redis-server exited; starting a new one on the same port" in said
+
+        cluster.router.popen.kill()  # the one death that ends the cluster
+        assert cluster.router_died.wait(5)
+    assert said[-1].startswith("the router exited with code -9")
 
 
 def test_kvswitch_up_serves_until_sigterm_then_stops_everything() -> None:
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch.cli", "up", "--workers", "1", "--port", "0"],
+        [sys.executable, "-m", "kvswitch.cli", "up", "--workers", "2", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -169,24 +223,20 @@ def test_kvswitch_up_serves_until_sigterm_then_stops_everything() -> None:
         line = up.stdout.readline()
         assert line.startswith("kvswitch cluster up: router at "), line
         router_address = line.split("router at ", 1)[1].split(",", 1)[0]
-        worker_address = line.rsplit("workers ", 1)[1].strip()
-        with Client(router_address, timeout_s=60) as client:
-            deadline = time.monotonic() + 30
-            while True:  # the worker registers after loading its model
-                try:
-                    result = client.generate("hello", max_tokens=3)
-                    break
-                except KvswitchError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-        assert result.stats.worker_id == "worker-0"
+        worker_addresses = line.rsplit("workers ", 1)[1].strip().split(", ")
+        # Up means up: at once, new documents spread over both workers.
+        prompts = [f"Document {i}: " + "words to prefill. " * 30 for i in range(4)]
+        client = Client(router_address, timeout_s=60, max_retries=0)
+        with client, ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: client.generate(p, max_tokens=16), prompts))
+        assert {r.stats.worker_id for r in results} == {"worker-0", "worker-1"}
         up.send_signal(signal.SIGTERM)
         # Its children stop on the SIGTERM it passes on, well before it would kill them (15 s).
         assert up.wait(timeout=10) == 0
     finally:
         if up.poll() is None:
             up.kill()
-    for address in (router_address, worker_address):
+    for address in (router_address, *worker_addresses):
         host, port = address.rsplit(":", 1)
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((host, int(port)), timeout=2).close()

@@ -235,14 +235,83 @@ def test_health_reports_the_router_and_its_index(cluster: BackgroundCluster) -> 
             assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_no_live_worker_is_unavailable() -> None:
-    cluster = BackgroundCluster(num_workers=0)
+def test_no_live_worker_is_unavailable_after_waiting_for_one() -> None:
+    cluster = BackgroundCluster(num_workers=0)  # the router waits 0.3 s for a worker
     try:
-        c = Client(cluster.address, max_retries=1, initial_backoff_s=0.01)
+        c = Client(cluster.address, max_retries=0)
+        started_s = time.monotonic()
         with c, pytest.raises(KvswitchError) as error:
             c.generate("anyone there?")
+        assert time.monotonic() - started_s >= ROUTER_CONFIG.wait_for_worker_s
         assert error.value.code == grpc.StatusCode.UNAVAILABLE
         assert "no worker is live" in error.value.details
+    finally:
+        cluster.close()
+
+
+def health_of(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return {
+            service: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            for service in ("", "kvswitch.v1.Router", "kvswitch.v1.CacheIndex")
+        }
+
+
+def wait_for_health(address: str, wanted: dict[str, int], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (health := health_of(address)) != wanted:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.02)
+
+
+def test_the_router_is_not_serving_while_no_worker_is_routable() -> None:
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        (health_pb2.HealthCheckResponse.NOT_SERVING),
+    )
+    cluster = BackgroundCluster(num_workers=0)
+    try:
+        # The index it embeds serves at once: the workers register there.
+        assert health_of(cluster.address) == {
+            "": not_serving,
+            "kvswitch.v1.Router": not_serving,
+            "kvswitch.v1.CacheIndex": serving,
+        }
+        worker = cluster.add_worker("w0")
+        wait_for_health(
+            cluster.address,
+            {"": serving, "kvswitch.v1.Router": serving, "kvswitch.v1.CacheIndex": serving},
+        )
+        cluster.stop_worker(worker)
+        wait_for_health(
+            cluster.address,
+            {"": not_serving, "kvswitch.v1.Router": not_serving, "kvswitch.v1.CacheIndex": serving},
+        )
+    finally:
+        cluster.close()
+
+
+def test_a_request_that_finds_no_worker_waits_for_one(reference: LLMEngine) -> None:
+    config = dataclasses.replace(ROUTER_CONFIG, wait_for_worker_s=30.0)
+    cluster = BackgroundCluster(num_workers=0, router_config=config)
+    try:
+        with Client(cluster.address, max_retries=0) as c, ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(c.generate, "who is first?", max_tokens=4)
+            time.sleep(0.5)
+            assert not waiting.done()
+            cluster.add_worker("w0")
+            result = waiting.result(timeout=30)
+            assert list(result.token_ids) == expected(reference, "who is first?", max_tokens=4)
+            # ... but never past its deadline.
+            cluster.stop_worker(cluster.workers[0])
+            cluster.wait_for_workers()
+            started_s = time.monotonic()
+            with pytest.raises(KvswitchError) as error:
+                c.generate("anyone?", max_tokens=4, timeout_s=0.5)
+            assert time.monotonic() - started_s < 0.5
+            assert error.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "no worker is live" in error.value.details
     finally:
         cluster.close()
 
