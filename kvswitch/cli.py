@@ -168,7 +168,10 @@ WORKER_HELP = {
     "index": "block-hash index to publish this worker's cache to: grpc://ROUTER_HOST:PORT (a "
     "router's embedded index), redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT; "
     "empty = publish nothing",
-    "role": "what the router may send here: both, prefill or decode",
+    "role": "what the router may send here; only both is served so far (prefill and decode "
+    "come with disaggregated prefill)",
+    "served_model_name": "the model's name in the block-hash index: workers of one name share "
+    "hashes; empty = derived from the checkpoint's content (docs/HASHING.md)",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
 }
@@ -229,6 +232,15 @@ UP_HELP = {
     "policy": ROUTER_HELP["policy"],
     "host": "address every process listens on",
     "grace_s": "seconds running requests get to finish when the cluster stops",
+}
+LOOKUP_HELP = {
+    "num_guesses": "live pending guesses, all on one document",
+    "document_blocks": "blocks of that document",
+    "num_workers": "workers (guesses are spread over them; each holds the whole prefix)",
+    "prefix_blocks": "blocks of the prefix every worker holds in the embedded index",
+    "prompt_tokens": "tokens of the text prompt whose tokenizing may stall the loop",
+    "repeats": "timed runs per figure (the median is reported)",
+    "seed": "random seed",
 }
 GENERATE_HELP = {
     "target": "the router, HOST:PORT",
@@ -340,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvswitch.benchmarks import hashing as hash_bench
     from kvswitch.benchmarks import index as index_bench
     from kvswitch.benchmarks import kernels as kernel_bench
+    from kvswitch.benchmarks import lookup as lookup_bench
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import serve as serve_bench
@@ -504,6 +517,14 @@ def build_parser() -> argparse.ArgumentParser:
             router_bench.RouterBenchConfig,
             ROUTER_BENCH_HELP,
             "router overhead against going straight to a worker, and decisions per second",
+        ),
+        (
+            "lookup",
+            lookup_bench.run,
+            lookup_bench.LookupBenchConfig,
+            LOOKUP_HELP,
+            "a router's per-request loop work at scale: pending guesses, embedded index, "
+            "tokenizing",
         ),
         (
             "serve",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -27,9 +27,12 @@ class _Guess:
 class PendingBlocks:
     """Guesses per worker, each one a chain prefix with a deadline. No I/O.
 
-    Only guesses that share a lookup's first block can add to its matches, so guesses are
-    filed by their first block; every guess has the same lifetime, so a queue in arrival order
-    is also a queue in deadline order.
+    A chained hash names its whole prefix, so a guess that holds block ``i`` of a lookup holds
+    blocks ``0..i`` too: the workers guessed to hold block ``i + 1`` are a subset of those for
+    block ``i``. An inverted map from block hash to the workers guessed to hold it (with a count
+    of their guesses) therefore answers a lookup in one walk down its chain, however many guesses
+    are live. Every guess has the same lifetime, so a queue in arrival order is also a queue in
+    deadline order.
     """
 
     def __init__(self, ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -37,14 +40,15 @@ class PendingBlocks:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.ttl_s = ttl_s
         self._clock = clock
-        self._by_first_block: dict[bytes, list[_Guess]] = {}
+        self._hash_to_workers: dict[bytes, dict[str, int]] = {}  # -> live guesses holding it
+        self._chain_end_to_guesses: dict[bytes, dict[str, _Guess]] = {}  # by worker id
         self._by_deadline: deque[_Guess] = deque()
-        self._by_chain_end: dict[tuple[str, bytes], _Guess] = {}
+        self._num_live = 0
         self.num_confirmed = 0
         self.num_expired = 0
 
     def __len__(self) -> int:
-        return sum(len(guesses) for guesses in self._by_first_block.values())
+        return self._num_live
 
     def add(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
         """``worker_id`` will soon hold the chain ``block_hashes`` (full blocks only)."""
@@ -52,14 +56,20 @@ class PendingBlocks:
             return
         # NOTE: the last hash names the whole chain; a repeated guess replaces the old one, so a
         # burst on one document keeps one guess per worker, with the latest deadline.
-        key = (worker_id, block_hashes[-1])
-        old = self._by_chain_end.get(key)
-        if old is not None and old.live:
+        old = self._chain_end_to_guesses.get(block_hashes[-1], {}).get(worker_id)
+        if old is not None:
             self._drop(old)
         guess = _Guess(worker_id, tuple(block_hashes), self._clock() + self.ttl_s)
-        self._by_first_block.setdefault(guess.block_hashes[0], []).append(guess)
+        hash_to_workers = self._hash_to_workers
+        for block_hash in guess.block_hashes:
+            workers = hash_to_workers.get(block_hash)
+            if workers is None:
+                hash_to_workers[block_hash] = {worker_id: 1}
+            else:
+                workers[worker_id] = workers.get(worker_id, 0) + 1
+        self._chain_end_to_guesses.setdefault(block_hashes[-1], {})[worker_id] = guess
         self._by_deadline.append(guess)
-        self._by_chain_end[key] = guess
+        self._num_live += 1
 
     def match(
         self, block_hashes: Sequence[bytes], index_matches: Mapping[str, int]
@@ -69,16 +79,27 @@ class PendingBlocks:
         (it reports at least the guessed chain) and guesses past their deadline are dropped."""
         self._expire()
         matches = dict(index_matches)
-        if not block_hashes:
-            return matches
-        for guess in list(self._by_first_block.get(block_hashes[0], ())):
-            num_shared = _num_shared(guess.block_hashes, block_hashes)
-            num_indexed = index_matches.get(guess.worker_id, 0)
-            if num_shared == len(guess.block_hashes) and num_indexed >= num_shared:
-                self.num_confirmed += 1
-                self._drop(guess)
-            elif num_shared > matches.get(guess.worker_id, 0):
-                matches[guess.worker_id] = num_shared
+        confirmed: list[_Guess] = []
+        get_workers = self._hash_to_workers.get
+        get_ends = self._chain_end_to_guesses.get
+        workers: dict[str, int] = {}  # guessed to hold every block so far
+        num_walked = 0
+        for block_hash in block_hashes:
+            holders = get_workers(block_hash)
+            if holders is None:
+                break
+            if len(holders) < len(workers):
+                # The set only shrinks down the chain: those that left it stop here.
+                self._raise(matches, (w for w in workers if w not in holders), num_walked)
+            workers = holders
+            num_walked += 1
+            ends = get_ends(block_hash)
+            if ends:
+                confirmed += (g for w, g in ends.items() if index_matches.get(w, 0) >= num_walked)
+        self._raise(matches, workers, num_walked)
+        for guess in confirmed:
+            self.num_confirmed += 1
+            self._drop(guess)
         return matches
 
     def forget_worker(self, worker_id: str) -> None:
@@ -86,6 +107,12 @@ class PendingBlocks:
         for guess in list(self._by_deadline):
             if guess.worker_id == worker_id and guess.live:
                 self._drop(guess)
+
+    @staticmethod
+    def _raise(matches: dict[str, int], worker_ids: Iterable[str], num_blocks: int) -> None:
+        for worker_id in worker_ids:
+            if num_blocks > matches.get(worker_id, 0):
+                matches[worker_id] = num_blocks
 
     def _expire(self) -> None:
         now = self._clock()
@@ -98,22 +125,20 @@ class PendingBlocks:
     def _drop(self, guess: _Guess) -> None:
         # NOTE: the deadline queue keeps dropped guesses until their deadline; `live` tells.
         guess.live = False
-        key = (guess.worker_id, guess.block_hashes[-1])
-        if self._by_chain_end.get(key) is guess:
-            del self._by_chain_end[key]
-        first = guess.block_hashes[0]
-        guesses = self._by_first_block[first]
-        guesses.remove(guess)
-        if not guesses:
-            del self._by_first_block[first]
-
-
-def _num_shared(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """Length of the common leading run of two chains: chained hashes that differ once differ
-    ever after, so the first mismatch ends it."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+        self._num_live -= 1
+        worker_id = guess.worker_id
+        end = guess.block_hashes[-1]
+        ends = self._chain_end_to_guesses[end]
+        if ends.get(worker_id) is guess:
+            del ends[worker_id]
+            if not ends:
+                del self._chain_end_to_guesses[end]
+        hash_to_workers = self._hash_to_workers
+        for block_hash in guess.block_hashes:
+            workers = hash_to_workers[block_hash]
+            if workers[worker_id] == 1:
+                del workers[worker_id]
+                if not workers:
+                    del hash_to_workers[block_hash]
+            else:
+                workers[worker_id] -= 1

@@ -89,9 +89,7 @@ class Router:
         say which model is served."""
         if (text is None) == (token_ids is None):
             raise ValueError("give the prompt as text or as token ids, not both or neither")
-        if text is not None and self.tokenizer is None:
-            raise NoTokenizerError(f"{self.no_tokenizer_reason}: send the prompt as token ids")
-        ids = self.tokenizer.encode(text) if text is not None else token_ids
+        ids = self.tokenize(text) if text is not None else token_ids
         if not ids:
             raise ValueError("the prompt is empty")
         namespace, block_size = self._served_model()
@@ -99,6 +97,12 @@ class Router:
         # NOTE: hashing reads an array's bytes at once; a list would be packed id by id.
         block_hashes = hasher.hash_blocks(np.asarray(ids, dtype=np.uint32))
         return RoutePlan(ids, namespace, block_size, block_hashes, lora, cache_salt)
+
+    def tokenize(self, text: str) -> list[int]:
+        """The prompt's token ids; NoTokenizerError when the model has no tokenizer."""
+        if self.tokenizer is None:
+            raise NoTokenizerError(f"{self.no_tokenizer_reason}: send the prompt as token ids")
+        return self.tokenizer.encode(text)
 
     def extend(self, plan: RoutePlan, token_ids: Sequence[int]) -> RoutePlan:
         """The plan of the same request with ``token_ids`` appended to its prompt (resuming a

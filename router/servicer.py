@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -36,6 +36,8 @@ DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this, as on the wor
 # How often a request waiting for a worker looks again when no worker joined or left (one marked
 # down comes back by the clock alone).
 _RECHECK_S = 0.25
+# Longer text prompts are tokenized on a thread, shorter ones on the loop (cheaper than the hop).
+_INLINE_TOKENIZE_CHARS = 1024
 _ANSWER_MARGIN_S = 0.1  # a waiting request gives up this long before its deadline
 # A request whose worker's engine raised (INTERNAL) is retried elsewhere once: if it breaks a
 # second engine too, the request itself is the likely cause, and it would break every worker.
@@ -162,10 +164,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             wait_s = min(wait_s, remaining_s - _ANSWER_MARGIN_S)
         wait_until_s = time.monotonic() + wait_s
 
-        async def plan_request() -> RoutePlan:
-            return self._plan(request)
-
         try:
+            token_ids = await self._token_ids(request)
+
+            async def plan_request() -> RoutePlan:
+                return self._router.plan(
+                    token_ids=token_ids,
+                    lora=request.lora or None,
+                    cache_salt=request.cache_salt or None,
+                )
+
             plan = await self._when_a_worker_serves(plan_request, wait_until_s)
             max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
         except ValueError as e:
@@ -332,16 +340,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             call.cancel()
 
-    def _plan(self, request: router_pb2.GenerateRequest) -> RoutePlan:
+    async def _token_ids(self, request: router_pb2.GenerateRequest) -> Sequence[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise ValueError("the request has no prompt: set text or token_ids")
-        return self._router.plan(
-            text=request.text if kind == "text" else None,
-            token_ids=request.token_ids.ids if kind == "token_ids" else None,
-            lora=request.lora or None,
-            cache_salt=request.cache_salt or None,
-        )
+        if kind == "token_ids":
+            return request.token_ids.ids
+        if len(request.text) <= _INLINE_TOKENIZE_CHARS:
+            return self._router.tokenize(request.text)
+        # NOTE: a long prompt would stall every stream this loop relays (about 2.5 us a token
+        # with a BPE tokenizer); the tokenizers library lets go of the GIL while it encodes.
+        return await asyncio.to_thread(self._router.tokenize, request.text)
 
 
 def _remaining_sampling(

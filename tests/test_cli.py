@@ -29,6 +29,7 @@ COMMANDS = [
     ["bench", "index"],
     ["bench", "router"],
     ["bench", "serve"],
+    ["bench", "lookup"],
     ["index"],
     ["index", "stats"],
     ["index", "audit"],

@@ -26,12 +26,13 @@ from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_f
 from kvswitch.worker.request import FinishReason, Request
 from kvswitch.worker.sampler import Sampler, SamplingParams, make_generator, seed_for_position
 from kvswitch.worker.scheduler import Scheduler, SchedulerConfig
-from kvswitch.worker.weights import load_model
+from kvswitch.worker.weights import load_model, model_namespace
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # a Hugging Face checkpoint directory; None = built-in tiny model
+    served_model_name: str = ""  # the block-hash namespace; empty = derived from the model
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
@@ -108,7 +109,7 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(
             self.model, config.block_size, dtype, config.kv_cache_budget_bytes()
         )
-        self.namespace = str(config.model) if config.model else self.model_config.name
+        self.namespace = model_namespace(config.model, config.served_model_name)
         self.kv_cache = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )

@@ -59,6 +59,7 @@ class WorkerConfig:
     port: int = 50061  # 0 = a free port chosen by the OS
     worker_id: str = ""  # empty = "<host>:<port>" (the machine's name for a wildcard host)
     model: str = ""  # a Hugging Face checkpoint directory; empty = the built-in tiny model
+    served_model_name: str = ""  # the block-hash namespace; empty = derived from the model
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
@@ -69,7 +70,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
     index: str = ""  # block-hash index URL to publish cache events to; empty = none
-    role: str = "both"  # what the router may send here: both, prefill or decode
+    role: str = "both"  # what the router may send here; only "both" is served so far
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
     metrics_port: int = -1  # Prometheus /metrics on host:metrics_port; -1 = none, 0 = a free port
 
@@ -89,6 +90,13 @@ class WorkerConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role != "both":
+            # NOTE: the index and the protocol know the roles already; the router would never
+            # send such a worker anything, so it would sit idle.
+            raise ValueError(
+                f"role {self.role!r} is not served yet: prefill-only and decode-only workers come "
+                "with disaggregated prefill; use role both"
+            )
         # The engine's own configs check the rest, with their messages.
         self.engine_config()
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)

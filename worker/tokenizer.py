@@ -101,7 +101,10 @@ class HFTokenizer(Tokenizer):
         return self._stop_token_ids
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=add_bos).ids
+        # NOTE: encode_batch lets go of the GIL while it works (encode does not), so a caller
+        # may tokenize a long prompt on a thread without stalling the others.
+        (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_bos)
+        ids = encoding.ids
         # The post-processor (a template in tokenizer.json) may already have put BOS first.
         bos = self.bos_token_id
         if add_bos and self._prepend_bos and bos is not None and ids[:1] != [bos]:

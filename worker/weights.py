@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -43,6 +45,51 @@ def model_config(model_dir: str | Path | None) -> ModelConfig:
             str(model_dir)[len(RANDOM_PREFIX) :] if model_dir else "tiny"
         )
     return ModelConfig.from_dir(model_dir)
+
+
+# Files that make a checkpoint what it is, besides its weights; hashed whole when present.
+IDENTITY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+)
+NUM_WEIGHT_SAMPLES = 16  # evenly spaced reads per weight file ...
+WEIGHT_SAMPLE_BYTES = 4096  # ... of this many bytes each
+
+
+def model_namespace(model_dir: str | Path | None, served_model_name: str = "") -> str:
+    """The block-hash namespace of a model: hashes agree only within one namespace.
+
+    ``served_model_name`` when the operator gives one. Otherwise a random model's preset name,
+    or for a checkpoint its ``model_type`` and a digest of its content: the identity files whole,
+    each weight file's name, size and evenly spaced samples of its bytes. The same checkpoint
+    gets the same namespace at any path on any host; a fine-tune of it (other weights, same
+    config) gets another. See docs/HASHING.md.
+    """
+    if served_model_name:
+        return served_model_name
+    if is_random(model_dir):
+        return model_config(model_dir).name
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    for name in IDENTITY_FILES:
+        path = root / name
+        if path.is_file():
+            content = path.read_bytes()
+            digest.update(f"{name}\0{len(content)}\0".encode())
+            digest.update(content)
+    for path in sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            for i in range(NUM_WEIGHT_SAMPLES):
+                f.seek(size * i // NUM_WEIGHT_SAMPLES)
+                digest.update(f.read(WEIGHT_SAMPLE_BYTES))
+    model_type = json.loads((root / "config.json").read_text()).get("model_type") or "model"
+    return f"{model_type}-{digest.hexdigest()[:16]}"
 
 
 def init_random_weights(model: CausalLM, seed: int) -> None:

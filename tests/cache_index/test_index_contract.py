@@ -7,6 +7,7 @@ backend; every test body runs in its own event loop.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -202,5 +203,60 @@ def test_lapsed_entries_are_reclaimed_in_the_background(make_index: MakeIndex) -
         # The background task already did it: nothing is left to reclaim.
         assert await index.reclaim_expired() == 0
         assert (await index.stats()).num_entries == 0
+
+    run(make_index, body)
+
+
+def test_match_agrees_with_each_workers_set_through_random_changes(make_index: MakeIndex) -> None:
+    """Workers come, go, store, evict, clear and resync over chains that share prefixes; every
+    lookup must give each worker the run of leading blocks it holds."""
+    rng = random.Random(11)
+    chains = [
+        hash_prompt_blocks([rng.randrange(2) for _ in range(4 * 12)], 4, NS) for _ in range(6)
+    ]
+    held: dict[str, set[bytes]] = {}
+    seqs: dict[str, int] = {}
+
+    def expected(chain: list[bytes]) -> dict[str, int]:
+        result = {}
+        for worker_id, hashes in held.items():
+            n = 0
+            while n < len(chain) and chain[n] in hashes:
+                n += 1
+            result[worker_id] = n
+        return result
+
+    async def body(index: BlockIndex) -> None:
+        for _ in range(150):
+            worker_id = f"w{rng.randrange(4)}"
+            chain = rng.choice(chains)
+            action = rng.random()
+            if worker_id not in held or action < 0.05:
+                await index.register(worker(worker_id), TTL_S)
+                held[worker_id], seqs[worker_id] = set(), 0
+            elif action < 0.1:
+                await index.deregister(worker_id)
+                del held[worker_id]
+            elif action < 0.15:
+                snapshot = set(rng.sample(chain, rng.randrange(len(chain))))
+                await index.resync(worker_id, seqs[worker_id], snapshot)
+                held[worker_id] = snapshot
+            else:
+                start = rng.randrange(len(chain))
+                end = rng.randrange(start, len(chain)) + 1
+                if action < 0.6:
+                    event = stored(chain[start:end])
+                    held[worker_id].update(chain[start:end])
+                elif action < 0.97:
+                    event = BlockRemoved(tuple(chain[start:end]))
+                    held[worker_id].difference_update(chain[start:end])
+                else:
+                    event = AllBlocksCleared()
+                    held[worker_id].clear()
+                seqs[worker_id] += 1
+                status = await index.apply(worker_id, seqs[worker_id], [event])
+                assert status is ApplyStatus.APPLIED
+            lookup = rng.choice(chains)[: rng.randrange(1, 13)]
+            assert await index.match(NS, lookup) == expected(lookup)
 
     run(make_index, body)

@@ -121,7 +121,7 @@ def test_a_worker_killed_mid_load_loses_no_request_and_comes_back() -> None:
     prompts = [
         f"Request {i}: " + "tell me a long story about routers. " * (2 + i % 6) for i in range(32)
     ]
-    max_tokens = 48
+    max_tokens = 128
     engine = LLMEngine(EngineConfig())
     tokenizer = ByteTokenizer()
     expected = engine.generate(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
+
 import pytest
 
 from kvswitch.router.pending import PendingBlocks
@@ -77,3 +80,46 @@ def test_forgetting_a_worker_drops_its_guesses() -> None:
 def test_ttl_must_be_positive() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         PendingBlocks(ttl_s=0)
+
+
+def chained(tokens: list[int]) -> list[bytes]:
+    """Hashes that name their whole prefix, as block hashes do."""
+    hashes, parent = [], b""
+    for token in tokens:
+        parent = hashlib.sha256(parent + bytes([token])).digest()[:16]
+        hashes.append(parent)
+    return hashes
+
+
+def test_the_one_walk_agrees_with_comparing_every_guess() -> None:
+    """Random chains over a 3-token alphabet share prefixes often; the reference compares each
+    live guess with the lookup, as the documented semantics say."""
+    rng = random.Random(7)
+    clock = Clock()
+    pending = PendingBlocks(ttl_s=2.0, clock=clock)
+    guesses: dict[tuple[str, bytes], tuple[list[bytes], float]] = {}  # the reference's
+    num_lookups = 0
+    for _ in range(3000):
+        clock.now_s += rng.random() * 0.02
+        hashes = chained([rng.randrange(3) for _ in range(rng.randrange(1, 10))])
+        if rng.random() < 0.5:
+            worker_id = f"w{rng.randrange(4)}"
+            pending.add(worker_id, hashes)
+            guesses[(worker_id, hashes[-1])] = (hashes, clock.now_s + 2.0)
+            continue
+        index = {f"w{i}": rng.randrange(len(hashes) + 1) for i in range(4) if rng.random() < 0.6}
+        expected = dict(index)
+        for key, (guess, expires_s) in list(guesses.items()):
+            shared = 0
+            while shared < min(len(guess), len(hashes)) and guess[shared] == hashes[shared]:
+                shared += 1
+            if expires_s <= clock.now_s:
+                del guesses[key]
+            elif shared == len(guess) and index.get(key[0], 0) >= shared:
+                del guesses[key]  # confirmed
+            elif shared > expected.get(key[0], 0):
+                expected[key[0]] = shared
+        assert pending.match(hashes, index) == expected
+        assert len(pending) == len(guesses)
+        num_lookups += 1
+    assert num_lookups > 1000 and pending.num_confirmed > 100 and pending.num_expired > 100

@@ -416,3 +416,31 @@ def test_requests_still_route_when_the_index_cannot_answer(reference: LLMEngine)
             assert cluster.router.router.num_lookup_errors == 1
         finally:
             cluster.close()
+
+
+class SlowTokenizer(ByteTokenizer):
+    """Takes a second to tokenize, as a BPE tokenizer takes on a very long prompt."""
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        time.sleep(1.0)
+        return super().encode(text, add_bos=add_bos)
+
+
+def test_a_long_text_prompt_is_tokenized_off_the_event_loop(reference: LLMEngine) -> None:
+    cluster = BackgroundCluster(num_workers=1)
+    cluster.router.router.tokenizer = SlowTokenizer()
+    long_prompt = "a long prompt " * 200
+    try:
+        with Client(cluster.address, max_retries=0) as c, ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(c.generate, long_prompt, max_tokens=2)
+            time.sleep(0.2)  # it is tokenizing now
+            started_s = time.monotonic()
+            quick = c.generate(prompt_token_ids=[256, *b"meanwhile"], max_tokens=2)
+            assert time.monotonic() - started_s < 0.6  # not stuck behind the tokenizer
+            assert not slow.done()
+            assert list(slow.result(timeout=30).token_ids) == expected(
+                reference, long_prompt, max_tokens=2
+            )
+        assert list(quick.token_ids) == expected(reference, [256, *b"meanwhile"], max_tokens=2)
+    finally:
+        cluster.close()

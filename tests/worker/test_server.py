@@ -266,7 +266,7 @@ def test_worker_command_serves_until_sigterm() -> None:
 
 
 def test_worker_publishes_its_cache_to_the_index() -> None:
-    worker = BackgroundWorker(dataclasses.replace(CONFIG, index="memory://", role="prefill"))
+    worker = BackgroundWorker(dataclasses.replace(CONFIG, index="memory://"))
     try:
         publisher = worker.server.publisher
         assert publisher is not None
@@ -281,7 +281,7 @@ def test_worker_publishes_its_cache_to_the_index() -> None:
             assert time.monotonic() < deadline, worker._run(matched())
             time.sleep(0.02)
         (info,) = worker._run(publisher.index.live_workers())
-        assert (info.role, info.block_size, info.num_blocks) == ("prefill", 16, NUM_BLOCKS)
+        assert (info.role, info.block_size, info.num_blocks) == ("both", 16, NUM_BLOCKS)
     finally:
         worker.close()
     assert worker._loop.is_closed()
@@ -290,6 +290,8 @@ def test_worker_publishes_its_cache_to_the_index() -> None:
 def test_worker_refuses_a_bad_index_url() -> None:
     with pytest.raises(ValueError, match="role must be one of"):
         dataclasses.replace(CONFIG, role="router")
+    with pytest.raises(ValueError, match="role 'prefill' is not served yet"):
+        dataclasses.replace(CONFIG, role="prefill")
     loop = asyncio.new_event_loop()
     try:
         with pytest.raises(WorkerStartError, match="cannot open the block index"):

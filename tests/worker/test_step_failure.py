@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from kvswitch.cache_index.events import BlockStored, replay
 from kvswitch.worker.engine import EngineConfig, LLMEngine, StepFailed
 from kvswitch.worker.sampler import SamplingParams
 
@@ -36,16 +36,6 @@ class ExecuteFails:
         return self._execute(*args, **kwargs)
 
 
-def replay(events: list[CacheEvent], cached: set[bytes]) -> None:
-    for event in events:
-        if isinstance(event, BlockStored):
-            cached.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            cached.difference_update(event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            cached.clear()
-
-
 def run_to_end(engine: LLMEngine, outputs: dict[str, list[int]]) -> None:
     while engine.has_unfinished():
         for output in engine.step():
@@ -67,9 +57,7 @@ def test_a_failed_prefill_uncaches_its_blocks_and_a_retry_computes_them() -> Non
 
     events = engine.take_events()
     assert any(isinstance(e, BlockStored) for e in events)  # cached at allocation ...
-    cached: set[bytes] = set()
-    replay(events, cached)
-    assert cached == set()  # ... and taken back: the index ends with nothing
+    assert replay(events) == set()  # ... and taken back: the index ends with nothing
     assert engine.kv_cache.pool.cached_block_hashes() == []
     engine.kv_cache.check_integrity()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.pool.num_blocks
@@ -92,9 +80,7 @@ def test_a_failed_chunk_keeps_the_blocks_earlier_chunks_wrote() -> None:
     with pytest.raises(StepFailed):
         engine.step()
     assert set(engine.kv_cache.pool.cached_block_hashes()) == written
-    cached: set[bytes] = set()
-    replay(engine.take_events(), cached)
-    assert cached == written
+    assert replay(engine.take_events()) == written
     engine.kv_cache.check_integrity()
 
     engine.add_request("again", prompt(b"Q1?"), GREEDY)
@@ -122,9 +108,7 @@ def test_requests_sharing_a_block_the_step_never_wrote_fail_together_and_others_
     run_to_end(engine, outputs)
     assert calls.calls > 1
     assert outputs == {"c": reference(prompt(b"Q3?"))[0]}
-    cached: set[bytes] = set()
-    replay(engine.take_events(), cached)
-    assert cached == set(engine.kv_cache.pool.cached_block_hashes())
+    assert replay(engine.take_events()) == set(engine.kv_cache.pool.cached_block_hashes())
     engine.kv_cache.check_integrity()
 
 
