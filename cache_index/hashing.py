@@ -1,4 +1,4 @@
-"""Chained block hashes: the one implementation the router, workers, index and simulator share.
+"""Chained block hashes: the one implementation the router, workers and index share.
 
 A prompt is cut into full blocks of ``block_size`` tokens. Block ``i`` is named by a 16-byte
 xxh3-128 digest of its parent's name, its own tokens and its extra keys, so equal names mean equal

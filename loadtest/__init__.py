@@ -1,1 +1,2 @@
-"""Cache-aware routing load tests and the trace-driven simulator."""
+"""Reserved for the cache-aware routing load tests and the trace-driven fleet simulator; empty so
+far."""

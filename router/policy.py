@@ -1,6 +1,6 @@
 """Routing policies: given what the index and the load reports say about each worker, pick one.
 
-Pure logic, no I/O: the router and the simulator call the same code. Every policy returns a
+Pure logic, no I/O, so that it is tested directly and any caller can run it. Every policy returns a
 ``Decision`` that says why, so that the reason can travel back to the client.
 
 The default, ``cost``, estimates the work a request adds to each worker and the work already
