@@ -31,6 +31,7 @@ from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.pending import PendingBlocks
+from kvswitch.worker.tokenizer import load_tokenizer
 
 BLOCK_SIZE = 16
 NAMESPACE = "bench-model"
@@ -165,12 +166,10 @@ def run(config: LookupBenchConfig) -> dict[str, object]:
     print("a long text prompt through a router ...", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvswitch-bench-") as model_dir:
         text = _train_tokenizer(Path(model_dir), rng)
-        while True:  # about prompt_tokens tokens
-            stall_ms, num_tokens = asyncio.run(_loop_stall_ms(Path(model_dir), text, 1))
-            if num_tokens >= config.prompt_tokens:
-                break
-            text = text * 2
-        text = text[: int(len(text) * config.prompt_tokens / num_tokens)]
+        num_tokens = len(load_tokenizer(model_dir).encode(text))
+        repeats = -(-config.prompt_tokens // num_tokens)
+        text = (text + " ") * repeats
+        text = text[: len(text) * config.prompt_tokens // (num_tokens * repeats)]  # about that many
         stall_ms, num_tokens = asyncio.run(
             _loop_stall_ms(Path(model_dir), text, max(config.repeats // 4, 3))
         )

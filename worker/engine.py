@@ -23,7 +23,7 @@ from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
-from kvswitch.worker.request import FinishReason, Request
+from kvswitch.worker.request import FinishReason, Request, StepFailed
 from kvswitch.worker.sampler import Sampler, SamplingParams, make_generator, seed_for_position
 from kvswitch.worker.scheduler import Scheduler, SchedulerConfig
 from kvswitch.worker.weights import load_model, model_namespace
@@ -66,15 +66,6 @@ class EngineConfig:
             free_bytes, _ = torch.cuda.mem_get_info(torch.device(self.device))
             return int(free_bytes * self.gpu_memory_fraction)
         return self.kv_cache_bytes
-
-
-class StepFailed(RuntimeError):
-    """A step raised. The requests it names were aborted; every other request is intact, and
-    no block keeps a hash for KV the step did not write. The cause is ``__cause__``."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"the step failed ({type(cause).__name__}: {cause})")
-        self.request_ids = request_ids
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from kvswitch.cache_index.events import CacheEvent
+from kvswitch.worker.request import StepFailed
 
 if TYPE_CHECKING:
     # NOTE: type-only, so that importing this module (and the CLI) does not load torch.
@@ -290,8 +291,6 @@ class EngineLoop:
             return commands
 
     def _step(self) -> None:
-        from kvswitch.worker.engine import StepFailed  # NOTE: here, as engine imports torch
-
         try:
             outputs = self.engine.step()
         except StepFailed as e:

@@ -106,3 +106,12 @@ class Request:
         self.token_ids.extend(token_ids)
         if len(self.token_ids) // self.hasher.block_size > len(self.block_hashes):
             self.block_hashes += self.hasher.hash_blocks(self.token_ids, self.block_hashes)
+
+
+class StepFailed(RuntimeError):
+    """A step raised. The requests it names were aborted; every other request is intact, and
+    no block keeps a hash for KV the step did not write. The cause is ``__cause__``."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the step failed ({type(cause).__name__}: {cause})")
+        self.request_ids = request_ids
