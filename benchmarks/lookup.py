@@ -31,7 +31,7 @@ from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.pending import PendingBlocks
-from kvswitch.worker.tokenizer import load_tokenizer
+from kvswitch.tokenizer import load_tokenizer
 
 BLOCK_SIZE = 16
 NAMESPACE = "bench-model"

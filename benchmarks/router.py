@@ -33,9 +33,10 @@ from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
-from kvswitch.processes import READY_MARK
 from kvswitch.router.router import Router
 from kvswitch.router.workers import WorkerDirectory
+from kvswitch.serving import READY_MARK
+from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.v1 import (
     common_pb2,
     router_pb2,
@@ -44,7 +45,6 @@ from kvswitch.v1 import (
     worker_pb2_grpc,
 )
 from kvswitch.worker.publisher import EventPublisher
-from kvswitch.worker.tokenizer import ByteTokenizer
 
 NAMESPACE = "stub-model"
 
@@ -166,7 +166,7 @@ def _run_stub_fleet(
 
 def _start_router() -> tuple[subprocess.Popen, str]:
     popen = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch.cli", "router", "--port", "0", "--index", "memory://"],
+        [sys.executable, "-m", "kvswitch.app.cli", "router", "--port", "0", "--index", "memory://"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -71,7 +71,7 @@ def _prompts(config: ServeBenchConfig, vocab_size: int) -> list[list[int]]:
 def _serve(config: ServeBenchConfig, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Each prompt through a live cluster, cold then again: one record per request."""
     from kvswitch.client import Client
-    from kvswitch.cluster import ClusterConfig, LocalCluster
+    from kvswitch.deploy.local import ClusterConfig, LocalCluster
 
     cluster_config = ClusterConfig(
         workers=config.workers,

@@ -1,5 +1,5 @@
 """``python -m kvswitch``: the same as the ``kvswitch`` command."""
 
-from kvswitch.cli import main
+from kvswitch.app.cli import main
 
 raise SystemExit(main())

@@ -7,6 +7,15 @@ import signal
 from collections.abc import Coroutine
 from typing import Any
 
+# A server prints "kvswitch <what> listening on ADDRESS" on stdout once it serves; whoever
+# launched it reads the address from that line.
+READY_MARK = "listening on "
+
+
+def announce_ready(what: str, address: str) -> None:
+    """Print the line that tells a launcher this server is up and where."""
+    print(f"kvswitch {what} {READY_MARK}{address}", flush=True)
+
 
 async def wait_for_stop_signal() -> None:
     """Return at the first SIGINT or SIGTERM. A second one then interrupts the shutdown, in

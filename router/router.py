@@ -23,7 +23,7 @@ from kvswitch.cache_index.index import BlockIndex
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import Decision, Policy, RouteRequest, make_policy
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
-from kvswitch.worker.tokenizer import Tokenizer
+from kvswitch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
+from kvswitch.checkpoint import RANDOM_PREFIX
 from kvswitch.metrics import MetricsServer, start_metrics_server
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
@@ -28,10 +29,9 @@ from kvswitch.router.policy import POLICIES, make_policy
 from kvswitch.router.router import Router
 from kvswitch.router.servicer import RouterServicer
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
-from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
+from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
+from kvswitch.tokenizer import Tokenizer, load_tokenizer
 from kvswitch.v1 import router_pb2_grpc
-from kvswitch.worker.tokenizer import Tokenizer, load_tokenizer
-from kvswitch.worker.weights import RANDOM_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ async def serve(config: RouterConfig) -> None:
     router = await start_router(config)
     if router.metrics_address is not None:
         logger.info("metrics at http://%s/metrics", router.metrics_address)
-    print(f"kvswitch router listening on {router.address}", flush=True)
+    announce_ready("router", router.address)
     await wait_for_stop_signal()
     logger.info("shutting down: %.1f s for running requests to finish", config.grace_s)
     await router.stop(config.grace_s)

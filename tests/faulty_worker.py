@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvswitch.cli import main
+from kvswitch.app.cli import main
 from kvswitch.worker.model_runner import ModelRunner
 
 

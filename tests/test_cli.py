@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvswitch.cli import build_parser, main
+from kvswitch.app.cli import build_parser, main
 
 COMMANDS = [
     [],
@@ -69,7 +69,7 @@ def test_every_option_and_command_is_explained() -> None:
 
 def test_console_script_runs() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvswitch.cli", "--version"], capture_output=True, text=True
+        [sys.executable, "-m", "kvswitch.app.cli", "--version"], capture_output=True, text=True
     )
     assert result.returncode == 0
     assert result.stdout.startswith("kvswitch ")
@@ -110,7 +110,7 @@ def test_bench_hash_writes_json(tmp_path: Path) -> None:
 
 def test_demo_routes_questions_to_their_documents(capsys: pytest.CaptureFixture[str]) -> None:
     """The demo is what ``make demo`` runs: a real local cluster, requests through the SDK."""
-    from kvswitch import demo
+    from kvswitch.app import demo
 
     figures = demo.run(demo.DemoConfig())
     out = capsys.readouterr().out

@@ -22,14 +22,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.metrics import MetricsServer, start_metrics_server
-from kvswitch.serving import host_port, run_event_loop, wait_for_stop_signal
+from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
+from kvswitch.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.publisher import EventPublisher
 from kvswitch.worker.request import FinishReason
 from kvswitch.worker.scheduler import SchedulerConfig
-from kvswitch.worker.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 # NOTE: worker.engine and worker.sampler import torch; they are imported where they are used, so
 # that `kvswitch --help` (which reads WorkerConfig for its options) stays fast.
@@ -429,7 +429,7 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
 async def serve(config: WorkerConfig) -> None:
     """Run a worker until SIGINT or SIGTERM, then shut it down gracefully."""
     worker = await start_worker(config)
-    print(f"kvswitch worker {worker.worker_id} listening on {worker.address}", flush=True)
+    announce_ready(f"worker {worker.worker_id}", worker.address)
     await wait_for_stop_signal()
     logger.info("shutting down: %.1f s for running requests to finish", config.grace_s)
     await worker.stop(config.grace_s)

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvswitch.checkpoint import RANDOM_PREFIX, is_random
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.model_config import ModelConfig
 
 DEFAULT_SEED = 0
-RANDOM_PREFIX = "random:"
 
 
 def load_model(
@@ -31,11 +31,6 @@ def load_model(
     else:
         load_safetensors(model, Path(model_dir))
     return model.to(device=device, dtype=dtype).eval()
-
-
-def is_random(model_dir: str | Path | None) -> bool:
-    """Whether ``model_dir`` names a model with random weights (None or ``random:NAME``)."""
-    return model_dir is None or str(model_dir).startswith(RANDOM_PREFIX)
 
 
 def model_config(model_dir: str | Path | None) -> ModelConfig:

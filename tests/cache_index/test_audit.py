@@ -9,8 +9,8 @@ import time
 import pytest
 import redis
 
+from kvswitch.app.cli import main
 from kvswitch.cache_index.redis_index import KeySchema
-from kvswitch.cli import main
 from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
 

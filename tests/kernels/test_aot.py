@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvswitch.cli import main
+from kvswitch.app.cli import main
 from kvswitch.kernels.aot import (
     ARCHS,
     SHAPES,

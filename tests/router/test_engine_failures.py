@@ -12,12 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvswitch.cli import main
+from kvswitch.app.cli import main
 from kvswitch.client import Client, KvswitchError
-from kvswitch.cluster import ClusterConfig, LocalCluster, running
+from kvswitch.deploy.local import ClusterConfig, LocalCluster, running
+from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.sampler import SamplingParams
-from kvswitch.worker.tokenizer import ByteTokenizer
 
 FAULTY_WORKER = Path(__file__).parents[1] / "faulty_worker.py"
 FAIL_ON = "~"  # each worker's first step that computes this character raises

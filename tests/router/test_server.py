@@ -23,10 +23,10 @@ from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.client import Client, KvswitchError, KvswitchTimeoutError
 from kvswitch.router.server import RouterConfig, RouterStartError, start_router
+from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.sampler import SamplingParams
 from kvswitch.worker.server import WorkerServer
-from kvswitch.worker.tokenizer import ByteTokenizer
 from tests.router.harness import (
     BLOCK_BYTES,
     BLOCK_SIZE,

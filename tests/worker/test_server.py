@@ -22,15 +22,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvswitch.app.cli import main
 from kvswitch.cache_index.events import replay
 from kvswitch.cache_index.hashing import hash_prompt_blocks
-from kvswitch.cli import main
+from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.v1 import common_pb2, worker_pb2
 from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.engine_loop import EngineLoop
 from kvswitch.worker.sampler import SamplingParams
 from kvswitch.worker.server import WorkerConfig, WorkerStartError, start_worker
-from kvswitch.worker.tokenizer import ByteTokenizer
 from tests.worker.background import BackgroundWorker
 
 BLOCK_SIZE = 16
@@ -238,7 +238,7 @@ def test_worker_command_serves_until_sigterm() -> None:
         [
             sys.executable,
             "-m",
-            "kvswitch.cli",
+            "kvswitch.app.cli",
             "worker",
             "--port",
             "0",

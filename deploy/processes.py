@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-READY_MARK = "listening on "
+from kvswitch.serving import READY_MARK
+
 LOG_TAIL_BYTES = 2000  # of a child's log, quoted when it fails to start
 
 

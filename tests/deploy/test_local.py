@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvswitch.cli import main
+from kvswitch.app.cli import main
+from kvswitch.app.demo import DemoConfig, document_questions
 from kvswitch.client import Client, GenerateResult
-from kvswitch.cluster import ClusterConfig, LocalCluster, running
-from kvswitch.demo import DemoConfig, document_questions
-from kvswitch.processes import RestartPolicy
+from kvswitch.deploy.local import ClusterConfig, LocalCluster, running
+from kvswitch.deploy.processes import RestartPolicy
+from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.sampler import SamplingParams
-from kvswitch.worker.tokenizer import ByteTokenizer
 
 QUESTIONS = document_questions(DemoConfig(num_documents=3, questions_per_document=3))
 NUM_DOCUMENTS = 3
@@ -213,7 +213,7 @@ def test_a_local_redis_that_dies_is_restarted_and_the_workers_resync(
 
 def test_kvswitch_up_serves_until_sigterm_then_stops_everything() -> None:
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch.cli", "up", "--workers", "2", "--port", "0"],
+        [sys.executable, "-m", "kvswitch.app.cli", "up", "--workers", "2", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from kvswitch import __version__
+from kvswitch.app.cli_args import ConfigError, add_config_args, config_from_args
 from kvswitch.benchmarks.timing import BenchmarkUnavailable
-from kvswitch.cli_args import ConfigError, add_config_args, config_from_args
 from kvswitch.logs import configure_logging, log_format_from_env, log_level_from_env
 
 DESCRIPTION = """\
@@ -320,7 +320,7 @@ def _router_command(args: argparse.Namespace) -> None:
 
 
 def _up_command(args: argparse.Namespace) -> None:
-    from kvswitch import cluster
+    from kvswitch.deploy import local as cluster
 
     config = config_from_args(cluster.ClusterConfig, args)
     try:
@@ -347,7 +347,7 @@ def _index_command(report: Callable) -> Callable:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvswitch import cluster, demo, generate
+    from kvswitch.app import demo, generate
     from kvswitch.benchmarks import engine as engine_bench
     from kvswitch.benchmarks import hashing as hash_bench
     from kvswitch.benchmarks import index as index_bench
@@ -356,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import serve as serve_bench
+    from kvswitch.deploy import local as cluster
     from kvswitch.router import server as router_server
     from kvswitch.worker import server as worker_server
 

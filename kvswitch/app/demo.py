@@ -20,8 +20,8 @@ import sys
 from dataclasses import dataclass
 
 from kvswitch.client import Client, GenerateResult
-from kvswitch.cluster import ClusterConfig, running
-from kvswitch.worker.tokenizer import ByteTokenizer
+from kvswitch.deploy.local import ClusterConfig, running
+from kvswitch.tokenizer import ByteTokenizer
 
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena"]
 SURNAMES = ["Stone", "Reyes", "Okafor", "Novak", "Berg", "Costa", "Ito", "Moreau", "Singh", "Walsh"]

@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from kvswitch.worker.tokenizer import (
+from kvswitch.tokenizer import (
     REPLACEMENT_CHAR,
     ByteTokenizer,
     HFTokenizer,

@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvswitch.cache_index.local_redis import LocalRedis
-from kvswitch.processes import Child, ChildError, RestartPolicy
+from kvswitch.deploy.processes import Child, ChildError, RestartPolicy
 
-_KVSWITCH = (sys.executable, "-m", "kvswitch.cli")
+_KVSWITCH = (sys.executable, "-m", "kvswitch.app.cli")
 STARTUP_TIMEOUT_S = 120.0  # a worker loads its model before it prints its address
 SUPERVISE_EVERY_S = 0.2
 ROUTER_REFRESH_S = 0.25  # RouterConfig.refresh_s: how often the router re-reads the workers
