@@ -347,19 +347,6 @@ def _index_command(report: Callable) -> Callable:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvswitch.app import demo, generate
-    from kvswitch.benchmarks import engine as engine_bench
-    from kvswitch.benchmarks import hashing as hash_bench
-    from kvswitch.benchmarks import index as index_bench
-    from kvswitch.benchmarks import kernels as kernel_bench
-    from kvswitch.benchmarks import lookup as lookup_bench
-    from kvswitch.benchmarks import pool as pool_bench
-    from kvswitch.benchmarks import router as router_bench
-    from kvswitch.benchmarks import serve as serve_bench
-    from kvswitch.deploy import local as cluster
-    from kvswitch.router import server as router_server
-    from kvswitch.worker import server as worker_server
-
     parser = argparse.ArgumentParser(
         prog="kvswitch",
         description=DESCRIPTION,
@@ -370,65 +357,125 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command", metavar="COMMAND", required=True, help="what to run"
     )
+    for name, extra, summary, add in COMMANDS:
+        try:
+            add(commands, name, summary)
+        except ModuleNotFoundError as e:
+            if extra is None or not e.name or e.name.partition(".")[0] == "kvswitch":
+                raise
+            _add_unavailable(commands, name, summary, extra, e.name)
+    return parser
 
-    demo_parser = commands.add_parser(
-        "demo",
-        help="cache-aware routing on a local cluster of two CPU workers, cost vs round_robin",
+
+class _Unavailable:
+    """A command whose extra is not installed: it says what to install, whatever its arguments."""
+
+    def __init__(self, name: str, extra: str, missing: str) -> None:
+        self.message = (
+            f"kvswitch {name} needs kvswitch[{extra}], and this installation lacks the "
+            f"{missing!r} module: pip install 'kvswitch[{extra}]'"
+        )
+
+    def __call__(self, args: argparse.Namespace) -> None:
+        sys.exit(self.message)
+
+
+def _add_unavailable(
+    commands: argparse._SubParsersAction, name: str, summary: str, extra: str, missing: str
+) -> None:
+    sub = commands.add_parser(name, help=f"{summary} [needs kvswitch[{extra}]]", add_help=False)
+    sub.set_defaults(func=_Unavailable(name, extra, missing))
+
+
+def _import_servers() -> None:
+    """For the commands that start routers and workers as processes: those must import here,
+    the worker's engine (torch) included."""
+    import kvswitch.router.server
+    import kvswitch.worker.engine
+    import kvswitch.worker.server  # noqa: F401
+
+
+def _add_demo(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.app import demo
+
+    _import_servers()
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
         description=demo.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(demo_parser, demo.DemoConfig, DEMO_HELP)
-    demo_parser.set_defaults(func=lambda args: demo.run(config_from_args(demo.DemoConfig, args)))
+    add_config_args(sub, demo.DemoConfig, DEMO_HELP)
+    sub.set_defaults(func=lambda args: demo.run(config_from_args(demo.DemoConfig, args)))
 
-    router_parser = commands.add_parser(
-        "router",
-        help="run the router: sends each request where its prompt's KV cache is",
+
+def _add_router(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.router import server as router_server
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
         description=ROUTER_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(router_parser, router_server.RouterConfig, ROUTER_HELP)
-    router_parser.set_defaults(func=_router_command)
+    add_config_args(sub, router_server.RouterConfig, ROUTER_HELP)
+    sub.set_defaults(func=_router_command)
 
-    up_parser = commands.add_parser(
-        "up",
-        help="run a local cluster in the foreground: N workers and a router",
+
+def _add_up(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.deploy import local as cluster
+
+    _import_servers()
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
         description=cluster.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(up_parser, cluster.ClusterConfig, UP_HELP)
-    up_parser.set_defaults(func=_up_command)
+    add_config_args(sub, cluster.ClusterConfig, UP_HELP)
+    sub.set_defaults(func=_up_command)
 
-    generate_parser = commands.add_parser(
-        "generate",
-        help="send one prompt to a router and stream the output",
+
+def _add_generate(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.app import generate
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
         description=generate.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(generate_parser, generate.GenerateConfig, GENERATE_HELP)
-    generate_parser.set_defaults(
+    add_config_args(sub, generate.GenerateConfig, GENERATE_HELP)
+    sub.set_defaults(
         func=lambda args: _exit_with(generate.run(config_from_args(generate.GenerateConfig, args)))
     )
 
-    worker_parser = commands.add_parser(
-        "worker",
-        help="run a GPU (or CPU) worker: the model behind a gRPC server",
+
+def _add_worker(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.worker import server as worker_server
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
         description=WORKER_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(worker_parser, worker_server.WorkerConfig, WORKER_HELP)
-    worker_parser.set_defaults(func=_worker_command)
+    add_config_args(sub, worker_server.WorkerConfig, WORKER_HELP)
+    sub.set_defaults(func=_worker_command)
+
+
+def _add_index(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.cache_index import audit as index_audit
 
     index_parser = commands.add_parser(
-        "index",
-        help="inspect a block-hash index: its size, and whether it agrees with the workers",
-        description="Tools for the global block-hash index. Each prints JSON.",
+        name, help=summary, description="Tools for the global block-hash index. Each prints JSON."
     )
     index_tools = index_parser.add_subparsers(
         dest="index_tool", metavar="TOOL", required=True, help="what to do"
     )
-    from kvswitch.cache_index import audit as index_audit
-
-    for name, report, summary in [
+    for tool, report, tool_summary in [
         ("stats", index_audit.stats_report, "live workers, entries and memory of the index"),
         (
             "audit",
@@ -437,24 +484,24 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     ]:
         sub = index_tools.add_parser(
-            name,
-            help=summary,
+            tool,
+            help=tool_summary,
             description=index_audit.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_config_args(sub, index_audit.IndexToolConfig, INDEX_TOOL_HELP)
         sub.set_defaults(func=_index_command(report))
 
+
+def _add_kernels(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.kernels import aot
+
     kernels_parser = commands.add_parser(
-        "kernels",
-        help="the Triton kernels: compile them for a GPU without one",
-        description="Tools for the paged-attention kernels.",
+        name, help=summary, description="Tools for the paged-attention kernels."
     )
     kernel_tools = kernels_parser.add_subparsers(
         dest="kernel_tool", metavar="TOOL", required=True, help="what to do"
     )
-    from kvswitch.kernels import aot
-
     compile_parser = kernel_tools.add_parser(
         "compile",
         help="compile every kernel for a GPU architecture (no GPU needed): registers, spills, "
@@ -468,15 +515,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_parser.set_defaults(func=_kernels_compile_command)
 
+
+def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.benchmarks import engine as engine_bench
+    from kvswitch.benchmarks import hashing as hash_bench
+    from kvswitch.benchmarks import index as index_bench
+    from kvswitch.benchmarks import kernels as kernel_bench
+    from kvswitch.benchmarks import lookup as lookup_bench
+    from kvswitch.benchmarks import pool as pool_bench
+    from kvswitch.benchmarks import router as router_bench
+    from kvswitch.benchmarks import serve as serve_bench
+
     bench = commands.add_parser(
-        "bench",
-        help="measure a component; prints JSON and can write it to a file",
+        name,
+        help=summary,
         description="Benchmarks. Each prints its figures as JSON (progress goes to stderr).",
     )
     benches = bench.add_subparsers(
         dest="bench", metavar="BENCH", required=True, help="what to measure"
     )
-    for name, run, config_cls, helps, summary in [
+    for bench_name, run, config_cls, helps, bench_summary in [
         (
             "pool",
             pool_bench.run,
@@ -543,22 +601,61 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     ]:
         sub = benches.add_parser(
-            name,
-            help=summary,
+            bench_name,
+            help=bench_summary,
             description=sys.modules[run.__module__].__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_config_args(sub, config_cls, helps)
         sub.add_argument("--json", type=Path, metavar="OUT", help="also write the figures here")
         sub.set_defaults(func=_bench_command(run, config_cls))
-    return parser
+
+
+# (name, the extra it needs, summary, adder), in the order `kvswitch --help` lists them. A
+# command whose extra is not installed is listed still, and says what to install when run; one
+# that needs no extra (None) runs on the client's dependencies alone.
+COMMANDS: list[
+    tuple[str, str | None, str, Callable[[argparse._SubParsersAction, str, str], None]]
+] = [
+    (
+        "demo",
+        "all",
+        "cache-aware routing on a local cluster of two CPU workers, cost vs round_robin",
+        _add_demo,
+    ),
+    (
+        "router",
+        "router",
+        "run the router: sends each request where its prompt's KV cache is",
+        _add_router,
+    ),
+    ("up", "all", "run a local cluster in the foreground: N workers and a router", _add_up),
+    ("generate", None, "send one prompt to a router and stream the output", _add_generate),
+    ("worker", "worker", "run a GPU (or CPU) worker: the model behind a gRPC server", _add_worker),
+    (
+        "index",
+        "router",
+        "inspect a block-hash index: its size, and whether it agrees with the workers",
+        _add_index,
+    ),
+    ("kernels", "worker", "the Triton kernels: compile them for a GPU without one", _add_kernels),
+    ("bench", "all", "measure a component; prints JSON and can write it to a file", _add_bench),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not isinstance(args.func, _Unavailable):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.func(args)
+    except ModuleNotFoundError as e:
+        # A dependency imported only once the command runs (torch, inside the worker's engine).
+        extra = next((extra for name, extra, *_ in COMMANDS if name == args.command), None)
+        if extra is None or not e.name or e.name.partition(".")[0] == "kvswitch":
+            raise
+        _Unavailable(args.command, extra, e.name)(args)
     except ConfigError as e:
         parser.error(str(e))
     except BenchmarkUnavailable as e:
