@@ -1,5 +1,6 @@
-"""Text to token ids and back: a built-in byte tokenizer, a Hugging Face ``tokenizer.json`` one,
-and an incremental decoder that streams text without breaking characters.
+"""Text to token ids and back: a built-in byte tokenizer, a checkpoint's Hugging Face
+``tokenizer.json`` or SentencePiece ``tokenizer.model``, and an incremental decoder that streams
+text without breaking characters.
 
 The worker itself runs on token ids; a tokenizer is only needed where text comes in or goes out.
 """
@@ -9,13 +10,18 @@ from __future__ import annotations
 import codecs
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
+
+
+class TokenizerFileError(Exception):
+    """A checkpoint's tokenizer file is there but cannot be read."""
 
 
 class Tokenizer(ABC):
@@ -68,37 +74,74 @@ class ByteTokenizer(Tokenizer):
         return bytes(t for t in token_ids if t != self.BOS_TOKEN_ID)
 
 
-class HFTokenizer(Tokenizer):
-    """A Hugging Face fast tokenizer read from ``<model_dir>/tokenizer.json``.
+@dataclass(frozen=True)
+class SpecialTokens:
+    """A checkpoint's BOS and EOS, read from its configs.
 
-    BOS and EOS come from ``tokenizer_config.json`` (``bos_token`` / ``eos_token``) and, where it
-    names none, from ``config.json`` (``bos_token_id`` / ``eos_token_id``). ``config.json``'s EOS
-    may be a list: every entry is a stop token, and the first is ``eos_token_id`` unless the
-    tokenizer config names its own.
+    ``tokenizer_config.json`` names them (``bos_token`` / ``eos_token``) and, where it names
+    none, ``config.json`` gives ids (``bos_token_id`` / ``eos_token_id``). ``config.json``'s EOS
+    may be a list: every entry is a stop token, and the first is EOS unless the tokenizer config
+    names its own.
     """
+
+    bos_token_id: int | None
+    eos_token_id: int | None
+    stop_token_ids: tuple[int, ...]  # EOS first
+    prepend_bos: bool  # False for models (Qwen2) that name a BOS token but train without one
+
+    @classmethod
+    def read(
+        cls,
+        model_dir: Path,
+        token_to_id: Callable[[str], int | None],
+        *,
+        default_bos: int | None = None,
+        default_eos: int | None = None,
+    ) -> SpecialTokens:
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        model_config = _read_json(model_dir / "config.json")
+        config_eos = model_config.get("eos_token_id")
+        config_eos_ids = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
+        bos = _token_id(tokenizer_config.get("bos_token"), token_to_id)
+        eos = _token_id(tokenizer_config.get("eos_token"), token_to_id)
+        if bos is None:
+            bos = model_config.get("bos_token_id")
+        if eos is None:
+            eos = next(iter(config_eos_ids), None)
+        bos = default_bos if bos is None else bos
+        eos = default_eos if eos is None else eos
+        stop_ids = [] if eos is None else [eos]
+        return cls(
+            bos_token_id=bos,
+            eos_token_id=eos,
+            stop_token_ids=tuple(dict.fromkeys([*stop_ids, *config_eos_ids])),
+            prepend_bos=bool(tokenizer_config.get("add_bos_token", True)),
+        )
+
+
+def _token_id(
+    token: str | dict[str, Any] | None, token_to_id: Callable[[str], int | None]
+) -> int | None:
+    if isinstance(token, dict):  # an AddedToken written out
+        token = token.get("content")
+    return token_to_id(token) if token else None
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face fast tokenizer read from ``<model_dir>/tokenizer.json``; BOS and EOS as
+    ``SpecialTokens`` reads them."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         self._tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
-        model_config = _read_json(model_dir / "config.json")
-
-        config_bos = model_config.get("bos_token_id")
-        config_eos = model_config.get("eos_token_id")
-        config_eos_ids = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
-        bos = self._special_token_id(tokenizer_config.get("bos_token"))
-        eos = self._special_token_id(tokenizer_config.get("eos_token"))
-        self.bos_token_id = bos if bos is not None else config_bos
-        self.eos_token_id = eos if eos is not None else next(iter(config_eos_ids), None)
-        stop_ids = [] if self.eos_token_id is None else [self.eos_token_id]
-        self._stop_token_ids = tuple(dict.fromkeys([*stop_ids, *config_eos_ids]))
-        # NOTE: some models (Qwen2) name a BOS token but are trained without one.
-        self._prepend_bos = bool(tokenizer_config.get("add_bos_token", True))
+        self._special = SpecialTokens.read(model_dir, self._tokenizer.token_to_id)
+        self.bos_token_id = self._special.bos_token_id
+        self.eos_token_id = self._special.eos_token_id
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        return self._stop_token_ids
+        return self._special.stop_token_ids
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         # NOTE: encode_batch lets go of the GIL while it works (encode does not), so a caller
@@ -107,19 +150,61 @@ class HFTokenizer(Tokenizer):
         ids = encoding.ids
         # The post-processor (a template in tokenizer.json) may already have put BOS first.
         bos = self.bos_token_id
-        if add_bos and self._prepend_bos and bos is not None and ids[:1] != [bos]:
+        if add_bos and self._special.prepend_bos and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def _special_token_id(self, token: str | dict[str, Any] | None) -> int | None:
-        if isinstance(token, dict):
-            token = token.get("content")
-        if not token:
-            return None
-        return self._tokenizer.token_to_id(token)
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model read from ``<model_dir>/tokenizer.model``, for checkpoints that ship
+    one instead of ``tokenizer.json`` (the first Llama and Mistral releases, many of their
+    fine-tunes).
+
+    Text is encoded exactly as the ``sentencepiece`` library encodes it, which is what such a
+    model was trained on: "<s>" written in a prompt is text, not BOS. BOS and EOS come from the
+    configs as ``SpecialTokens`` reads them, else from the SentencePiece model itself.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        import sentencepiece  # only where such a checkpoint is served
+
+        model_dir = Path(model_dir)
+        self._model = sentencepiece.SentencePieceProcessor(
+            model_file=str(model_dir / "tokenizer.model")
+        )
+        self.vocab_size = self._model.get_piece_size()
+        self._special = SpecialTokens.read(
+            model_dir,
+            self._piece_id,
+            default_bos=self._model.bos_id() if self._model.bos_id() >= 0 else None,
+            default_eos=self._model.eos_id() if self._model.eos_id() >= 0 else None,
+        )
+        self.bos_token_id = self._special.bos_token_id
+        self.eos_token_id = self._special.eos_token_id
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._special.stop_token_ids
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        # NOTE: sentencepiece lets go of the GIL while it encodes, as encode_batch does above.
+        ids = self._model.encode(text)
+        bos = self.bos_token_id
+        if add_bos and self._special.prepend_bos and bos is not None:
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        # Control pieces (BOS, EOS) decode to nothing; ids past the vocabulary (an embedding
+        # padded beyond it) have no text.
+        return self._model.decode([t for t in token_ids if 0 <= t < self.vocab_size])
+
+    def _piece_id(self, piece: str) -> int | None:
+        piece_id = self._model.piece_to_id(piece)
+        return piece_id if self._model.id_to_piece(piece_id) == piece else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -131,16 +216,25 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
     """The byte tokenizer for the built-in model (``model_dir`` None), else the checkpoint's
-    ``tokenizer.json``; ValueError when the checkpoint has none."""
+    ``tokenizer.json``, or its ``tokenizer.model`` where it has no tokenizer.json; ValueError
+    when it has neither, ``TokenizerFileError`` when the one it has cannot be read."""
     if model_dir is None:
         return ByteTokenizer()
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise ValueError(
-            f"{path} is missing, so this model cannot turn text into tokens; add the "
-            "checkpoint's tokenizer.json, or send prompts as token ids, which need no tokenizer"
-        )
-    return HFTokenizer(model_dir)
+    model_dir = Path(model_dir)
+    for name, tokenizer_class in [
+        ("tokenizer.json", HFTokenizer),
+        ("tokenizer.model", SentencePieceTokenizer),
+    ]:
+        if (model_dir / name).is_file():
+            try:
+                return tokenizer_class(model_dir)
+            except Exception as e:  # each library raises its own kinds (tokenizers: Exception)
+                raise TokenizerFileError(f"{model_dir / name} cannot be read: {e}") from e
+    raise ValueError(
+        f"{model_dir} has neither tokenizer.json nor tokenizer.model, so this model cannot turn "
+        "text into tokens; add the checkpoint's tokenizer, or send prompts as token ids, which "
+        "need no tokenizer"
+    )
 
 
 class IncrementalDecoder:

@@ -30,7 +30,7 @@ from kvswitch.router.router import Router
 from kvswitch.router.servicer import RouterServicer
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
 from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
-from kvswitch.tokenizer import Tokenizer, load_tokenizer
+from kvswitch.tokenizer import Tokenizer, TokenizerFileError, load_tokenizer
 from kvswitch.v1 import router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
     """Bind the port, open the index and start serving; ``RouterStartError`` says why not."""
     try:
         tokenizer, no_tokenizer_reason = _load_tokenizer(config.model)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, TokenizerFileError) as e:
         raise RouterStartError(str(e)) from e
     interceptors = [_BearerTokenInterceptor(config.token)] if config.token else []
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
@@ -269,8 +269,8 @@ def _worker_loads(directory: WorkerDirectory) -> list[WorkerLoadSample]:
 
 def _load_tokenizer(model: str) -> tuple[Tokenizer | None, str]:
     """The model's tokenizer, or None and why for a model that has none (``random:NAME``, or a
-    checkpoint without tokenizer.json), whose prompts must come as token ids. A missing
-    directory is an error: it is a typo, not a model."""
+    checkpoint with neither tokenizer.json nor tokenizer.model), whose prompts must come as
+    token ids. A missing directory is an error: it is a typo, not a model."""
     if model.startswith(RANDOM_PREFIX):
         return None, f"{model} has random weights and no tokenizer"
     if model and not Path(model).is_dir():
@@ -279,4 +279,6 @@ def _load_tokenizer(model: str) -> tuple[Tokenizer | None, str]:
         return load_tokenizer(model or None), ""
     except ValueError as e:
         logger.warning("%s; text prompts will be refused", e)
-        return None, f"{Path(model) / 'tokenizer.json'} is missing, so text cannot be tokenized"
+        return None, (
+            f"{model} has neither tokenizer.json nor tokenizer.model, so text cannot be tokenized"
+        )

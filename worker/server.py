@@ -23,7 +23,12 @@ from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.metrics import MetricsServer, start_metrics_server
 from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
-from kvswitch.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from kvswitch.tokenizer import (
+    IncrementalDecoder,
+    Tokenizer,
+    TokenizerFileError,
+    load_tokenizer,
+)
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
 from kvswitch.worker.metrics import WorkerMetrics
@@ -352,9 +357,9 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     worker_id = config.worker_id or host_port(_public_host(config.host), port)
     try:
         engine = LLMEngine(config.engine_config())
-    except (ValueError, OSError) as e:
+        tokenizer = _load_tokenizer(config.model)
+    except (ValueError, OSError, TokenizerFileError) as e:
         raise WorkerStartError(f"cannot load the model: {e}") from e
-    tokenizer = _load_tokenizer(config.model)
 
     engine_loop = EngineLoop(engine)
     metrics = WorkerMetrics(

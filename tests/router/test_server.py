@@ -23,7 +23,7 @@ from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.client import Client, KvswitchError, KvswitchTimeoutError
 from kvswitch.router.server import RouterConfig, RouterStartError, start_router
-from kvswitch.tokenizer import ByteTokenizer
+from kvswitch.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.sampler import SamplingParams
 from kvswitch.worker.server import WorkerServer
@@ -34,6 +34,7 @@ from tests.router.harness import (
     WORKER_CONFIG,
     BackgroundCluster,
 )
+from tests.test_tokenizer import build_sentencepiece_model
 
 TOKENIZER = ByteTokenizer()
 DOCUMENTS = [
@@ -335,7 +336,7 @@ def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_text(
     model: str, tmp_path: Path, reference: LLMEngine
 ) -> None:
     if model == "checkpoint-without-tokenizer":
-        model = str(tmp_path)  # a directory with no tokenizer.json in it
+        model = str(tmp_path)  # a directory with no tokenizer in it
     config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "model": model})
     cluster = BackgroundCluster(num_workers=1, router_config=config)
     try:
@@ -348,7 +349,26 @@ def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_text(
         assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "send the prompt as token ids" in error.value.details
         if not model.startswith("random:"):
-            assert f"{model}/tokenizer.json is missing" in error.value.details
+            assert f"{model} has neither tokenizer.json nor tokenizer.model" in error.value.details
+    finally:
+        cluster.close()
+
+
+def test_a_checkpoint_with_only_a_sentencepiece_model_takes_text(
+    tmp_path: Path, reference: LLMEngine
+) -> None:
+    # ASCII pieces only, so every id fits the built-in model's 257-token vocabulary.
+    build_sentencepiece_model(tmp_path, vocab_size=200)
+    tokenizer = SentencePieceTokenizer(tmp_path)
+    config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "model": str(tmp_path)})
+    cluster = BackgroundCluster(num_workers=1, router_config=config)
+    try:
+        with Client(cluster.address, max_retries=0) as c:
+            result = c.generate("hello router", max_tokens=4)
+        prompt = tokenizer.encode("hello router")
+        assert prompt[0] == 1 and max(prompt) < 200
+        assert result.stats.num_prompt_tokens == len(prompt)
+        assert list(result.token_ids) == expected(reference, prompt, max_tokens=4)
     finally:
         cluster.close()
 
@@ -356,6 +376,13 @@ def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_text(
 def test_a_router_refuses_a_model_directory_that_does_not_exist(tmp_path: Path) -> None:
     config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "model": str(tmp_path / "typo")})
     with pytest.raises(RouterStartError, match="no such checkpoint directory"):
+        asyncio.run(start_router(config))
+
+
+def test_a_router_refuses_a_tokenizer_it_cannot_read(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "model": str(tmp_path)})
+    with pytest.raises(RouterStartError, match=r"tokenizer\.model cannot be read"):
         asyncio.run(start_router(config))
 
 

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -32,6 +33,7 @@ from kvswitch.worker.engine_loop import EngineLoop
 from kvswitch.worker.sampler import SamplingParams
 from kvswitch.worker.server import WorkerConfig, WorkerStartError, start_worker
 from tests.worker.background import BackgroundWorker
+from tests.worker.test_model import save_checkpoint
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
@@ -216,6 +218,14 @@ def test_a_taken_port_fails_to_start(worker: BackgroundWorker) -> None:
     port = int(worker.server.address.rsplit(":", 1)[1])
     with pytest.raises(WorkerStartError, match=f"cannot listen on 127.0.0.1:{port}"):
         asyncio.run(start_worker(dataclasses.replace(CONFIG, port=port)))
+
+
+def test_a_checkpoint_whose_tokenizer_cannot_be_read_fails_to_start(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, "llama")
+    (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
+    config = dataclasses.replace(CONFIG, model=str(tmp_path))
+    with pytest.raises(WorkerStartError, match=r"tokenizer\.json cannot be read"):
+        asyncio.run(start_worker(config))
 
 
 def test_worker_help(capsys: pytest.CaptureFixture[str]) -> None:
