@@ -154,6 +154,8 @@ class GrpcIndex(BlockIndex):
     entries (``worker_block_hashes``) travel in chunks of ``HASHES_PER_CHUNK`` hashes, and get
     ``timeout_s`` per chunk."""
 
+    unavailable_errors = (grpc.RpcError, OSError)
+
     def __init__(self, target: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")

@@ -23,6 +23,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvswitch.cache_index.events import CacheEvent
 
@@ -68,7 +69,14 @@ class IndexStats:
 
 
 class BlockIndex(ABC):
-    """The interface every backend implements. All methods are coroutines."""
+    """The interface every backend implements. All methods are coroutines.
+
+    ``unavailable_errors`` are what a backend raises when it cannot be reached (refused, timed
+    out, restarting): a caller may retry those later or go on without the index. Anything else
+    is a bug, to be let through or logged with its traceback.
+    """
+
+    unavailable_errors: ClassVar[tuple[type[Exception], ...]] = (OSError,)
 
     @abstractmethod
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
@@ -133,8 +141,12 @@ async def reclaim_forever(index: BlockIndex, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         try:
             num_reclaimed = await index.reclaim_expired()
-        except Exception as e:  # the index may be restarting: try again next time
+        except index.unavailable_errors as e:  # it may be restarting: try again next time
             logger.warning("reclaiming lapsed workers failed: %s", e)
+            continue
+        except Exception:
+            # NOTE: a bug in one round must not end the loop, or lapsed entries pile up unseen.
+            logger.exception("reclaiming lapsed workers failed; trying again in %g s", interval_s)
             continue
         if num_reclaimed:
             logger.info("reclaimed the entries of %d lapsed workers", num_reclaimed)

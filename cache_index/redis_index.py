@@ -27,7 +27,7 @@ from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from kvswitch.cache_index import redis_scripts
 from kvswitch.cache_index.events import AllBlocksCleared, BlockStored, CacheEvent
@@ -122,6 +122,8 @@ WORKER_LIST_TTL_S = 0.5
 
 class RedisIndex(BlockIndex):
     """``BlockIndex`` on ``redis.asyncio``; build one with ``await RedisIndex.connect(url)``."""
+
+    unavailable_errors = (RedisError, RedisClusterException, OSError)
 
     def __init__(self, client: Redis | RedisCluster, keys: KeySchema, *, cluster: bool) -> None:
         self._client = client

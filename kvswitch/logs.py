@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 LOG_FORMAT_ENV = "KVSWITCH_LOG_FORMAT"
@@ -92,3 +93,35 @@ def log_level_from_env(environ: Mapping[str, str] = os.environ) -> str:
     if level not in LOG_LEVELS:
         raise ValueError(f"{LOG_LEVEL_ENV} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     return level
+
+
+class Throttled:
+    """A warning that recurs (once per request while the index is down, say), logged at most
+    once per ``interval_s``; the next line that gets through says how many were held back.
+
+    The count of every occurrence belongs in a metric; this only keeps the log readable.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next_s = -math.inf
+        self._num_held = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = self._clock()
+        if now < self._next_s:
+            self._num_held += 1
+            return
+        if self._num_held:
+            msg += " (and %d more like it in the last %g s)"
+            args = (*args, self._num_held, self._interval_s)
+        self._logger.warning(msg, *args)
+        self._next_s = now + self._interval_s
+        self._num_held = 0

@@ -10,10 +10,14 @@ scrape never waits for a model step or a request, and a busy event loop never de
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+
+# (metric name, help, read): a count its owner keeps as a plain int attribute.
+ReadCounter = tuple[str, str, Callable[[], float]]
 
 # Time to first token, in seconds: from a 1 ms cache hit on a small model to a 30 s cold prefill.
 TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -41,6 +45,18 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> M
     OSError if the port is taken or the host is not one of this machine's addresses."""
     httpd, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
     return MetricsServer(httpd, thread)
+
+
+class ReadCounters:
+    """Counters their owners keep as plain ints (``num_*`` attributes: no metrics call where
+    they count), read when Prometheus scrapes. Register with ``registry.register``."""
+
+    def __init__(self, counters: Iterable[ReadCounter]) -> None:
+        self._counters = list(counters)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, documentation, read in self._counters:
+            yield CounterMetricFamily(name, documentation, value=read())
 
 
 class RequestMetrics:

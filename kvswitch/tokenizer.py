@@ -127,21 +127,27 @@ def _token_id(
     return token_to_id(token) if token else None
 
 
-class HFTokenizer(Tokenizer):
-    """A Hugging Face fast tokenizer read from ``<model_dir>/tokenizer.json``; BOS and EOS as
-    ``SpecialTokens`` reads them."""
+class _CheckpointTokenizer(Tokenizer):
+    """A checkpoint's own tokenizer, its BOS and EOS as ``SpecialTokens`` reads them."""
+
+    def _set_special_tokens(self, special: SpecialTokens) -> None:
+        self._special = special
+        self.bos_token_id = special.bos_token_id
+        self.eos_token_id = special.eos_token_id
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._special.stop_token_ids
+
+
+class HFTokenizer(_CheckpointTokenizer):
+    """A Hugging Face fast tokenizer read from ``<model_dir>/tokenizer.json``."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         self._tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self._special = SpecialTokens.read(model_dir, self._tokenizer.token_to_id)
-        self.bos_token_id = self._special.bos_token_id
-        self.eos_token_id = self._special.eos_token_id
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self._special.stop_token_ids
+        self._set_special_tokens(SpecialTokens.read(model_dir, self._tokenizer.token_to_id))
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         # NOTE: encode_batch lets go of the GIL while it works (encode does not), so a caller
@@ -158,7 +164,7 @@ class HFTokenizer(Tokenizer):
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(_CheckpointTokenizer):
     """A SentencePiece model read from ``<model_dir>/tokenizer.model``, for checkpoints that ship
     one instead of ``tokenizer.json`` (the first Llama and Mistral releases, many of their
     fine-tunes).
@@ -176,18 +182,14 @@ class SentencePieceTokenizer(Tokenizer):
             model_file=str(model_dir / "tokenizer.model")
         )
         self.vocab_size = self._model.get_piece_size()
-        self._special = SpecialTokens.read(
-            model_dir,
-            self._piece_id,
-            default_bos=self._model.bos_id() if self._model.bos_id() >= 0 else None,
-            default_eos=self._model.eos_id() if self._model.eos_id() >= 0 else None,
+        self._set_special_tokens(
+            SpecialTokens.read(
+                model_dir,
+                self._piece_id,
+                default_bos=self._model.bos_id() if self._model.bos_id() >= 0 else None,
+                default_eos=self._model.eos_id() if self._model.eos_id() >= 0 else None,
+            )
         )
-        self.bos_token_id = self._special.bos_token_id
-        self.eos_token_id = self._special.eos_token_id
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self._special.stop_token_ids
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         # NOTE: sentencepiece lets go of the GIL while it encodes, as encode_batch does above.

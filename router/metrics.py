@@ -8,7 +8,7 @@ from typing import NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from kvswitch.metrics import RequestMetrics
+from kvswitch.metrics import ReadCounter, ReadCounters, RequestMetrics
 
 # Known values of the low-cardinality labels; each series starts at 0 so that rate() sees the
 # first one. Others are counted too: the caller keeps them to a fixed set.
@@ -44,11 +44,14 @@ class RouterMetrics:
       the cached-token ratio compares the prompts of the same requests.
 
     The per-worker gauges are read at scrape time from ``worker_loads``, which returns one
-    ``WorkerLoadSample`` per live worker: a worker that left simply stops being reported.
+    ``WorkerLoadSample`` per live worker: a worker that left simply stops being reported; so are
+    ``counters``, the counts other parts keep (``ReadCounters``).
     """
 
     def __init__(
-        self, worker_loads: Callable[[], Iterable[WorkerLoadSample]] | None = None
+        self,
+        worker_loads: Callable[[], Iterable[WorkerLoadSample]] | None = None,
+        counters: Iterable[ReadCounter] = (),
     ) -> None:
         self.registry = CollectorRegistry()
         self.requests = RequestMetrics(
@@ -80,6 +83,7 @@ class RouterMetrics:
             self._failovers.labels(kind)
         if worker_loads is not None:
             self.registry.register(_WorkerLoadCollector(worker_loads))
+        self.registry.register(ReadCounters(counters))
 
     def routed(self, policy: str, reason: str, worker_id: str) -> None:
         self._decisions.labels(policy, reason, worker_id).inc()

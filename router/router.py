@@ -20,6 +20,7 @@ import numpy as np
 
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.cache_index.index import BlockIndex
+from kvswitch.logs import Throttled
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import Decision, Policy, RouteRequest, make_policy
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
@@ -72,7 +73,8 @@ class Router:
         self.default_policy = make_policy(policy, weights)
         self._policies: dict[tuple, Policy] = {}
         self.last_lookup_s = 0.0  # how long the last index match took
-        self.num_lookup_errors = 0
+        self.num_lookup_errors = 0  # lookups the index failed; those requests routed on load
+        self._lookup_warning = Throttled(logger)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -142,9 +144,9 @@ class Router:
         started_s = time.perf_counter()
         try:
             index_matches = await self.index.match(plan.namespace, plan.block_hashes)
-        except Exception as e:  # Redis restarting, a network blip: route on load alone
+        except self.index.unavailable_errors as e:  # Redis restarting, a network blip
             self.num_lookup_errors += 1
-            logger.warning("the index cannot answer (%s); routing without it", e)
+            self._lookup_warning.warning("the index cannot answer (%s); routing on load alone", e)
             index_matches = {}
         self.last_lookup_s = time.perf_counter() - started_s
         matches = self.pending.match(plan.block_hashes, index_matches)

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX
-from kvswitch.metrics import MetricsServer, start_metrics_server
+from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, make_policy
@@ -183,7 +183,9 @@ async def start_router(config: RouterConfig) -> RouterServer:
         namespace=config.namespace,
         pending=PendingBlocks(config.pending_ttl_s),
     )
-    metrics = RouterMetrics(worker_loads=lambda: _worker_loads(directory))
+    metrics = RouterMetrics(
+        worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)
+    )
     metrics_server = None
     if config.metrics_port >= 0:
         try:
@@ -264,6 +266,34 @@ def _worker_loads(directory: WorkerDirectory) -> list[WorkerLoadSample]:
     return [
         WorkerLoadSample(h.worker_id, h.num_in_flight, h.num_outstanding_tokens())
         for h in directory.handles()
+    ]
+
+
+def _read_counters(router: Router) -> list[ReadCounter]:
+    """What the router counts and logs no more than now and then: exported at scrape time."""
+    return [
+        (
+            "kvswitch_router_index_errors",
+            "Block-index lookups that failed (the index unreachable); those requests were routed "
+            "on load alone",
+            lambda: router.num_lookup_errors,
+        ),
+        (
+            "kvswitch_router_pending_guesses_confirmed",
+            "Guesses that a worker was about to cache a prompt's blocks, confirmed by the index",
+            lambda: router.pending.num_confirmed,
+        ),
+        (
+            "kvswitch_router_pending_guesses_expired",
+            "Such guesses that lapsed unconfirmed: the worker never reported those blocks in time",
+            lambda: router.pending.num_expired,
+        ),
+        (
+            "kvswitch_router_background_errors",
+            "Unexpected errors in the router's background loops (worker refresh, load polling), "
+            "each logged with its traceback; the loops go on",
+            lambda: router.directory.num_loop_errors,
+        ),
     ]
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.logs import Throttled
 from kvswitch.router.policy import WorkerState
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
@@ -117,6 +118,7 @@ class WorkerDirectory:
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
         self.num_loop_errors = 0  # unexpected errors in the background loops
+        self._refresh_warning = Throttled(logger)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -197,8 +199,8 @@ class WorkerDirectory:
         """Bring the set of workers in line with the index's live workers."""
         try:
             infos = await self.index.live_workers()
-        except Exception as e:  # the index may be restarting: keep what we know
-            logger.warning("cannot read the live workers from the index: %s", e)
+        except self.index.unavailable_errors as e:  # it may be restarting: keep what we know
+            self._refresh_warning.warning("cannot read the live workers from the index: %s", e)
             return
         live = {info.worker_id: info for info in infos}
         changed = False

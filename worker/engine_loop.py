@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from kvswitch.cache_index.events import CacheEvent
+from kvswitch.logs import Throttled
 from kvswitch.worker.request import StepFailed
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class EngineLoop:
         self._max_event_batches = max_event_batches
         self._event_seq = 0
         self.num_dropped_event_batches = 0
+        self._drop_warning = Throttled(logger)  # called on the engine thread only
         self.num_failed_steps = 0
         self.load = self._measure_load()
 
@@ -237,12 +239,11 @@ class EngineLoop:
             self._event_seq += 1
             if len(self._event_batches) == self._max_event_batches:
                 self._event_batches.popleft()
-                if self.num_dropped_event_batches == 0:
-                    logger.warning(
-                        "cache-event buffer full (%d batches): dropping the oldest; the index "
-                        "must resync from a snapshot",
-                        self._max_event_batches,
-                    )
+                self._drop_warning.warning(
+                    "cache-event buffer full (%d batches): dropping the oldest; the index "
+                    "must resync from a snapshot",
+                    self._max_event_batches,
+                )
                 self.num_dropped_event_batches += 1
             self._event_batches.append(EventBatch(self._event_seq, events))
 

@@ -6,12 +6,12 @@ load gauges are read from the engine loop's latest ``LoadReport`` when Prometheu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import GaugeMetricFamily
 
-from kvswitch.metrics import RequestMetrics
+from kvswitch.metrics import ReadCounter, ReadCounters, RequestMetrics
 from kvswitch.worker.engine_loop import LoadReport
 
 # "rejected": refused before the engine took it (invalid, or the worker is stopping);
@@ -52,7 +52,13 @@ class WorkerMetrics:
     """
 
     def __init__(
-        self, load: Callable[[], LoadReport], *, worker_id: str, model: str, role: str
+        self,
+        load: Callable[[], LoadReport],
+        *,
+        worker_id: str,
+        model: str,
+        role: str,
+        counters: Iterable[ReadCounter] = (),
     ) -> None:
         self.registry = CollectorRegistry()
         Info("kvswitch_worker", "The worker's name, model and role", registry=self.registry).info(
@@ -66,3 +72,4 @@ class WorkerMetrics:
             cached_help="Of those prompt tokens, the ones found in the prefix cache",
         )
         self.registry.register(_LoadCollector(load))
+        self.registry.register(ReadCounters(counters))

@@ -77,7 +77,7 @@ class EventPublisher:
         self.config = config or PublisherConfig()
         self.backoff = backoff or Backoff()
         self.num_resyncs = 0
-        self.num_errors = 0
+        self.num_errors = 0  # failed rounds, each followed by a resync
         self._synced = False  # the index holds exactly our set as of the last applied batch
         self._task: asyncio.Task | None = None
 
@@ -92,7 +92,7 @@ class EventPublisher:
             self._task = None
         try:
             await self.index.deregister(self.info.worker_id)
-        except Exception as e:  # the index may be the thing that is down
+        except self.index.unavailable_errors as e:  # the index may be the thing that is down
             logger.warning("could not deregister %s from the index: %s", self.info.worker_id, e)
 
     async def run(self) -> None:
@@ -112,11 +112,17 @@ class EventPublisher:
                 await asyncio.sleep(self.config.interval_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # connection refused, Redis restarting, timeouts, ...
+            except Exception as e:
+                # NOTE: the index being down (refused, restarting, timing out) is expected; any
+                # other error is a bug and logged with its traceback. Either way the publisher
+                # goes on from a resync: one that stopped would leave the index stale unseen.
                 self.num_errors += 1
                 self._synced = False
                 delay_s = self.backoff.next_delay_s()
-                logger.warning("index unavailable (%s); retrying in %.2fs", e, delay_s)
+                if isinstance(e, self.index.unavailable_errors):
+                    logger.warning("index unavailable (%s); retrying in %.2fs", e, delay_s)
+                else:
+                    logger.exception("publishing cache events failed; resyncing in %.2fs", delay_s)
                 await asyncio.sleep(delay_s)
 
     async def publish_pending(self) -> None:

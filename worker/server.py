@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import socket
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -21,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.index import ROLES, WorkerInfo
-from kvswitch.metrics import MetricsServer, start_metrics_server
+from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.tokenizer import (
     IncrementalDecoder,
@@ -362,8 +363,13 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         raise WorkerStartError(f"cannot load the model: {e}") from e
 
     engine_loop = EngineLoop(engine)
+    publisher: EventPublisher | None = None  # once the index is open; its counts read at scrapes
     metrics = WorkerMetrics(
-        lambda: engine_loop.load, worker_id=worker_id, model=engine_loop.namespace, role=config.role
+        lambda: engine_loop.load,
+        worker_id=worker_id,
+        model=engine_loop.namespace,
+        role=config.role,
+        counters=_read_counters(engine_loop, lambda: publisher),
     )
     metrics_server = None
     if config.metrics_port >= 0:
@@ -389,7 +395,6 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     engine_loop.start()
     await server.start()
-    publisher = None
     if config.index:
         try:
             index = await connect_index(config.index)
@@ -444,6 +449,43 @@ async def serve(config: WorkerConfig) -> None:
 def run(config: WorkerConfig) -> None:
     """``serve`` on uvloop where it is installed."""
     run_event_loop(serve(config))
+
+
+def _read_counters(
+    engine_loop: EngineLoop, publisher: Callable[[], EventPublisher | None]
+) -> list[ReadCounter]:
+    """What the worker counts and logs no more than now and then: exported at scrape time."""
+
+    def published(field: str) -> Callable[[], float]:
+        return lambda: getattr(publisher(), field, 0)
+
+    return [
+        (
+            "kvswitch_worker_failed_steps",
+            "Engine steps that raised: their requests failed, the others went on",
+            lambda: engine_loop.num_failed_steps,
+        ),
+        (
+            "kvswitch_worker_preemptions",
+            "Requests preempted to free KV cache blocks, to be recomputed",
+            lambda: engine_loop.engine.stats.num_preemptions,
+        ),
+        (
+            "kvswitch_worker_dropped_event_batches",
+            "Batches of cache events dropped because the publisher fell behind (a resync follows)",
+            lambda: engine_loop.num_dropped_event_batches,
+        ),
+        (
+            "kvswitch_worker_index_errors",
+            "Rounds of publishing to the block index that failed, each followed by a resync",
+            published("num_errors"),
+        ),
+        (
+            "kvswitch_worker_index_resyncs",
+            "Times this worker registered and sent the index its whole set of cached blocks",
+            published("num_resyncs"),
+        ),
+    ]
 
 
 def _load_tokenizer(model: str) -> Tokenizer | None:

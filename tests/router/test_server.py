@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -407,6 +408,7 @@ def test_metrics_are_served_over_http() -> None:
         url = f"http://{cluster.router.metrics_address}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+        router = cluster.router.router
     finally:
         cluster.close()
 
@@ -427,22 +429,59 @@ def test_metrics_are_served_over_http() -> None:
     assert value("kvswitch_router_ttft_seconds", "kvswitch_router_ttft_seconds_count") == 2
     in_flight = families["kvswitch_router_worker_in_flight_requests"]
     assert {s.labels["worker_id"] for s in in_flight.samples} == {"w0", "w1"}
+    # What the router only logs now and then is counted, read from its parts at the scrape.
+    for name, count in [
+        ("index_errors", router.num_lookup_errors),
+        ("pending_guesses_confirmed", router.pending.num_confirmed),
+        ("pending_guesses_expired", router.pending.num_expired),
+        ("background_errors", router.directory.num_loop_errors),
+    ]:
+        family = f"kvswitch_router_{name}"
+        assert value(family, f"{family}_total") == count == 0
 
 
-def test_requests_still_route_when_the_index_cannot_answer(reference: LLMEngine) -> None:
-    """The Redis index goes away: the router keeps the workers it knows and routes on load."""
+def test_requests_still_route_when_the_index_cannot_answer(
+    reference: LLMEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Redis index goes away: the router keeps the workers it knows and routes on load,
+    counts each failed lookup in its metrics, and says so in its log once, not per request."""
     with LocalRedis() as redis_server:
         config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "index": redis_server.url})
-        cluster = BackgroundCluster(num_workers=2, router_config=config)
+        worker_config = dataclasses.replace(WORKER_CONFIG, metrics_port=0)
+        cluster = BackgroundCluster(2, router_config=config, worker_config=worker_config)
         try:
             redis_server.stop()
-            with Client(cluster.address, max_retries=0) as c:
-                result = c.generate("still here?", max_tokens=4)
-            assert result.token_ids == expected(reference, "still here?", max_tokens=4)
-            assert result.route.num_matched_blocks == 0
-            assert cluster.router.router.num_lookup_errors == 1
+            with (
+                caplog.at_level(logging.WARNING, "kvswitch.router.router"),
+                Client(cluster.address, max_retries=0) as c,
+            ):
+                for _ in range(3):
+                    result = c.generate("still here?", max_tokens=4)
+                    assert result.token_ids == expected(reference, "still here?", max_tokens=4)
+                    assert result.route.num_matched_blocks == 0
+            assert cluster.router.router.num_lookup_errors == 3
+            warnings = [r for r in caplog.records if "the index cannot answer" in r.message]
+            assert len(warnings) == 1
+            # The workers' publishers find the index gone too, and count it.
+            deadline = time.monotonic() + 10
+            while not all(_counter(w.metrics_address, "index_errors") for w in cluster.workers):
+                assert time.monotonic() < deadline, "a worker never counted the index failing"
+                time.sleep(0.05)
         finally:
             cluster.close()
+
+
+def _counter(metrics_address: str | None, name: str) -> float:
+    """A worker's kvswitch_worker_<name>_total, scraped."""
+    url = f"http://{metrics_address}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        families = text_string_to_metric_families(response.read().decode())
+        return next(
+            s.value
+            for f in families
+            for s in f.samples
+            if s.name == f"kvswitch_worker_{name}_total"
+        )
 
 
 class SlowTokenizer(ByteTokenizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -127,6 +128,47 @@ def test_publisher_survives_an_index_restart() -> None:
         asyncio.run(main())
     finally:
         engine_loop.stop()
+
+
+class BuggyIndex(MemoryIndex):
+    """An index whose apply has a bug that shows once: not an outage, an unexpected error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_bugs = 1
+
+    async def apply(self, *args, **kwargs):
+        if self.num_bugs:
+            self.num_bugs -= 1
+            raise TypeError("a bug, not an outage")
+        return await super().apply(*args, **kwargs)
+
+
+def test_an_unexpected_error_is_logged_with_its_traceback_and_publishing_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine_loop = make_loop()
+
+    async def main() -> None:
+        index = BuggyIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
+        publisher = EventPublisher(index, engine_loop, info, FAST, Backoff(0.01, 0.05))
+        publisher.start()
+        while publisher.num_resyncs == 0:  # registered: the blocks below go through apply
+            await asyncio.sleep(0.01)
+        await generate(engine_loop, "r0", [256, *b"a bug shows up here " * 3])
+        await index_matches_worker(index, engine_loop)
+        assert index.num_bugs == 0 and publisher.num_errors == 1
+        assert publisher.num_resyncs == 2  # the first registration, and the one after the bug
+        await publisher.stop()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvswitch.worker.publisher"):
+            asyncio.run(main())
+    finally:
+        engine_loop.stop()
+    (record,) = [r for r in caplog.records if "publishing cache events failed" in r.message]
+    assert record.levelno == logging.ERROR and record.exc_info[0] is TypeError
 
 
 def test_publisher_config_is_checked() -> None:

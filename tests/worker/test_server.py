@@ -348,6 +348,16 @@ def test_metrics_endpoint_counts_requests_and_shows_load(worker: BackgroundWorke
         assert value("kvswitch_worker_queued_prefill_tokens") == 0
         info = {"worker_id": metered.server.worker_id, "model": "kvswitch-tiny", "role": "both"}
         assert value("kvswitch_worker_info", **info) == 1
+        for name in [
+            "failed_steps",
+            "preemptions",
+            "dropped_event_batches",
+            "index_errors",  # no index here: no publisher, nothing to count
+            "index_resyncs",
+        ]:
+            assert value(f"kvswitch_worker_{name}_total") == 0
+        metered.server.engine_loop.num_failed_steps = 2  # read at the scrape, not copied
+        assert _scrape(address)[("kvswitch_worker_failed_steps_total", frozenset())] == 2
 
         # A rejected request counts, but its prompt does not; a cancelled one counts as abort.
         with pytest.raises(grpc.RpcError):
