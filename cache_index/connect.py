@@ -8,13 +8,21 @@ grpc://host:port                  the embedded index of a router, served over gR
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from kvswitch.cache_index.index import BlockIndex
 
 DEFAULT_PREFIX = "kvswitch"
 SCHEMES = "memory://, redis://, rediss://, redis+cluster://, rediss+cluster:// or grpc://"
 
 
+class IndexUnreachable(ConnectionError):
+    """No block index answers at the URL (refused, timed out, a cluster with no reachable node)."""
+
+
 async def connect_index(url: str, *, prefix: str = DEFAULT_PREFIX) -> BlockIndex:
+    """The index ``url`` names, connected; ValueError for a URL that names none,
+    ``IndexUnreachable`` (a ConnectionError) when it does not answer."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ValueError(f"index URL {url!r} has no scheme: use {SCHEMES}")
@@ -26,13 +34,28 @@ async def connect_index(url: str, *, prefix: str = DEFAULT_PREFIX) -> BlockIndex
         from kvswitch.cache_index.redis_index import RedisIndex
 
         base_scheme, _, cluster = scheme.partition("+")
-        return await RedisIndex.connect(
-            f"{base_scheme}://{rest}", prefix=prefix, cluster=bool(cluster)
-        )
+        try:
+            return await RedisIndex.connect(
+                f"{base_scheme}://{rest}", prefix=prefix, cluster=bool(cluster)
+            )
+        except RedisIndex.unavailable_errors as e:
+            raise IndexUnreachable(f"cannot use the Redis at {redacted(url)}: {e}") from e
     if scheme == "grpc":
         from kvswitch.cache_index.grpc_index import GrpcIndex
 
         if not rest:
             raise ValueError(f"index URL {url!r} names no server: use grpc://host:port")
-        return await GrpcIndex.connect(rest)
+        try:
+            return await GrpcIndex.connect(rest)
+        except GrpcIndex.unavailable_errors as e:
+            raise IndexUnreachable(str(e)) from e
     raise ValueError(f"unknown index URL scheme {scheme!r}: use {SCHEMES}")
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password, if any, as ``***``: fit for a log line or an error."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()

@@ -67,7 +67,7 @@ class AsyncClient:
 
         ``timeout_s`` overrides the client's default deadline. The arguments are checked here,
         before anything is sent (``ValueError``)."""
-        request = GenerateParams(prompt, **options).to_request()
+        request = GenerateParams.from_options(prompt, options).to_request()
         timeout_s = check_timeout_s(timeout_s) or self._timeout_s
         attempts = Attempts(request.request_id, self._retry, timeout_s)
         return AsyncStream(self._stub, request, self._metadata, attempts)

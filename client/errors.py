@@ -9,7 +9,9 @@ class KvswitchError(Exception):
     """A request failed. ``code`` is the gRPC status code, ``details`` the server's message."""
 
     def __init__(self, code: grpc.StatusCode, details: str, request_id: str) -> None:
-        super().__init__(f"request {request_id} failed with {code.name}: {details}")
+        # A worker's message may start with the request id too; once is enough.
+        message = details.removeprefix(f"request {request_id}: ")
+        super().__init__(f"request {request_id} failed with {code.name}: {message}")
         self.code = code
         self.details = details
         self.request_id = request_id

@@ -52,6 +52,18 @@ class GenerateParams:
     weights: Mapping[str, float] | None = None  # the policy's scoring weights by term name
     request_id: str | None = None  # None = a fresh uuid4 hex per request
 
+    @classmethod
+    def from_options(cls, prompt: str | None, options: Mapping[str, object]) -> GenerateParams:
+        """``GenerateParams(prompt, **options)``, but an unknown option is a TypeError that lists
+        the known ones."""
+        known = {field.name for field in dataclasses.fields(cls)} - {"prompt"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}"
+            )
+        return cls(prompt, **options)  # type: ignore[arg-type]
+
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError(

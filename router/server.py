@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.connect import connect_index, redacted
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
@@ -75,7 +75,8 @@ class RouterConfig:
             raise ValueError(f"wait_for_worker_s must be >= 0, got {self.wait_for_worker_s}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 or in [0, 65535], got {self.metrics_port}")
-        PendingBlocks(self.pending_ttl_s)
+        if self.pending_ttl_s <= 0:
+            raise ValueError(f"pending_ttl_s must be positive, got {self.pending_ttl_s}")
         self.directory_config()
 
     def policy_weights(self) -> dict[str, float]:
@@ -220,7 +221,12 @@ async def start_router(config: RouterConfig) -> RouterServer:
         loop.create_task(reclaim_forever(index, RECLAIM_INTERVAL_S)),
         loop.create_task(_report_health(directory, health_servicer)),
     ]
-    logger.info("router listening on %s: index %s, policy %s", address, config.index, config.policy)
+    logger.info(
+        "router listening on %s: index %s, policy %s",
+        address,
+        redacted(config.index),
+        config.policy,
+    )
     return RouterServer(
         address, router, servicer, server, health_servicer, index, tasks, metrics, metrics_server
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kvswitch.app.cli import build_parser, main
+from kvswitch.app.cli_args import with_flags
 
 COMMANDS = [
     [],
@@ -88,6 +90,50 @@ def test_invalid_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
         main(["bench", "pool", "--num-blocks", "8"])
     assert exit_info.value.code == 2
     assert "do not fit in 8 blocks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["worker", "--block-size", "0"], "--block-size must be positive, got 0"),
+        (["up", "--workers", "0"], "--workers must be in [1, 64], got 0"),
+        (["router", "--pending-ttl-s", "0"], "--pending-ttl-s must be positive, got 0.0"),
+        (["worker", "--gpu-memory-fraction", "0.5"], "--gpu-memory-fraction sizes a GPU's"),
+    ],
+)
+def test_a_bad_option_is_named_as_it_is_typed(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"kvswitch: error: {message}" in capsys.readouterr().err
+
+
+def test_generate_names_an_option_the_client_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "x", "--top-p", "0"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "kvswitch generate: --top-p must be in (0, 1], got 0.0\n"
+
+
+def test_with_flags_leaves_prose_alone() -> None:
+    fields = ["index", "workers", "kv_cache_bytes", "port"]
+    assert with_flags("workers must be in [1, 64]", fields) == "--workers must be in [1, 64]"
+    assert with_flags("kv_cache_bytes too small", fields) == "--kv-cache-bytes too small"
+    assert with_flags("give the index to look at", fields) == "give the index to look at"
+    assert with_flags("port-forward the port", fields) == "port-forward the port"
+
+
+def test_an_index_that_does_not_answer_is_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["index", "stats", "--index", f"redis://user:s3cret@127.0.0.1:{port}"])
+    message = str(exit_info.value.code)
+    assert message.startswith("kvswitch index stats: cannot use the Redis at redis://user:***@")
+    assert "s3cret" not in message
 
 
 def test_bench_pool_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

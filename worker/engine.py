@@ -91,9 +91,30 @@ class EngineStats:
     max_step_tokens: int = 0  # the largest step
 
 
+def check_device(device: str) -> None:
+    """ValueError, saying why, unless ``device`` is a torch device this process can use."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"device {device!r} is not a torch device: use cpu, cuda or cuda:N"
+        ) from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {device!r}: this torch {torch.__version__} sees no CUDA GPU (a CPU "
+                "build, or no GPU or driver here); use --device cpu"
+            )
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device!r}: there are only {torch.cuda.device_count()} CUDA GPUs here"
+            )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        check_device(config.device)
         dtype = getattr(torch, config.dtype)
         self.model = load_model(config.model, device=config.device, dtype=dtype)
         self.model_config = self.model.config

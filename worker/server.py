@@ -403,7 +403,7 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
             engine_loop.stop()
             if metrics_server is not None:
                 metrics_server.stop()
-            raise WorkerStartError(f"cannot open the block index {config.index!r}: {e}") from e
+            raise WorkerStartError(f"cannot open the block index: {e}") from e
         info = WorkerInfo(
             worker_id,
             host_port(_public_host(config.host), port),

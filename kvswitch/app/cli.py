@@ -341,7 +341,11 @@ def _index_command(report: Callable) -> Callable:
         from kvswitch.cache_index.audit import IndexToolConfig
 
         config = config_from_args(IndexToolConfig, args)
-        _write_json(asyncio.run(report(config)), None)
+        try:
+            result = asyncio.run(report(config))
+        except (ValueError, ConnectionError) as e:
+            sys.exit(f"kvswitch index {args.index_tool}: {e}")
+        _write_json(result, None)
 
     return command
 

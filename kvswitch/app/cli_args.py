@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -48,4 +50,18 @@ def config_from_args(config_cls: type[T], args: argparse.Namespace) -> T:
     try:
         return config_cls(**values)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(with_flags(str(e), values)) from None
+
+
+def with_flags(message: str, field_names: Iterable[str]) -> str:
+    """A config's error, its field names spelled as the options that set them: "block_size must
+    be positive" becomes "--block-size must be positive". A name with an underscore is replaced
+    wherever it stands; a one-word name ("workers", "policy", which prose uses too) only where
+    the message starts with it."""
+    for name in sorted(field_names, key=len, reverse=True):
+        option = "--" + name.replace("_", "-")
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}(?!\w)", option, message)
+        elif re.match(rf"{name}\b(?!-)", message):
+            message = option + message[len(name) :]
+    return message

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from kvswitch.app.cli_args import with_flags
 from kvswitch.client import Client, KvswitchError
 
 
@@ -47,8 +48,12 @@ def run(config: GenerateConfig) -> int:
             for chunk in stream:
                 print(chunk.text, end="", flush=True)
             result = stream.result
-        except (KvswitchError, ValueError) as e:
+        except KvswitchError as e:
             print(f"\nkvswitch generate: {e}", file=sys.stderr)
+            return 1
+        except ValueError as e:  # an option the client refused; nothing was sent
+            fields = [f.name for f in dataclasses.fields(config)]
+            print(f"kvswitch generate: {with_flags(str(e), fields)}", file=sys.stderr)
             return 1
     print()
     stats = result.stats

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
+from kvswitch.client.errors import KvswitchError
 from kvswitch.client.request import GenerateParams
 from kvswitch.v1 import common_pb2, router_pb2
 
@@ -53,6 +55,23 @@ def test_bad_options_are_value_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as error:
         GenerateParams("a", **kwargs)
     assert str(error.value) == message
+
+
+def test_an_unknown_option_is_named_with_the_known_ones() -> None:
+    with pytest.raises(TypeError) as error:
+        GenerateParams.from_options("a", {"max_tokens": 4, "stop": ["\n"]})
+    assert str(error.value).startswith("unknown option 'stop'; the options are cache_salt, ")
+    assert "max_tokens" in str(error.value) and "prompt_token_ids" in str(error.value)
+    assert GenerateParams.from_options("a", {"max_tokens": 4}).max_tokens == 4
+
+
+def test_an_error_names_its_request_once() -> None:
+    details = "request r1: token id 999 is outside the vocabulary [0, 257)"
+    error = KvswitchError(grpc.StatusCode.INVALID_ARGUMENT, details, "r1")
+    assert str(error) == (
+        "request r1 failed with INVALID_ARGUMENT: token id 999 is outside the vocabulary [0, 257)"
+    )
+    assert error.details == details  # the server's own words, untouched
 
 
 def test_limits_are_inclusive() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -377,6 +379,16 @@ def test_a_checkpoint_with_only_a_sentencepiece_model_takes_text(
 def test_a_router_refuses_a_model_directory_that_does_not_exist(tmp_path: Path) -> None:
     config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "model": str(tmp_path / "typo")})
     with pytest.raises(RouterStartError, match="no such checkpoint directory"):
+        asyncio.run(start_router(config))
+
+
+def test_a_router_whose_index_does_not_answer_says_so() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    index = f"redis+cluster://127.0.0.1:{port}"
+    config = RouterConfig(**{**ROUTER_CONFIG.__dict__, "index": index})
+    with pytest.raises(RouterStartError, match=re.escape(f"cannot use the Redis at {index}: ")):
         asyncio.run(start_router(config))
 
 

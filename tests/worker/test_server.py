@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -295,6 +297,28 @@ def test_worker_publishes_its_cache_to_the_index() -> None:
     finally:
         worker.close()
     assert worker._loop.is_closed()
+
+
+def test_an_index_that_does_not_answer_stops_the_start_with_a_message() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    config = dataclasses.replace(CONFIG, index=f"redis://user:s3cret@127.0.0.1:{port}")
+    with pytest.raises(WorkerStartError) as error:
+        asyncio.run(start_worker(config))
+    assert str(error.value).startswith(
+        f"cannot open the block index: cannot use the Redis at redis://user:***@127.0.0.1:{port}"
+    )
+    assert "s3cret" not in str(error.value)
+
+
+def test_a_device_this_machine_lacks_stops_the_start_with_a_message() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(WorkerStartError, match=r"'cuda'.* sees no CUDA GPU.*use --device cpu"):
+        asyncio.run(start_worker(dataclasses.replace(CONFIG, device="cuda")))
+    with pytest.raises(WorkerStartError, match="'tpu' is not a torch device"):
+        asyncio.run(start_worker(dataclasses.replace(CONFIG, device="tpu")))
 
 
 def test_worker_refuses_a_bad_index_url() -> None:
