@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 
 from kvswitch.app.cli import build_parser, main
 from kvswitch.app.cli_args import with_flags
+from tests.router.harness import BackgroundCluster
 
 COMMANDS = [
     [],
@@ -45,7 +48,9 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.startswith("usage: kvswitch")
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvswitch")
+    assert "``" not in out  # docstring markup, noise on a terminal
 
 
 def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -258,3 +263,37 @@ def test_bench_serve_flags_a_token_the_reference_would_not_choose() -> None:
     _reference_gaps(config, records, [prompt])
     gaps = records[0]["gaps"]
     assert gaps[:3] == [0.0] * 3 and gaps[3] > config.logit_tolerance
+
+
+def test_ctrl_c_stops_generate_and_its_request_without_a_traceback() -> None:
+    cluster = BackgroundCluster(num_workers=1)
+    (worker,) = cluster.workers
+    # Python's own Ctrl-C handler, even where this test runs with SIGINT ignored.
+    code = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from kvswitch.app.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    argv = ["generate", "--target", cluster.address, "--prompt", "go on", "--max-tokens", "4000"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while worker.engine_loop.load.num_running_requests == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=15)
+        assert process.returncode == 130
+        assert err.decode().strip().endswith("kvswitch generate: interrupted")
+        assert b"Traceback" not in err
+        # The stream's call was cancelled: the worker stopped computing it.
+        while worker.engine_loop.load.num_running_requests:
+            assert time.monotonic() < deadline + 15, "the worker kept running the request"
+            time.sleep(0.02)
+    finally:
+        process.kill()
+        process.wait()
+        cluster.close()

@@ -256,6 +256,11 @@ GENERATE_HELP = {
 }
 
 
+def _plain(doc: str | None) -> str:
+    """A module's docstring as a command's description: ``code`` marks read as noise there."""
+    return (doc or "").replace("``", "")
+
+
 def _write_json(result: dict[str, Any], path: Path | None) -> None:
     text = json.dumps(result, indent=2, sort_keys=True)
     print(text)
@@ -407,7 +412,7 @@ def _add_demo(commands: argparse._SubParsersAction, name: str, summary: str) -> 
     sub = commands.add_parser(
         name,
         help=summary,
-        description=demo.__doc__,
+        description=_plain(demo.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(sub, demo.DemoConfig, DEMO_HELP)
@@ -435,7 +440,7 @@ def _add_up(commands: argparse._SubParsersAction, name: str, summary: str) -> No
     sub = commands.add_parser(
         name,
         help=summary,
-        description=cluster.__doc__,
+        description=_plain(cluster.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(sub, cluster.ClusterConfig, UP_HELP)
@@ -448,7 +453,7 @@ def _add_generate(commands: argparse._SubParsersAction, name: str, summary: str)
     sub = commands.add_parser(
         name,
         help=summary,
-        description=generate.__doc__,
+        description=_plain(generate.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(sub, generate.GenerateConfig, GENERATE_HELP)
@@ -490,7 +495,7 @@ def _add_index(commands: argparse._SubParsersAction, name: str, summary: str) ->
         sub = index_tools.add_parser(
             tool,
             help=tool_summary,
-            description=index_audit.__doc__,
+            description=_plain(index_audit.__doc__),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_config_args(sub, index_audit.IndexToolConfig, INDEX_TOOL_HELP)
@@ -510,7 +515,7 @@ def _add_kernels(commands: argparse._SubParsersAction, name: str, summary: str) 
         "compile",
         help="compile every kernel for a GPU architecture (no GPU needed): registers, spills, "
         "shared memory, load widths",
-        description=aot.__doc__,
+        description=_plain(aot.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(compile_parser, aot.CompileReportConfig, KERNEL_COMPILE_HELP)
@@ -607,7 +612,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
         sub = benches.add_parser(
             bench_name,
             help=bench_summary,
-            description=sys.modules[run.__module__].__doc__,
+            description=_plain(sys.modules[run.__module__].__doc__),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_config_args(sub, config_cls, helps)
@@ -660,6 +665,11 @@ def main(argv: list[str] | None = None) -> int:
         if extra is None or not e.name or e.name.partition(".")[0] == "kvswitch":
             raise
         _Unavailable(args.command, extra, e.name)(args)
+    except KeyboardInterrupt:
+        # Ctrl-C: what was running (a stream, a benchmark) is given up, without a traceback;
+        # a stream's call is cancelled as its channel closes, so the worker stops it too.
+        print(f"\nkvswitch {args.command}: interrupted", file=sys.stderr)
+        return 130
     except ConfigError as e:
         parser.error(str(e))
     except BenchmarkUnavailable as e:
