@@ -170,7 +170,8 @@ class GrpcIndex(BlockIndex):
         within ``timeout_s`` fails here, with ``ConnectionError``."""
         index = cls(target, timeout_s=timeout_s)
         try:
-            await asyncio.wait_for(index._channel.channel_ready(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # (wait_for may lose a cancel)
+                await index._channel.channel_ready()
         except TimeoutError as e:
             await index.close()
             raise ConnectionError(f"no block index answered at {target} in {timeout_s} s") from e
@@ -223,7 +224,8 @@ class GrpcIndex(BlockIndex):
             try:
                 while True:
                     # NOTE: how many chunks will come is not known up front: a deadline per chunk.
-                    chunk = await asyncio.wait_for(call.read(), self.timeout_s)
+                    async with asyncio.timeout(self.timeout_s):  # (wait_for may lose a cancel)
+                        chunk = await call.read()
                     if chunk is grpc.aio.EOF:
                         break
                     block_hashes.update(chunk.block_hashes)

@@ -92,23 +92,42 @@ class _Outcome:
     """How a request ended, for the metrics."""
 
     request_id: str
+    metrics: RouterMetrics
     finish_reason: str = "error"
     ttft_s: float | None = None  # as the router saw it: arrival to first token relayed
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
 
+    recorded: bool = False
+
     def finished(self, final: router_pb2.GenerateFinal) -> None:
         self.finish_reason = _FINISH_REASON_NAMES.get(final.finish_reason, "error")
         self.num_prompt_tokens = final.stats.num_prompt_tokens
         self.num_cached_tokens = final.stats.num_cached_tokens
         self.num_output_tokens = final.stats.num_output_tokens
+        self.record()
+
+    def record(self) -> None:
+        """Count the request, once. Called before its last message leaves (the final response,
+        or the error status), so that a client holding its answer finds it counted."""
+        if self.recorded:
+            return
+        self.recorded = True
+        self.metrics.requests.finished(
+            self.finish_reason,
+            ttft_s=self.ttft_s,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens,
+        )
 
 
 async def _abort(
     context: grpc.aio.ServicerContext, outcome: _Outcome, code: grpc.StatusCode, details: str
 ) -> None:
     outcome.finish_reason = _FINISH_REASON_BY_CODE.get(code, "error")
+    outcome.record()
     await context.abort(code, details)
 
 
@@ -134,20 +153,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         # NOTE: written with context.write, not as an async generator, so that a cancelled RPC
         # raises CancelledError in here and the worker's call is cancelled with it.
-        outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}")
+        outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}", self._metrics)
         try:
             await self._generate(request, context, outcome)
         except asyncio.CancelledError:
             outcome.finish_reason = "abort"
             raise
         finally:
-            self._metrics.requests.finished(
-                outcome.finish_reason,
-                ttft_s=outcome.ttft_s,
-                num_prompt_tokens=outcome.num_prompt_tokens,
-                num_cached_tokens=outcome.num_cached_tokens,
-                num_output_tokens=outcome.num_output_tokens,
-            )
+            outcome.record()  # unless the end already did
 
     async def _generate(
         self,

@@ -224,14 +224,20 @@ class WorkerDirectory:
             else:
                 handle.info = info
         if changed:
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._signal_change()
+
+    def _signal_change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def wait_for_change(self, timeout_s: float) -> None:
         """Return when a worker joins or leaves, or after ``timeout_s`` (a worker marked down
         comes back by the clock alone, with no change to wake anyone)."""
+        # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+        # arrives as the event is set, and a loop calling this would then never stop.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait()
 
     async def poll_loads(self) -> None:
         await asyncio.gather(*(self._poll(h) for h in self.handles()))

@@ -7,6 +7,7 @@ tests talk to the router with the blocking client SDK and reach into the servers
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -24,6 +25,25 @@ WORKER_CONFIG = WorkerConfig(port=0, kv_cache_bytes=256 * BLOCK_BYTES, grace_s=0
 ROUTER_CONFIG = RouterConfig(
     port=0, refresh_s=0.05, load_poll_s=0.05, grace_s=0.0, wait_for_worker_s=0.3
 )
+
+
+def _task_stacks(loop: asyncio.AbstractEventLoop) -> str:
+    """Each task of ``loop`` and the chain of awaits it is waiting in, innermost last."""
+    lines = []
+    for task in asyncio.all_tasks(loop):
+        lines.append(f"{task.get_name()}:")
+        awaiting: Any = task.get_coro()
+        while awaiting is not None:
+            frame = getattr(awaiting, "cr_frame", None) or getattr(awaiting, "gi_frame", None)
+            if frame is not None:
+                code = frame.f_code
+                lines.append(f"  {code.co_filename}:{frame.f_lineno} in {code.co_name}")
+            else:
+                lines.append(f"  {awaiting!r}")
+            awaiting = getattr(awaiting, "cr_await", None) or getattr(
+                awaiting, "gi_yieldfrom", None
+            )
+    return "\n".join(lines)
 
 
 class BackgroundCluster:
@@ -51,7 +71,15 @@ class BackgroundCluster:
         return self.router.address
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            # NOTE: a hang is a bug somewhere; say where every task of the loop is waiting.
+            raise TimeoutError(
+                f"{coro.__qualname__} did not finish in {timeout_s} s; the loop's tasks:\n"
+                + _task_stacks(self._loop)
+            ) from None
 
     def add_worker(self, worker_id: str) -> WorkerServer:
         config = dataclasses.replace(self.worker_config, worker_id=worker_id)

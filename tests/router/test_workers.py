@@ -100,3 +100,30 @@ def test_a_failed_worker_is_left_out_for_a_while() -> None:
         await directory.stop()
 
     asyncio.run(main())
+
+
+def test_a_loop_waiting_for_changes_stops_when_cancelled_as_a_change_comes() -> None:
+    """A cancellation that arrives together with a change must still end the waiting loop: the
+    router's health loop waits like this, and its shutdown awaits it (Python 3.11's wait_for
+    lost such a cancellation, and the router never stopped)."""
+
+    async def main() -> None:
+        directory = WorkerDirectory(MemoryIndex(), DirectoryConfig())
+        for _ in range(20):
+            rounds = 0
+
+            async def watch() -> None:
+                nonlocal rounds
+                while True:
+                    await directory.wait_for_change(60)
+                    rounds += 1
+
+            task = asyncio.create_task(watch())
+            await asyncio.sleep(0)  # it waits now
+            directory._signal_change()
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=2)
+            assert done, "the loop went on after its cancellation"
+            assert task.cancelled()
+
+    asyncio.run(main())
