@@ -6,7 +6,8 @@
 #   3. the worker's time to first token on the GPU, prompt mostly cached against cold;
 #   4. a local cluster serving a random 1B-class model on the GPU, its greedy output checked
 #      against the torch reference attention (bf16 and fp32), cold and cached;
-#   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine.
+#   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine;
+#   6. the host time of an engine step on the GPU (kvswitch bench step: 256 decodes at 4K).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default out/gpu)
 # PYTHON picks the interpreter (default python3); it must hold torch with CUDA, triton and the
 # project's dependencies; kvswitch itself is installed (pip install -e . --no-deps, which needs
@@ -49,4 +50,6 @@ for dtype in bfloat16 float32; do
         --dtype "$dtype" --json "$out/serve_$dtype.json"
 done
 step router "$python" -m kvswitch bench router --json "$out/router.json"
+step step "$python" -m kvswitch bench step --model random:llama-1b --device cuda --dtype bfloat16 \
+    --json "$out/step.json"
 exit $status

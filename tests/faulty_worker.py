@@ -18,15 +18,15 @@ from kvswitch.worker.model_runner import ModelRunner
 def make_steps_fail() -> None:
     token = int(os.environ["KVSWITCH_TEST_FAIL_ON_TOKEN"])
     num_left = [int(os.environ.get("KVSWITCH_TEST_FAIL_TIMES", "1"))]
-    execute = ModelRunner.execute
+    execute_batch = ModelRunner.execute_batch
 
-    def failing_execute(self, seqs, *args, **kwargs):
-        if num_left[0] > 0 and any(token in seq.token_ids for seq in seqs):
+    def failing_execute_batch(self, batch, *args, **kwargs):
+        if num_left[0] > 0 and token in batch.input_ids:
             num_left[0] -= 1
             raise RuntimeError(f"injected failure on token {token}")
-        return execute(self, seqs, *args, **kwargs)
+        return execute_batch(self, batch, *args, **kwargs)
 
-    ModelRunner.execute = failing_execute
+    ModelRunner.execute_batch = failing_execute_batch
 
 
 if __name__ == "__main__":

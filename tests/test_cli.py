@@ -35,6 +35,7 @@ COMMANDS = [
     ["bench", "router"],
     ["bench", "serve"],
     ["bench", "lookup"],
+    ["bench", "step"],
     ["index"],
     ["index", "stats"],
     ["index", "audit"],
@@ -220,6 +221,18 @@ def test_bench_ttft_and_decode_write_json(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["decode_tokens_per_s_batch_1"] > 0
     assert figures["decode_tokens_per_s_batch_2"] > 0
+
+
+def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    args = ["--num-seqs", "8", "--context-len", "128", "--num-steps", "3"]
+    main(["bench", "step", *args, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert 0 < figures["host_step_ms"] < figures["step_ms"]
+    assert figures["forward_ms"] > 0
+    assert figures["step_ms"] == pytest.approx(
+        figures["host_step_ms"] + figures["forward_ms"], rel=0.5
+    )
 
 
 def test_bench_index_writes_json(tmp_path: Path) -> None:

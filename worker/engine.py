@@ -3,7 +3,7 @@
 ``step()`` is the whole loop body::
 
     scheduled = scheduler.schedule()        # who computes how many tokens
-    logits = runner.execute(scheduled)      # one forward pass over the packed batch
+    logits = runner.execute_batch(batch)    # one forward pass over the packed batch
     outputs = postprocess(scheduled, logits)   # sample, stop, free finished requests
 
 The engine is synchronous and single-threaded; the gRPC server drives it from its own thread.
@@ -14,15 +14,17 @@ as if it had never run: blocks it cached for KV it did not write lose their hash
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.kv_cache_manager import KVCacheManager
-from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
+from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
 from kvswitch.worker.request import FinishReason, Request, StepFailed
 from kvswitch.worker.sampler import Sampler, SamplingParams, make_generator, seed_for_position
 from kvswitch.worker.scheduler import Scheduler, SchedulerConfig
@@ -111,6 +113,20 @@ def check_device(device: str) -> None:
             )
 
 
+def _finish_reason(
+    request: Request, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> FinishReason | None:
+    params = request.params
+    if token_id in params.stop_token_ids or token_id in eos_token_ids:
+        return FinishReason.STOP
+    num_tokens = len(request.token_ids)
+    if num_tokens - request.num_prompt_tokens >= params.max_tokens:
+        return FinishReason.LENGTH
+    if num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -133,7 +149,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
 
-    @property
+    @functools.cached_property
     def max_model_len(self) -> int:
         """Longest context (prompt plus output) one request may reach."""
         return min(
@@ -221,17 +237,7 @@ class LLMEngine:
             return []
         step_ids = [request.request_id for request, _ in scheduled.scheduled]
         try:
-            seqs = []
-            for request, num_new in scheduled.scheduled:
-                start = request.num_computed_tokens
-                seqs.append(
-                    ScheduledSeq(
-                        request.token_ids[start : start + num_new],
-                        start,
-                        self.kv_cache.get_block_ids(request.request_id),
-                    )
-                )
-            logits = self.runner.execute(seqs)
+            logits = self.runner.execute_batch(self._batch(scheduled.scheduled))
         except Exception as e:
             raise self._fail_step(step_ids, e) from e
         self.kv_cache.commit()
@@ -242,6 +248,25 @@ class LLMEngine:
             return self._postprocess(scheduled.scheduled, logits)
         except Exception as e:
             raise self._fail_step(step_ids, e) from e
+
+    def _batch(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+        """The step's sequences as arrays; their block tables come from the rows the KV cache
+        manager keeps up to date, in one gather."""
+        num_seqs = len(scheduled)
+        tables = self.kv_cache.block_tables
+        input_ids: list[int] = []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            input_ids += request.token_ids[start : start + num_new]
+        rows = np.fromiter((tables.row(r.request_id) for r, _ in scheduled), np.int64, num_seqs)
+        return StepBatch(
+            input_ids=np.array(input_ids, np.int64),
+            start_pos=np.fromiter(
+                (r.num_computed_tokens for r, _ in scheduled), np.int64, num_seqs
+            ),
+            num_new=np.fromiter((n for _, n in scheduled), np.int64, num_seqs),
+            block_tables=tables.gather(rows),
+        )
 
     def _fail_step(self, request_ids: list[str], cause: Exception) -> StepFailed:
         """Abort the step's requests, and any other that shares a block whose KV the step did
@@ -260,7 +285,7 @@ class LLMEngine:
         sampling_rows = []
         for row, (request, num_new) in enumerate(scheduled):
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens == len(request.token_ids):
                 sampling_rows.append(row)
         if not sampling_rows:
             return []
@@ -270,12 +295,14 @@ class LLMEngine:
             if request.generator is not None and seed is not None:
                 position = request.num_resumed_tokens + request.num_output_tokens
                 request.generator.manual_seed(seed_for_position(seed, position))
+        if len(sampling_rows) < len(scheduled):
+            logits = logits[sampling_rows]
         token_ids = self.sampler.sample(
-            logits[sampling_rows],
-            [r.params for r in requests],
-            [r.generator for r in requests],
+            logits, [r.params for r in requests], [r.generator for r in requests]
         ).tolist()
         now = time.monotonic()
+        max_model_len = self.max_model_len
+        eos_token_ids = self.model_config.eos_token_ids
         outputs = []
         for request, token_id in zip(requests, token_ids, strict=True):
             ttft_s = None
@@ -284,8 +311,8 @@ class LLMEngine:
                 ttft_s = now - request.arrival_s
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
                 self.stats.num_cached_tokens += request.num_cached_tokens
-            request.append_token_ids([token_id])
-            reason = self._finish_reason(request, token_id)
+            request.append_token_ids((token_id,))
+            reason = _finish_reason(request, token_id, eos_token_ids, max_model_len)
             if reason is not None:
                 request.finish_reason = reason
                 self.scheduler.remove(request)
@@ -302,16 +329,6 @@ class LLMEngine:
                 )
             )
         return outputs
-
-    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.params
-        if token_id in params.stop_token_ids or token_id in self.model_config.eos_token_ids:
-            return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     # -- convenience ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.worker.block_pool import BlockPool, KVBlock
+from kvswitch.worker.block_table import BlockTables
 from kvswitch.worker.request import Request
 
 
@@ -47,6 +48,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.stats = PrefixCacheStats()
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, kept in one array for the model runner (block_table.py).
+        self.block_tables = BlockTables()
         # How many leading blocks of each request are cached (or known duplicates).
         self._req_to_num_cached_blocks: dict[str, int] = {}
         # Blocks cached since the last commit, with the hash each got: their KV is not written yet.
@@ -62,7 +65,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table."""
-        return [block.block_id for block in self._req_to_blocks.get(request_id, ())]
+        return self.block_tables.block_ids(request_id)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a new request, and how many tokens it covers.
@@ -102,11 +105,21 @@ class KVCacheManager:
             | computed (cache or earlier steps) | num_new_tokens |  empty slots  |
             |<------------- cached: every full block ----------->|
         """
+        req_blocks = self._req_to_blocks.get(request.request_id)
+        if req_blocks is not None and not computed_blocks and num_new_tokens > 0:
+            # NOTE: the common case, a decode: its token fits in a block it holds and fills no
+            # block, so there is nothing to take and nothing to cache.
+            num_after = request.num_computed_tokens + num_new_tokens
+            in_held_blocks = num_after <= len(req_blocks) * self.block_size
+            known = num_after <= len(request.token_ids)  # else the slow path says why not
+            num_cached = self._req_to_num_cached_blocks[request.request_id]
+            fills_none = not self.enable_caching or num_after // self.block_size <= num_cached
+            if in_held_blocks and known and fills_none:
+                return []
         num_to_take = self._num_blocks_to_take(request, num_new_tokens, computed_blocks)
         if num_to_take is None:
             return None
         request_id = request.request_id
-        req_blocks = self._req_to_blocks.get(request_id)
         if req_blocks is None:
             # NOTE: counted on admission, not lookup, so a refused and retried request counts once.
             self.stats.num_query_tokens += request.num_tokens
@@ -119,6 +132,9 @@ class KVCacheManager:
             self._req_to_num_cached_blocks[request_id] = len(req_blocks)
         new_blocks = self.pool.get_new_blocks(num_to_take)
         req_blocks.extend(new_blocks)
+        self.block_tables.append(
+            request_id, [block.block_id for block in (*computed_blocks, *new_blocks)]
+        )
         num_computed_after = (
             request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         )
@@ -129,6 +145,7 @@ class KVCacheManager:
         """Release the request's blocks, end of the chain first. Unknown requests are ignored."""
         blocks = self._req_to_blocks.pop(request.request_id, None)
         self._req_to_num_cached_blocks.pop(request.request_id, None)
+        self.block_tables.release(request.request_id)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
@@ -174,6 +191,11 @@ class KVCacheManager:
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"block {block.block_id}: ref {block.ref_cnt} but in {refs[block.block_id]} tables"
+            )
+        assert len(self.block_tables) == len(self._req_to_blocks), "a stale block-table row"
+        for request_id, blocks in self._req_to_blocks.items():
+            assert self.block_tables.block_ids(request_id) == [b.block_id for b in blocks], (
+                f"request {request_id!r}: the block-table row disagrees with its blocks"
             )
 
     # -- internals ------------------------------------------------------------------------------

@@ -6,10 +6,22 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvswitch.worker.attention import AttentionMetadata
 from kvswitch.worker.model import CausalLM
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step's sequences as arrays: sequence ``s`` computes ``num_new[s]`` tokens from
+    position ``start_pos[s]``, and its pages are ``block_tables[s]``."""
+
+    input_ids: np.ndarray  # int64 [num_new.sum()], the sequences' new tokens back to back
+    start_pos: np.ndarray  # int64 [num_seqs]
+    num_new: np.ndarray  # int64 [num_seqs], each >= 1
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
 
 
 @dataclass(slots=True)
@@ -57,53 +69,75 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
 
-    @torch.inference_mode()
     def execute(self, seqs: Sequence[ScheduledSeq], *, every_token: bool = False) -> torch.Tensor:
         """Logits [num_seqs, vocab] (fp32) after each sequence's last new token; with
         ``every_token``, [num_new_tokens, vocab] after every new token (teacher forcing)."""
         if not seqs:
             raise ValueError("nothing to run")
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q_lens = [0]
-        seq_lens = []
         for seq in seqs:
-            num_new = len(seq.token_ids)
-            if num_new == 0:
+            if not seq.token_ids:
                 raise ValueError("a scheduled sequence must compute at least one token")
-            end = seq.start_pos + num_new
-            if -(-end // block_size) > len(seq.block_ids):
+            end = seq.start_pos + len(seq.token_ids)
+            if -(-end // self.block_size) > len(seq.block_ids):
                 raise ValueError(f"{end} tokens need more than {len(seq.block_ids)} blocks")
-            input_ids.extend(seq.token_ids)
-            for pos in range(seq.start_pos, end):
-                positions.append(pos)
-                slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-            cu_q_lens.append(cu_q_lens[-1] + num_new)
-            seq_lens.append(end)
-        max_blocks = max(len(seq.block_ids) for seq in seqs)
-        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            block_tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
-
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
-            cu_q_lens=torch.tensor(cu_q_lens, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            max_q_len=max(b - a for a, b in itertools.pairwise(cu_q_lens)),
-            max_seq_len=max(seq_lens),
+        block_tables = np.zeros((len(seqs), max(len(s.block_ids) for s in seqs)), np.int32)
+        for row, seq in enumerate(seqs):
+            block_tables[row, : len(seq.block_ids)] = seq.block_ids
+        batch = StepBatch(
+            input_ids=np.fromiter(
+                itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64
+            ),
+            start_pos=np.array([s.start_pos for s in seqs], np.int64),
+            num_new=np.array([len(s.token_ids) for s in seqs], np.int64),
+            block_tables=block_tables,
         )
-        if every_token:
-            logit_rows = torch.arange(len(input_ids), device=device)
+        return self.execute_batch(batch, every_token=every_token)
+
+    @torch.inference_mode()
+    def execute_batch(self, batch: StepBatch, *, every_token: bool = False) -> torch.Tensor:
+        """``execute`` for a batch already in arrays (the engine's path): positions and slots
+        are computed with numpy, and every input reaches the device in one copy per array."""
+        num_new, start_pos = batch.num_new, batch.start_pos
+        num_seqs = len(num_new)
+        if num_seqs == 0:
+            raise ValueError("nothing to run")
+        seq_lens = start_pos + num_new
+        cu_q_lens = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(num_new, out=cu_q_lens[1:])
+        num_tokens = int(cu_q_lens[-1])
+        max_q_len = int(num_new.max())
+        if max_q_len == 1:  # all decodes: one token per sequence, at its start position
+            token_seq, positions = np.arange(num_seqs), start_pos
         else:
-            logit_rows = torch.tensor(cu_q_lens[1:], device=device) - 1
+            token_seq = np.repeat(np.arange(num_seqs), num_new)
+            positions = np.arange(num_tokens) + np.repeat(start_pos - cu_q_lens[:-1], num_new)
+        block_size = self.block_size
+        pages = positions // block_size
+        slots = batch.block_tables[token_seq, pages].astype(np.int64) * block_size
+        slots += positions - pages * block_size
+        logit_rows = np.arange(num_tokens) if every_token else cu_q_lens[1:] - 1
+
+        to_device = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slots.astype(np.int32)),
+            block_tables=to_device(np.ascontiguousarray(batch.block_tables, np.int32)),
+            cu_q_lens=to_device(cu_q_lens.astype(np.int32)),
+            seq_lens=to_device(seq_lens.astype(np.int32)),
+            max_q_len=max_q_len,
+            max_seq_len=int(seq_lens.max()),
+        )
         return self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
+            to_device(batch.input_ids),
+            to_device(np.ascontiguousarray(positions, np.int64)),
             self.kv_caches,
             meta,
-            logit_rows,
+            to_device(logit_rows),
         )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor  # shares the array's memory: no copy at all
+        # NOTE: from pinned memory the copy is asynchronous; the step's sampling waits for the
+        # device before any of these arrays is reused.
+        return tensor.pin_memory().to(self.device, non_blocking=True)

@@ -1,8 +1,10 @@
 """Turns a step's logits into one next token per sequence: greedy, temperature and top-p.
 
-Each non-greedy request draws from its own ``torch.Generator``, so a seeded request produces the
-same tokens whichever other requests happen to share its batch; a seeded one is reseeded for every
-output position (``seed_for_position``), so it also produces them wherever it resumes.
+A sampled row picks ``argmax(probs / q)`` with ``q`` drawn from Exp(1) per token (the exponential
+race: token ``j`` wins with probability ``probs[j]``), so a whole batch samples in one operation.
+A seeded request draws its ``q`` from its own ``torch.Generator``, reseeded for every output
+position (``seed_for_position``): it produces the same tokens whichever other requests share its
+batch, and wherever it resumes. Unseeded rows share one draw from torch's global generator.
 """
 
 from __future__ import annotations
@@ -66,20 +68,18 @@ def seed_for_position(seed: int, position: int) -> int:
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """The random source for one request: None for greedy requests (they draw nothing), one
-    seeded with ``params.seed`` when given, and one seeded from the OS's entropy otherwise."""
-    if params.is_greedy:
+    """The random source of a seeded sampled request, seeded with ``params.seed``; None for the
+    others (greedy requests draw nothing, unseeded ones draw from torch's global generator)."""
+    if params.is_greedy or params.seed is None:
         return None
     generator = torch.Generator(device=device)
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
+    generator.manual_seed(params.seed)
     return generator
 
 
 class Sampler:
-    """Stateless; all randomness comes from the generators passed to ``sample``."""
+    """Stateless; all randomness comes from the generators passed to ``sample`` (and torch's
+    global generator for rows without one)."""
 
     def sample(
         self,
@@ -89,9 +89,9 @@ class Sampler:
     ) -> torch.Tensor:
         """Pick one token per row of ``logits`` [num_seqs, vocab_size] (any float dtype).
 
-        Row ``i`` follows ``params[i]`` and, unless greedy, draws from ``generators[i]`` (None
-        falls back to torch's global generator). Returns int64 token ids [num_seqs] on the
-        logits' device. Only a sampled row advances its own generator, by one draw.
+        Row ``i`` follows ``params[i]`` and, unless greedy, draws from ``generators[i]`` (None:
+        torch's global generator). Returns int64 token ids [num_seqs] on the logits' device. A
+        row with a generator advances only it, by one draw of ``vocab_size`` numbers.
         """
         num_seqs = logits.shape[0]
         if len(params) != num_seqs or len(generators) != num_seqs:
@@ -100,19 +100,19 @@ class Sampler:
                 f"{len(generators)} generators; they must match"
             )
         logits = logits.float()
-        if all(p.is_greedy for p in params):
-            return logits.argmax(dim=-1)
-        token_ids = torch.empty(num_seqs, dtype=torch.int64, device=logits.device)
-        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        token_ids = logits.argmax(dim=-1)  # the greedy rows' answer; sampled rows overwrite it
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if greedy_rows:
-            index = torch.tensor(greedy_rows, device=logits.device)
-            token_ids[index] = logits[index].argmax(dim=-1)
-        if sampled_rows:
+        if not sampled_rows:
+            return token_ids
+        if len(sampled_rows) == num_seqs:
+            token_ids = self._sample_rows(logits, params, generators)
+        else:
             index = torch.tensor(sampled_rows, device=logits.device)
-            sub_params = [params[i] for i in sampled_rows]
-            sub_generators = [generators[i] for i in sampled_rows]
-            token_ids[index] = self._sample_rows(logits[index], sub_params, sub_generators)
+            token_ids[index] = self._sample_rows(
+                logits[index],
+                [params[i] for i in sampled_rows],
+                [generators[i] for i in sampled_rows],
+            )
         return token_ids
 
     def _sample_rows(
@@ -123,22 +123,33 @@ class Sampler:
     ) -> torch.Tensor:
         device = logits.device
         temperatures = torch.tensor([p.temperature for p in params], device=device)
-        top_ps = torch.tensor([p.top_p for p in params], device=device)
         probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
-        # NOTE: a stable sort keeps ties in vocabulary order, so a row's nucleus does not depend
-        # on the other rows in the batch.
-        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
-        # A token stays if the mass of the tokens ranked above it is still short of top_p; the
-        # most likely token always stays. top_p == 1 keeps everything, immune to rounding.
-        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        keep = (mass_above < top_ps.unsqueeze(1)) | (top_ps.unsqueeze(1) >= 1.0)
-        keep[:, 0] = True
-        sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
-        # NOTE: one draw per row with the row's own generator; multinomial needs no renormalizing.
-        ranks = torch.cat(
-            [
-                torch.multinomial(sorted_probs[row], 1, generator=generator)
-                for row, generator in enumerate(generators)
-            ]
-        )
-        return sorted_ids.gather(1, ranks.unsqueeze(1)).squeeze(1)
+        if any(p.top_p < 1.0 for p in params):  # else nothing to cut: no sort at all
+            top_ps = torch.tensor([p.top_p for p in params], device=device)
+            probs = _keep_nucleus(probs, top_ps)
+        # The exponential race: one Exp(1) per token, each seeded row from its own generator.
+        race = torch.empty_like(probs)
+        shared_rows = [row for row, g in enumerate(generators) if g is None]
+        if len(shared_rows) == len(generators):
+            race.exponential_()
+        elif shared_rows:
+            index = torch.tensor(shared_rows, device=device)
+            race[index] = torch.empty_like(race[index]).exponential_()
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                race[row].exponential_(generator=generator)
+        return (probs / race).argmax(dim=-1)
+
+
+def _keep_nucleus(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """``probs`` with every token outside its row's nucleus set to 0: a token stays if the mass
+    of the tokens ranked above it is still short of top_p. The most likely token always stays;
+    top_p == 1 keeps everything, immune to rounding."""
+    # NOTE: a stable sort keeps ties in vocabulary order, so a row's nucleus does not depend on
+    # the other rows in the batch.
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = (mass_above < top_ps.unsqueeze(1)) | (top_ps.unsqueeze(1) >= 1.0)
+    keep_sorted[:, 0] = True
+    keep = torch.empty_like(keep_sorted).scatter_(1, sorted_ids, keep_sorted)
+    return probs.masked_fill(~keep, 0.0)

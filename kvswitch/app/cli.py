@@ -242,6 +242,15 @@ LOOKUP_HELP = {
     "repeats": "timed runs per figure (the median is reported)",
     "seed": "random seed",
 }
+STEP_HELP = {
+    "model": "checkpoint directory; empty = the built-in tiny model",
+    "device": "torch device: cpu or cuda",
+    "dtype": "float32, float16 or bfloat16",
+    "num_seqs": "requests decoding together",
+    "context_len": "tokens of context each request decodes at",
+    "num_steps": "timed steps (the median is reported)",
+    "seed": "random seed of the prompts",
+}
 GENERATE_HELP = {
     "target": "the router, HOST:PORT",
     "prompt": "the prompt text",
@@ -534,6 +543,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import serve as serve_bench
+    from kvswitch.benchmarks import step as step_bench
 
     bench = commands.add_parser(
         name,
@@ -600,6 +610,13 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             serve_bench.ServeBenchConfig,
             SERVE_HELP,
             "a local cluster's greedy output against the torch reference path, cold and cached",
+        ),
+        (
+            "step",
+            step_bench.run,
+            step_bench.StepBenchConfig,
+            STEP_HELP,
+            "host time of one engine step (all but the forward): N decodes at a long context",
         ),
         (
             "hash",

@@ -55,8 +55,22 @@ def test_make_generator() -> None:
     assert make_generator(SamplingParams(seed=5), "cpu") is None  # greedy draws nothing
     seeded = make_generator(SamplingParams(temperature=1.0, seed=5), "cpu")
     assert seeded is not None and seeded.initial_seed() == 5
-    unseeded = [make_generator(SamplingParams(temperature=1.0), "cpu") for _ in range(2)]
-    assert unseeded[0].initial_seed() != unseeded[1].initial_seed()
+    # Unseeded requests share torch's global generator: one draw for all of them.
+    assert make_generator(SamplingParams(temperature=1.0), "cpu") is None
+
+
+def test_one_batched_draw_follows_the_distribution() -> None:
+    """20,000 unseeded rows of the same distribution, sampled in one call: each token comes up
+    as often as its probability says (the exponential race is exact, not an approximation)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.full((20_000, VOCAB_SIZE), -math.inf)
+    logits[:, :4] = probs.log()
+    params = [SamplingParams(temperature=1.0)] * len(logits)
+    torch.manual_seed(0)
+    token_ids = Sampler().sample(logits, params, [None] * len(logits))
+    counts = torch.bincount(token_ids, minlength=VOCAB_SIZE).float() / len(logits)
+    assert counts[4:].sum() == 0
+    torch.testing.assert_close(counts[:4], probs, atol=0.012, rtol=0)
 
 
 def test_greedy_is_argmax() -> None:
@@ -73,12 +87,13 @@ def test_a_seeded_request_samples_the_same_alone_or_in_any_batch() -> None:
     other = SamplingParams(temperature=1.3, seed=99)
     greedy = SamplingParams()
     alone_generator = make_generator(params, "cpu")
+    unseeded = SamplingParams(temperature=1.0)
     batch_generators = [None, make_generator(other, "cpu"), make_generator(params, "cpu"), None]
     alone, batched = [], []
     for step in range(30):
         logits = random_logits(4, seed=step)
         alone += sampler.sample(logits[2:3], [params], [alone_generator]).tolist()
-        batch = sampler.sample(logits, [greedy, other, params, greedy], batch_generators)
+        batch = sampler.sample(logits, [greedy, other, params, unseeded], batch_generators)
         batched.append(batch[2].item())
         assert batch[0].item() == logits[0].argmax().item()
     assert alone == batched

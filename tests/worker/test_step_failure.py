@@ -20,13 +20,13 @@ def prompt(question: bytes) -> list[int]:
 
 
 class ExecuteFails:
-    """Makes the runner's ``execute`` raise on the calls numbered in ``failing`` (from 1)."""
+    """Makes the runner's ``execute_batch`` raise on the calls numbered in ``failing`` (from 1)."""
 
     def __init__(self, engine: LLMEngine, failing: set[int]) -> None:
         self.calls = 0
         self._failing = failing
-        self._execute: Callable = engine.runner.execute
-        engine.runner.execute = self  # type: ignore[method-assign]
+        self._execute: Callable = engine.runner.execute_batch
+        engine.runner.execute_batch = self  # type: ignore[method-assign]
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
