@@ -124,9 +124,6 @@ class Sampler:
         device = logits.device
         temperatures = torch.tensor([p.temperature for p in params], device=device)
         probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
-        if any(p.top_p < 1.0 for p in params):  # else nothing to cut: no sort at all
-            top_ps = torch.tensor([p.top_p for p in params], device=device)
-            probs = _keep_nucleus(probs, top_ps)
         # The exponential race: one Exp(1) per token, each seeded row from its own generator.
         race = torch.empty_like(probs)
         shared_rows = [row for row, g in enumerate(generators) if g is None]
@@ -138,18 +135,27 @@ class Sampler:
         for row, generator in enumerate(generators):
             if generator is not None:
                 race[row].exponential_(generator=generator)
-        return (probs / race).argmax(dim=-1)
+        token_ids = (probs / race).argmax(dim=-1)
+        nucleus_rows = [row for row, p in enumerate(params) if p.top_p < 1.0]
+        if nucleus_rows:  # else nothing to cut: no sort at all
+            # NOTE: these rows race in rank order, over their nucleus only; a row's ranks depend
+            # on its own probabilities alone, so it still samples the same alone or batched.
+            index = torch.tensor(nucleus_rows, device=device)
+            top_ps = torch.tensor([params[row].top_p for row in nucleus_rows], device=device)
+            sorted_probs, sorted_ids = _nucleus(probs[index], top_ps)
+            ranks = (sorted_probs / race[index]).argmax(dim=-1, keepdim=True)
+            token_ids[index] = sorted_ids.gather(1, ranks).squeeze(1)
+        return token_ids
 
 
-def _keep_nucleus(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """``probs`` with every token outside its row's nucleus set to 0: a token stays if the mass
-    of the tokens ranked above it is still short of top_p. The most likely token always stays;
-    top_p == 1 keeps everything, immune to rounding."""
-    # NOTE: a stable sort keeps ties in vocabulary order, so a row's nucleus does not depend on
-    # the other rows in the batch.
+def _nucleus(probs: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities sorted down, those outside its nucleus set to 0, and the token
+    id of each rank. A token stays if the mass of the tokens ranked above it is still short of
+    top_p; the most likely token always stays."""
+    # NOTE: a stable sort keeps ties in vocabulary order, so a row's ranks do not depend on the
+    # other rows in the batch.
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted = (mass_above < top_ps.unsqueeze(1)) | (top_ps.unsqueeze(1) >= 1.0)
-    keep_sorted[:, 0] = True
-    keep = torch.empty_like(keep_sorted).scatter_(1, sorted_ids, keep_sorted)
-    return probs.masked_fill(~keep, 0.0)
+    keep = mass_above < top_ps.unsqueeze(1)
+    keep[:, 0] = True
+    return sorted_probs.masked_fill_(~keep, 0.0), sorted_ids
