@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/kvswitch bench index --backend redis --json out/bench_index_redis.json
 	$(BIN)/kvswitch bench router --json out/bench_router.json
 	$(BIN)/kvswitch bench lookup --json out/bench_lookup.json
+	$(BIN)/kvswitch bench step --json out/bench_step.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis
