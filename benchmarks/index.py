@@ -62,8 +62,7 @@ async def _measure(index: BlockIndex, config: IndexBenchConfig) -> dict:
             WorkerInfo(worker_id, f"127.0.0.1:{50100 + k}", namespace, config.block_size), 600
         )
         held = chain[: step * (k + 1)] + _random_hashes(rng, config.num_other_blocks)
-        root = b"\x00" * 16
-        await index.apply(worker_id, 1, [BlockStored(tuple(held), root, (), config.block_size)])
+        await index.apply(worker_id, 1, [BlockStored(tuple(held))])
     expected = {f"worker-{k}": min(step * (k + 1), len(chain)) for k in range(config.num_workers)}
     if await index.match(namespace, chain) != expected:
         raise RuntimeError("the index answered a wrong match; figures would be meaningless")
@@ -83,7 +82,7 @@ async def _measure(index: BlockIndex, config: IndexBenchConfig) -> dict:
     previous: list[bytes] = []
     for _ in range(config.num_event_batches):
         new = _random_hashes(rng, 64)
-        events = [BlockStored(tuple(new), b"\x00" * 16, (), config.block_size)]
+        events = [BlockStored(tuple(new))]
         if previous:
             events.append(BlockRemoved(tuple(previous)))
         batches.append(events)

@@ -87,7 +87,7 @@ def embedded_match_ms(config: LookupBenchConfig, rng: np.random.Generator) -> fl
         for i in range(config.num_workers):
             info = WorkerInfo(f"w{i}", f"127.0.0.1:{50000 + i}", NAMESPACE, BLOCK_SIZE, "both", 0)
             await index.register(info, ttl_s=3600.0)
-            stored = BlockStored(tuple(chain), b"\0" * 16, tuple(tokens), BLOCK_SIZE)
+            stored = BlockStored(tuple(chain))
             await index.apply(f"w{i}", 1, [stored])
 
     loop = asyncio.new_event_loop()

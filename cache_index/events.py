@@ -13,19 +13,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Consecutive blocks of one chain became cached.
+    """These hashes became cached: consecutive blocks of one chain, in chain order.
 
-    ``parent_block_hash`` names the block before ``block_hashes[0]`` (the namespace's root hash for
-    a chain's first block); ``token_ids`` holds ``block_size`` tokens per block, in order;
-    ``extra_keys`` holds each block's extra-key bytes (see docs/HASHING.md), empty when none.
+    The hashes are all an index reads. Each one already names its block's whole prefix, tokens,
+    adapter and extra keys (docs/HASHING.md), so none of those travel with it.
     """
 
     block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora: str | None = None
-    extra_keys: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -285,14 +285,7 @@ def worker_info_from_proto(info: index_pb2.WorkerInfo) -> WorkerInfo:
 
 def event_to_proto(event: CacheEvent) -> index_pb2.CacheEvent:
     if isinstance(event, BlockStored):
-        stored = index_pb2.BlockStored(
-            block_hashes=event.block_hashes,
-            parent_block_hash=event.parent_block_hash,
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora=event.lora,
-            extra_keys=event.extra_keys,
-        )
+        stored = index_pb2.BlockStored(block_hashes=event.block_hashes)
         return index_pb2.CacheEvent(stored=stored)
     if isinstance(event, BlockRemoved):
         return index_pb2.CacheEvent(removed=index_pb2.BlockRemoved(block_hashes=event.block_hashes))
@@ -305,15 +298,7 @@ def event_from_proto(event: index_pb2.CacheEvent) -> CacheEvent:
     if kind == "stored":
         stored = event.stored
         check_block_hashes(stored.block_hashes, "BlockStored.block_hashes")
-        check_block_hashes([stored.parent_block_hash], "BlockStored.parent_block_hash")
-        return BlockStored(
-            block_hashes=tuple(stored.block_hashes),
-            parent_block_hash=stored.parent_block_hash,
-            token_ids=tuple(stored.token_ids),
-            block_size=stored.block_size,
-            lora=stored.lora if stored.HasField("lora") else None,
-            extra_keys=tuple(stored.extra_keys),
-        )
+        return BlockStored(tuple(stored.block_hashes))
     if kind == "removed":
         check_block_hashes(event.removed.block_hashes, "BlockRemoved.block_hashes")
         return BlockRemoved(tuple(event.removed.block_hashes))

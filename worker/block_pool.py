@@ -182,24 +182,10 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def cache_full_blocks(
-        self,
-        blocks: Sequence[KVBlock],
-        block_hashes: Sequence[bytes],
-        parent_block_hash: bytes,
-        token_ids: Sequence[int],
-        block_size: int,
-        *,
-        lora: str | None = None,
-        extra_keys: Sequence[bytes] = (),
-    ) -> None:
-        """Cache consecutive full blocks of one chain.
-
-        ``blocks[i]`` holds the tokens ``token_ids[i * block_size : (i + 1) * block_size]`` and is
-        named ``block_hashes[i]``; ``parent_block_hash`` names the block before ``blocks[0]``;
-        ``extra_keys`` is empty or has one entry per block. A hash that is already cached in
-        another block is recorded as a duplicate and emits no event.
-        """
+    def cache_full_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes]) -> None:
+        """Cache consecutive full blocks of one chain, ``blocks[i]`` named ``block_hashes[i]``.
+        A hash that is already cached in another block is recorded as a duplicate and emits no
+        event; each run of new hashes is one ``BlockStored``."""
         if not self.enable_caching:
             return
         runs: list[list[int]] = []  # [start, end) of each run of newly cached hashes
@@ -218,17 +204,7 @@ class BlockPool:
             else:
                 runs.append([i, i + 1])
         for start, end in runs:
-            parent = block_hashes[start - 1] if start else parent_block_hash
-            self._events.append(
-                BlockStored(
-                    block_hashes=tuple(block_hashes[start:end]),
-                    parent_block_hash=parent,
-                    token_ids=tuple(token_ids[start * block_size : end * block_size]),
-                    block_size=block_size,
-                    lora=lora,
-                    extra_keys=tuple(extra_keys[start:end]),
-                )
-            )
+            self._events.append(BlockStored(tuple(block_hashes[start:end])))
 
     def uncache_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Forget the hashes of ``blocks`` (their KV is not what the hash names), keeping the

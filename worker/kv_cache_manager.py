@@ -234,22 +234,8 @@ class KVCacheManager:
         num_cached = self._req_to_num_cached_blocks[request_id]
         if num_full <= num_cached:
             return
-        block_size = self.block_size
-        hasher = request.hasher
-        hashes = request.block_hashes
-        parent = hashes[num_cached - 1] if num_cached else hasher.root
-        extra_keys = ()
-        if hasher.has_extras:
-            extra_keys = [hasher.block_extra(i) for i in range(num_cached, num_full)]
         new_full = blocks[num_cached:num_full]
-        self.pool.cache_full_blocks(
-            new_full,
-            hashes[num_cached:num_full],
-            parent,
-            request.token_ids[num_cached * block_size : num_full * block_size],
-            block_size,
-            lora=hasher.lora,
-            extra_keys=extra_keys,
-        )
-        self._uncommitted.extend(zip(new_full, hashes[num_cached:num_full], strict=True))
+        new_hashes = request.block_hashes[num_cached:num_full]
+        self.pool.cache_full_blocks(new_full, new_hashes)
+        self._uncommitted.extend(zip(new_full, new_hashes, strict=True))
         self._req_to_num_cached_blocks[request_id] = num_full

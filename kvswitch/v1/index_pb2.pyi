@@ -85,20 +85,10 @@ class LiveWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora", "extra_keys")
+    __slots__ = ("block_hashes",)
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    LORA_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    parent_block_hash: bytes
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    block_size: int
-    lora: str
-    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora: _Optional[str] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes",)

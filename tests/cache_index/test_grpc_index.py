@@ -44,12 +44,8 @@ def run(body: Callable[[ServedIndex], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-def stored(hashes: list[bytes], parent: bytes = b"\x00" * 16) -> index_pb2.CacheEvent:
-    return index_pb2.CacheEvent(
-        stored=index_pb2.BlockStored(
-            block_hashes=hashes, parent_block_hash=parent, token_ids=range(4 * len(hashes))
-        )
-    )
+def stored(hashes: list[bytes]) -> index_pb2.CacheEvent:
+    return index_pb2.CacheEvent(stored=index_pb2.BlockStored(block_hashes=hashes))
 
 
 def test_bad_input_is_invalid_argument() -> None:
@@ -69,11 +65,11 @@ def test_bad_input_is_invalid_argument() -> None:
                 invalid,
                 "Match.block_hashes: block hashes are 16 bytes each, got one of 5",
             )
-            bad_parent = stored([CHAIN[0]], parent=b"")
-            apply = stub.Apply(index_pb2.ApplyRequest(worker_id="w", seq=1, events=[bad_parent]))
+            bad_hash = stored([CHAIN[0], b"short"])
+            apply = stub.Apply(index_pb2.ApplyRequest(worker_id="w", seq=1, events=[bad_hash]))
             assert await status_of(apply) == (
                 invalid,
-                "BlockStored.parent_block_hash: block hashes are 16 bytes each, got one of 0",
+                "BlockStored.block_hashes: block hashes are 16 bytes each, got one of 5",
             )
             no_kind = index_pb2.ApplyRequest(worker_id="w", seq=1, events=[index_pb2.CacheEvent()])
             assert await status_of(stub.Apply(no_kind)) == (
@@ -125,8 +121,8 @@ def test_every_event_field_crosses_the_wire() -> None:
             return await super().apply(worker_id, seq, events)
 
     events = [
-        BlockStored(tuple(CHAIN[:2]), b"\x01" * 16, tuple(range(8)), 4, "adapter", (b"e0", b"")),
-        BlockStored(tuple(CHAIN[2:3]), CHAIN[1], (8, 9, 10, 11), 4),
+        BlockStored(tuple(CHAIN[:2])),
+        BlockStored(tuple(CHAIN[2:3])),
     ]
 
     async def main() -> None:

@@ -27,8 +27,8 @@ def worker(worker_id: str, namespace: str = NS) -> WorkerInfo:
     return WorkerInfo(worker_id, f"127.0.0.1:{50000 + len(worker_id)}", namespace, 4, "both", 128)
 
 
-def stored(hashes: list[bytes], parent: bytes = b"\x00" * 16) -> BlockStored:
-    return BlockStored(tuple(hashes), parent, tuple(range(4 * len(hashes))), 4)
+def stored(hashes: list[bytes]) -> BlockStored:
+    return BlockStored(tuple(hashes))
 
 
 def run(make_index: MakeIndex, body: Callable[[BlockIndex], Awaitable[None]]) -> None:

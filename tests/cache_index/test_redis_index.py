@@ -32,7 +32,7 @@ def worker(worker_id: str, namespace: str = NS) -> WorkerInfo:
 
 def stored(hashes: Iterable[bytes]) -> BlockStored:
     block_hashes = tuple(hashes)
-    return BlockStored(block_hashes, b"\x00" * 16, tuple(range(4 * len(block_hashes))), 4)
+    return BlockStored(block_hashes)
 
 
 def many_hashes(n: int, salt: int = 0) -> list[bytes]:
@@ -377,8 +377,7 @@ def test_tls_urls_with_auth(spawn_redis: Callable[..., LocalRedis]) -> None:
             info = WorkerInfo("w", "127.0.0.1:1", "m", 4)
             await index.register(info, 30)
             chain = [bytes([i]) * 16 for i in range(5)]
-            root = b"\x00" * 16
-            await index.apply("w", 1, [BlockStored(tuple(chain[:3]), root, (), 4)])
+            await index.apply("w", 1, [BlockStored(tuple(chain[:3]))])
             assert await index.match("m", chain) == {"w": 3}
         finally:
             await index.close()

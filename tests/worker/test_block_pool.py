@@ -7,17 +7,10 @@ import pytest
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, replay
 from kvswitch.worker.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
-BLOCK_SIZE = 2
-ROOT = b"\x00" * 16
-
 
 def h(n: int) -> bytes:
     """A made-up 16-byte block hash."""
     return bytes([n]) * 16
-
-
-def tokens_for(num_blocks: int, start: int = 100) -> list[int]:
-    return list(range(start, start + num_blocks * BLOCK_SIZE))
 
 
 def snapshot(pool: BlockPool) -> tuple:
@@ -30,7 +23,7 @@ def snapshot(pool: BlockPool) -> tuple:
 
 
 def cache_one(pool: BlockPool, block: KVBlock, block_hash: bytes) -> None:
-    pool.cache_full_blocks([block], [block_hash], ROOT, tokens_for(1), BLOCK_SIZE)
+    pool.cache_full_blocks([block], [block_hash])
 
 
 # -- FreeBlockQueue ------------------------------------------------------------------------------
@@ -186,7 +179,7 @@ def test_touch_revives_free_cached_block_at_its_exact_position() -> None:
     assert cached.ref_cnt == 1
     assert pool.free_queue.block_ids() == [0, 1, 3, 4]
     assert cached.block_hash == h(7)  # still cached, nothing evicted
-    assert pool.take_events()[-1] == BlockStored((h(7),), ROOT, tuple(tokens_for(1)), BLOCK_SIZE)
+    assert pool.take_events()[-1] == BlockStored((h(7),))
     assert pool.take_events() == []
 
     # Touching a block in use only adds a reference.
@@ -262,8 +255,8 @@ def test_taking_cached_head_block_evicts_it() -> None:
     cache_one(pool, blocks[1], h(2))
     pool.free_blocks(blocks)  # queue: 0 (h1), 1 (h2), 2
     assert pool.take_events() == [
-        BlockStored((h(1),), ROOT, tuple(tokens_for(1)), BLOCK_SIZE),
-        BlockStored((h(2),), ROOT, tuple(tokens_for(1)), BLOCK_SIZE),
+        BlockStored((h(1),)),
+        BlockStored((h(2),)),
     ]
 
     (taken,) = pool.get_new_blocks(1)
@@ -291,7 +284,7 @@ def test_duplicate_keeps_hash_until_last_copy_is_evicted() -> None:
     cache_one(pool, second, h(5))  # an identical block computed by another request
     assert second.block_hash == h(5)
     assert pool.cached_block_hashes() == [h(5)]
-    assert pool.take_events() == [BlockStored((h(5),), ROOT, tuple(tokens_for(1)), BLOCK_SIZE)]
+    assert pool.take_events() == [BlockStored((h(5),))]
     pool.check_integrity()
 
     pool.free_blocks([first, second, other])  # queue: first, second, other
@@ -330,34 +323,11 @@ def test_duplicate_evicted_before_the_original() -> None:
 def test_cache_run_of_new_hashes_is_one_event() -> None:
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(3)
-    tokens = tokens_for(3)
-    extras = [b"x0", b"x1", b"x2"]
-    pool.cache_full_blocks(
-        blocks, [h(1), h(2), h(3)], h(9), tokens, BLOCK_SIZE, lora="ad", extra_keys=extras
-    )
+    pool.cache_full_blocks(blocks, [h(1), h(2), h(3)])
     assert [b.block_hash for b in blocks] == [h(1), h(2), h(3)]
-    assert pool.take_events() == [
-        BlockStored(
-            block_hashes=(h(1), h(2), h(3)),
-            parent_block_hash=h(9),
-            token_ids=tuple(tokens),
-            block_size=BLOCK_SIZE,
-            lora="ad",
-            extra_keys=(b"x0", b"x1", b"x2"),
-        )
-    ]
+    assert pool.take_events() == [BlockStored((h(1), h(2), h(3)))]
     assert sorted(pool.cached_block_hashes()) == [h(1), h(2), h(3)]
     pool.check_integrity()
-
-
-def test_cache_without_extras_has_empty_extra_keys() -> None:
-    pool = BlockPool(2)
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(blocks, [h(1), h(2)], ROOT, tokens_for(2), BLOCK_SIZE)
-    (event,) = pool.take_events()
-    assert event.extra_keys == ()
-    assert event.lora is None
-    assert event.parent_block_hash == ROOT
 
 
 def test_duplicate_in_the_middle_splits_the_run() -> None:
@@ -367,20 +337,8 @@ def test_duplicate_in_the_middle_splits_the_run() -> None:
     pool.take_events()
 
     blocks = pool.get_new_blocks(4)
-    tokens = tokens_for(4, start=200)
-    pool.cache_full_blocks(
-        blocks,
-        [h(1), h(2), h(3), h(4)],
-        h(9),
-        tokens,
-        BLOCK_SIZE,
-        lora="ad",
-        extra_keys=[b"e0", b"e1", b"e2", b"e3"],
-    )
-    assert pool.take_events() == [
-        BlockStored((h(1),), h(9), tuple(tokens[0:2]), BLOCK_SIZE, "ad", (b"e0",)),
-        BlockStored((h(3), h(4)), h(2), tuple(tokens[4:8]), BLOCK_SIZE, "ad", (b"e2", b"e3")),
-    ]
+    pool.cache_full_blocks(blocks, [h(1), h(2), h(3), h(4)])
+    assert pool.take_events() == [BlockStored((h(1),)), BlockStored((h(3), h(4)))]
     assert all(b.block_hash is not None for b in blocks)
     assert pool.get_cached_block(h(2)) is earlier
     assert sorted(pool.cached_block_hashes()) == [h(1), h(2), h(3), h(4)]
@@ -394,19 +352,18 @@ def test_duplicates_at_both_ends_emit_only_the_middle() -> None:
     cache_one(pool, known[1], h(3))
     pool.take_events()
     blocks = pool.get_new_blocks(3)
-    tokens = tokens_for(3, start=300)
-    pool.cache_full_blocks(blocks, [h(1), h(2), h(3)], ROOT, tokens, BLOCK_SIZE)
-    assert pool.take_events() == [BlockStored((h(2),), h(1), tuple(tokens[2:4]), BLOCK_SIZE)]
+    pool.cache_full_blocks(blocks, [h(1), h(2), h(3)])
+    assert pool.take_events() == [BlockStored((h(2),))]
     pool.check_integrity()
 
 
 def test_all_duplicates_emit_nothing() -> None:
     pool = BlockPool(4)
     known = pool.get_new_blocks(2)
-    pool.cache_full_blocks(known, [h(1), h(2)], ROOT, tokens_for(2), BLOCK_SIZE)
+    pool.cache_full_blocks(known, [h(1), h(2)])
     pool.take_events()
     copies = pool.get_new_blocks(2)
-    pool.cache_full_blocks(copies, [h(1), h(2)], ROOT, tokens_for(2), BLOCK_SIZE)
+    pool.cache_full_blocks(copies, [h(1), h(2)])
     assert pool.take_events() == []
     assert sorted(pool.cached_block_hashes()) == [h(1), h(2)]
     pool.check_integrity()
@@ -440,7 +397,7 @@ def test_reset_refused_while_a_block_is_in_use() -> None:
 def test_reset_clears_everything_when_all_blocks_are_free() -> None:
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(4)
-    pool.cache_full_blocks(blocks[:2], [h(1), h(2)], ROOT, tokens_for(2), BLOCK_SIZE)
+    pool.cache_full_blocks(blocks[:2], [h(1), h(2)])
     cache_one(pool, blocks[2], h(1))  # a duplicate, cleared as well
     pool.free_blocks(reversed(blocks))
     events = pool.take_events()
@@ -467,7 +424,7 @@ def test_reset_clears_everything_when_all_blocks_are_free() -> None:
 def test_caching_disabled_caches_nothing_and_emits_nothing() -> None:
     pool = BlockPool(3, enable_caching=False)
     blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(blocks, [h(1), h(2), h(3)], ROOT, tokens_for(3), BLOCK_SIZE)
+    pool.cache_full_blocks(blocks, [h(1), h(2), h(3)])
     assert all(b.block_hash is None for b in blocks)
     assert pool.cached_block_hashes() == []
     assert pool.get_cached_block(h(1)) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvswitch.cache_index.events import BlockRemoved, BlockStored, replay
-from kvswitch.cache_index.hashing import BlockHasher, MMItem, hash_block_tokens
+from kvswitch.cache_index.hashing import BlockHasher, MMItem
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.request import Request
 from tests.worker.driver import admit, decode
@@ -31,17 +31,6 @@ def state(manager: KVCacheManager, *requests: Request) -> tuple:
 
 def stored(events: list) -> list[BlockStored]:
     return [e for e in events if isinstance(e, BlockStored)]
-
-
-def check_chain(event: BlockStored, hasher: BlockHasher) -> None:
-    """The event's tokens, parent and extra keys rebuild its hashes."""
-    parent = event.parent_block_hash
-    for i, block_hash in enumerate(event.block_hashes):
-        extra = event.extra_keys[i] if event.extra_keys else b""
-        tokens = event.token_ids[i * event.block_size : (i + 1) * event.block_size]
-        assert hash_block_tokens(parent, tokens, extra) == block_hash
-        parent = block_hash
-    assert event.lora == hasher.lora
 
 
 # -- construction -------------------------------------------------------------------------------
@@ -249,7 +238,7 @@ def test_block_is_cached_on_the_step_that_fills_it() -> None:
     r1 = Request("r1", prompt, HASHER)
     admit(manager, r1)
     (event,) = manager.take_events()
-    assert event == BlockStored((r1.block_hashes[0],), HASHER.root, tuple(prompt[:B]), B)
+    assert event == BlockStored((r1.block_hashes[0],))
 
     decode(manager, r1, 501)  # B + 3 tokens
     assert manager.take_events() == []
@@ -259,13 +248,7 @@ def test_block_is_cached_on_the_step_that_fills_it() -> None:
     assert len(r1.block_hashes) == 2
     assert manager.pool.blocks[1].block_hash == r1.block_hashes[1]
     (event,) = manager.take_events()
-    assert event == BlockStored(
-        block_hashes=(r1.block_hashes[1],),
-        parent_block_hash=r1.block_hashes[0],
-        token_ids=(*prompt[B:], 501, 502),
-        block_size=B,
-    )
-    check_chain(event, HASHER)
+    assert event == BlockStored((r1.block_hashes[1],))
     assert manager.get_block_ids("r1") == [0, 1]
 
     decode(manager, r1, 503)  # needs a new block, nothing cached
@@ -291,14 +274,11 @@ def test_chunked_prefill_caches_blocks_as_chunks_complete() -> None:
     assert manager.get_block_ids("r1") == [0, 1, 2]
     (event,) = manager.take_events()
     assert event.block_hashes == tuple(r1.block_hashes[:2])
-    assert event.parent_block_hash == HASHER.root
-    assert event.token_ids == tuple(prompt[: 2 * B])
     r1.num_computed_tokens = 2 * B + 1
 
     assert manager.allocate_slots(r1, B) is not None
     (event,) = manager.take_events()
     assert event.block_hashes == (r1.block_hashes[2],)
-    assert event.parent_block_hash == r1.block_hashes[1]
     assert manager.get_block_ids("r1") == [0, 1, 2, 3]
     manager.check_integrity()
 
@@ -338,9 +318,6 @@ def test_duplicate_then_new_block_in_one_step_splits_the_event() -> None:
     assert manager.allocate_slots(r1, 2 * B) is not None
     (event,) = manager.take_events()
     assert event.block_hashes == (r1.block_hashes[2],)
-    assert event.parent_block_hash == r1.block_hashes[1]
-    assert event.token_ids == tuple(prompt[2 * B : 3 * B])
-    check_chain(event, HASHER)
     assert manager.get_block_ids("r1") == [0, 2, 3]
     assert manager.get_block_ids("r2") == [0, 1]
     assert manager.pool.blocks[2].block_hash == manager.pool.blocks[1].block_hash
@@ -379,49 +356,27 @@ def test_same_tokens_with_other_extras_miss(other: BlockHasher) -> None:
         BlockHasher("mgr-model", B, mm_items=(MMItem(b"img", offset=B + 1, length=B),)),
     ],
 )
-def test_stored_events_carry_lora_and_per_block_extra_keys(hasher: BlockHasher) -> None:
+def test_stored_events_name_blocks_by_hashes_that_hold_the_extras(hasher: BlockHasher) -> None:
     manager = KVCacheManager(num_blocks=12, block_size=B)
     prompt = toks(2 * B + 2)
     r1 = Request("r1", prompt, hasher)
     admit(manager, r1)
     (event,) = manager.take_events()
-    assert event.block_hashes == tuple(r1.block_hashes[:2])
-    assert event.lora == hasher.lora
-    assert event.extra_keys == (hasher.block_extra(0), hasher.block_extra(1))
-    check_chain(event, hasher)
+    # The adapter, the salt and the media are in the hashes: the same tokens without them
+    # name other blocks, so the event needs to carry nothing else.
+    assert event == BlockStored(tuple(r1.block_hashes[:2]))
+    assert event.block_hashes[-1] not in HASHER.hash_blocks(prompt)
 
-    # A block filled by decoding carries its own index's extra keys.
+    # A block filled by decoding, too.
     decode(manager, r1, 1)
     decode(manager, r1, 2)
     (event,) = manager.take_events()
-    assert event.block_hashes == (r1.block_hashes[2],)
-    assert event.parent_block_hash == r1.block_hashes[1]
-    assert event.extra_keys == (hasher.block_extra(2),)
-    check_chain(event, hasher)
+    assert event == BlockStored((r1.block_hashes[2],))
     manager.check_integrity()
 
     # The same tokens and extras hit.
     r2 = Request("r2", [*prompt, 1, 2, 3], hasher)
     assert admit(manager, r2) == [0, 1, 2]
-
-
-def test_salt_extra_key_only_on_first_block() -> None:
-    hasher = BlockHasher("mgr-model", B, cache_salt="s")
-    manager = KVCacheManager(num_blocks=6, block_size=B)
-    admit(manager, Request("r1", toks(2 * B + 1), hasher))
-    (event,) = manager.take_events()
-    assert event.extra_keys[0] != b""
-    assert event.extra_keys[1] == b""
-    assert event.lora is None
-
-
-def test_plain_requests_emit_no_extra_keys() -> None:
-    manager = KVCacheManager(num_blocks=6, block_size=B)
-    admit(manager, Request("r1", toks(2 * B + 1), HASHER))
-    (event,) = manager.take_events()
-    assert event.extra_keys == ()
-    assert event.lora is None
-    check_chain(event, HASHER)
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -131,5 +131,4 @@ def test_ten_block_example() -> None:
     assert events[0] == BlockRemoved((block3_hash,))
     assert [type(e) for e in events] == [BlockRemoved, BlockStored]
     assert events[1].block_hashes == tuple(r2.block_hashes[3:8])
-    assert events[1].parent_block_hash == r2.block_hashes[2]
     manager.check_integrity()
