@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvswitch.benchmarks.timing import machine_info, rate_per_s
+from kvswitch.cache_index.events import BlockStored, CacheEvent
+from kvswitch.cache_index.grpc_index import event_to_proto
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.request import Request
@@ -91,9 +93,14 @@ def run(config: PoolBenchConfig) -> dict[str, float | int]:
                 num_ops += retire()
             num_ops += admit(request)
             running.append(request)
-        manager.take_events()  # an idle publisher would drain them about this often
+        # An idle publisher would drain them about this often; the latest batch that cached
+        # something is kept, to be weighed after the timing.
+        events = manager.take_events()
+        if any(isinstance(e, BlockStored) for e in events):
+            drained[:] = events
         return num_ops
 
+    drained: list[CacheEvent] = []
     one_pass()  # warm up: fill the cache so that later passes evict
     counts.update(hit_blocks=0, new_blocks=0)
     rate = rate_per_s(one_pass, duration_s=config.duration_s, label="block ops")
@@ -101,10 +108,14 @@ def run(config: PoolBenchConfig) -> dict[str, float | int]:
         retire()
     manager.check_integrity()
     num_taken = counts["hit_blocks"] + counts["new_blocks"]
+    # What one pass's events weigh on the wire to the index (gRPC), per block they cache.
+    stored = [event_to_proto(e) for e in drained if isinstance(e, BlockStored)]
+    num_stored_blocks = sum(len(e.stored.block_hashes) for e in stored)
     return {
         "block_ops_per_s": rate["median_per_s"],
         "best_block_ops_per_s": rate["best_per_s"],
         "hit_block_fraction": counts["hit_blocks"] / num_taken,
+        "event_bytes_per_stored_block": sum(e.ByteSize() for e in stored) / num_stored_blocks,
         "num_blocks": config.num_blocks,
         "machine": machine_info(),
         "block_size": config.block_size,

@@ -149,6 +149,7 @@ def test_bench_pool_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert figures == json.loads(capsys.readouterr().out)
     assert figures["block_ops_per_s"] > 0
     assert 0.5 < figures["hit_block_fraction"] < 1.0
+    assert 16 < figures["event_bytes_per_stored_block"] < 40  # a 16-byte hash and framing
 
 
 def test_bench_hash_writes_json(tmp_path: Path) -> None:

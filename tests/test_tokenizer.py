@@ -19,6 +19,7 @@ from kvswitch.tokenizer import (
     HFTokenizer,
     IncrementalDecoder,
     SentencePieceTokenizer,
+    Tokenizer,
     TokenizerFileError,
     load_tokenizer,
 )
@@ -199,18 +200,27 @@ def test_without_any_bos_nothing_is_prepended(tmp_path: Path) -> None:
     assert tokenizer.encode("hello") == tokenizer.encode("hello", add_bos=False)
 
 
-@pytest.mark.parametrize("step", [1, 2, 3])
-def test_hf_stream_concatenates_to_the_full_decode(hf_dir: Path, step: int) -> None:
-    tokenizer = load_tokenizer(hf_dir)
+def check_stream(tokenizer: Tokenizer, texts: list[str], step: int) -> list[str]:
+    """Streams ``texts`` (and an emoji split into byte tokens) after a prompt, ``step`` tokens a
+    push: no piece breaks a character, and the pieces add up to what the tokens add to the
+    prompt's text. Returns the pieces."""
     prompt_ids = tokenizer.encode("hello router")
-    output_ids = tokenizer.encode(" / ".join(TEXTS) + f" {EMOJI}", add_bos=False)
+    output_ids = tokenizer.encode(" / ".join(texts) + f" {EMOJI}", add_bos=False)
     # The emoji must really be split across tokens for this test to mean anything.
     assert all(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in output_ids[-4:])
     pieces = stream(IncrementalDecoder(tokenizer, prompt_ids), output_ids, step)
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
-    assert "".join(pieces) == tokenizer.decode(output_ids)
     full = tokenizer.decode(prompt_ids + output_ids)
     assert full == tokenizer.decode(prompt_ids) + "".join(pieces)
+    return pieces
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_hf_stream_concatenates_to_the_full_decode(hf_dir: Path, step: int) -> None:
+    tokenizer = load_tokenizer(hf_dir)
+    pieces = check_stream(tokenizer, TEXTS, step)
+    output_ids = tokenizer.encode(" / ".join(TEXTS) + f" {EMOJI}", add_bos=False)
+    assert "".join(pieces) == tokenizer.decode(output_ids)
 
 
 def test_hf_stream_holds_a_broken_character_until_flush(hf_dir: Path) -> None:
@@ -316,15 +326,8 @@ def test_sentencepiece_special_tokens_default_to_the_models_own(tmp_path: Path):
 
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_sentencepiece_stream_concatenates_to_the_full_decode(sp_dir: Path, step: int) -> None:
-    tokenizer = load_tokenizer(sp_dir)
-    prompt_ids = tokenizer.encode("hello router")
-    output_ids = tokenizer.encode(" / ".join(SP_TEXTS) + f" {EMOJI}", add_bos=False)
-    assert all(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in output_ids[-4:])
-    pieces = stream(IncrementalDecoder(tokenizer, prompt_ids), output_ids, step)
-    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+    pieces = check_stream(load_tokenizer(sp_dir), SP_TEXTS, step)
     # After a prompt, the first piece keeps its leading space (decoding alone drops it).
-    full = tokenizer.decode(prompt_ids + output_ids)
-    assert full == tokenizer.decode(prompt_ids) + "".join(pieces)
     assert pieces[0].startswith(" ")
 
 

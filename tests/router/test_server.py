@@ -25,8 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.client import Client, KvswitchError, KvswitchTimeoutError
+from kvswitch.router import servicer as servicer_module
+from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.server import RouterConfig, RouterStartError, start_router
 from kvswitch.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from kvswitch.v1 import common_pb2, router_pb2
 from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.sampler import SamplingParams
 from kvswitch.worker.server import WorkerServer
@@ -522,3 +525,29 @@ def test_a_long_text_prompt_is_tokenized_off_the_event_loop(reference: LLMEngine
         assert list(quick.token_ids) == expected(reference, [256, *b"meanwhile"], max_tokens=2)
     finally:
         cluster.close()
+
+
+def test_a_request_is_counted_before_its_last_message_leaves() -> None:
+    """A client that holds its answer (an error status, or the final response) finds its request
+    in /metrics already: the count comes before the status or the final message is sent."""
+    metrics = RouterMetrics()
+
+    def count(reason: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "kvswitch_router_requests_total", {"finish_reason": reason}
+        )
+
+    class Context:  # stands in for grpc's ServicerContext: abort is where the status leaves
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            seen.append(count("rejected"))
+
+    seen: list[float | None] = []
+    outcome = servicer_module._Outcome("r1", metrics)
+    asyncio.run(servicer_module._abort(Context(), outcome, grpc.StatusCode.INVALID_ARGUMENT, "x"))
+    assert seen == [1.0]
+    outcome.record()  # the handler's finally: no second count
+    assert count("rejected") == 1.0
+
+    final = router_pb2.GenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    servicer_module._Outcome("r2", metrics).finished(final)  # just before the final is written
+    assert count("length") == 1.0
