@@ -68,7 +68,7 @@ def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
 
 
 def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
-    from kvswitch.worker.sampler import SamplingParams
+    from kvswitch.worker.request import SamplingParams
 
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
@@ -155,7 +155,7 @@ def run_decode(config: DecodeBenchConfig) -> dict:
     if not batch_sizes or min(batch_sizes) <= 0:
         raise ValueError(f"batch_sizes must list positive integers, got {config.batch_sizes!r}")
     results: dict = {"machine": machine_info(), "device": config.device, "dtype": config.dtype}
-    from kvswitch.worker.sampler import SamplingParams
+    from kvswitch.worker.request import SamplingParams
 
     rng = np.random.default_rng(config.seed)
     for batch in batch_sizes:

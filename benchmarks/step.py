@@ -66,7 +66,7 @@ def run(config: StepBenchConfig) -> dict:
     import torch
 
     from kvswitch.worker.engine import EngineConfig, LLMEngine
-    from kvswitch.worker.sampler import SamplingParams
+    from kvswitch.worker.request import SamplingParams
     from kvswitch.worker.weights import model_config
 
     block_size = 16
@@ -155,7 +155,8 @@ def run(config: StepBenchConfig) -> dict:
 def _sample_ms(num_seqs: int, device: str, top_p: float, rng: np.random.Generator) -> float:
     import torch
 
-    from kvswitch.worker.sampler import Sampler, SamplingParams
+    from kvswitch.worker.request import SamplingParams
+    from kvswitch.worker.sampler import Sampler
 
     logits = torch.from_numpy(rng.standard_normal((num_seqs, 32_000), np.float32)).to(device)
     params = [SamplingParams(temperature=0.8, top_p=top_p, seed=i) for i in range(num_seqs // 2)]

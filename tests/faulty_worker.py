@@ -1,9 +1,12 @@
 """``kvswitch worker`` whose model step raises on a chosen token: a real worker process with a
-real failure inside its engine. Run as ``python tests/faulty_worker.py worker ARGS``.
+real failure inside its engine core. Run as ``python tests/faulty_worker.py worker ARGS``.
 
 - ``KVSWITCH_TEST_FAIL_ON_TOKEN``: a token id; a step that computes it raises before the forward
   pass, so none of the KV the step was to write is written.
 - ``KVSWITCH_TEST_FAIL_TIMES``: how many such steps fail (default 1); later ones run.
+
+The engine core process is started with multiprocessing's spawn, which imports this file again
+there (as ``__mp_main__``): that is where the failure is put in.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def make_steps_fail() -> None:
     ModelRunner.execute_batch = failing_execute_batch
 
 
-if __name__ == "__main__":
+if __name__ == "__mp_main__":
     make_steps_fail()
+
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -36,6 +36,7 @@ COMMANDS = [
     ["bench", "serve"],
     ["bench", "lookup"],
     ["bench", "step"],
+    ["bench", "admission"],
     ["index"],
     ["index", "stats"],
     ["index", "audit"],
@@ -261,7 +262,7 @@ def test_bench_serve_checks_a_local_cluster_against_the_reference(tmp_path: Path
 def test_bench_serve_flags_a_token_the_reference_would_not_choose() -> None:
     from kvswitch.benchmarks.serve import ServeBenchConfig, _reference_gaps
     from kvswitch.worker.engine import EngineConfig, LLMEngine
-    from kvswitch.worker.sampler import SamplingParams
+    from kvswitch.worker.request import SamplingParams
 
     config = ServeBenchConfig(num_prompts=1, num_prompt_tokens=20, num_shared_tokens=0)
     prompt = [256, *b"the reference decides"][:20]
@@ -295,7 +296,7 @@ def test_ctrl_c_stops_generate_and_its_request_without_a_traceback() -> None:
     )
     try:
         deadline = time.monotonic() + 30
-        while worker.engine_loop.load.num_running_requests == 0:
+        while worker.engine.load.num_running_requests == 0:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
         process.send_signal(signal.SIGINT)
@@ -304,10 +305,25 @@ def test_ctrl_c_stops_generate_and_its_request_without_a_traceback() -> None:
         assert err.decode().strip().endswith("kvswitch generate: interrupted")
         assert b"Traceback" not in err
         # The stream's call was cancelled: the worker stopped computing it.
-        while worker.engine_loop.load.num_running_requests:
+        while worker.engine.load.num_running_requests:
             assert time.monotonic() < deadline + 15, "the worker kept running the request"
             time.sleep(0.02)
     finally:
         process.kill()
         process.wait()
         cluster.close()
+
+
+def test_starting_a_router_or_worker_by_name_does_not_load_torch() -> None:
+    # Only the worker's engine core needs torch; a serving process that loads it anyway spends
+    # seconds and hundreds of MB on it, at every restart.
+    code = (
+        "import sys\n"
+        "from kvswitch.app.cli import build_parser\n"
+        "for command in ('router', 'worker', 'up', 'generate'):\n"
+        "    build_parser(command).parse_known_args([command])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -38,6 +38,8 @@ IMPORT_NAMES = {
     "safetensors": "safetensors",
     "torch": "torch",
     "triton": "triton",
+    "pyzmq": "zmq",
+    "msgpack": "msgpack",
 }
 
 

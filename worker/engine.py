@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,64 +24,28 @@ import torch
 
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
-from kvswitch.worker.request import FinishReason, Request, StepFailed
-from kvswitch.worker.sampler import Sampler, SamplingParams, make_generator, seed_for_position
+from kvswitch.worker.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    StepFailed,
+    check_prompt,
+)
+from kvswitch.worker.sampler import Sampler, make_generator, seed_for_position
 from kvswitch.worker.scheduler import Scheduler, SchedulerConfig
 from kvswitch.worker.weights import load_model, model_namespace
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None  # a Hugging Face checkpoint directory; None = built-in tiny model
-    served_model_name: str = ""  # the block-hash namespace; empty = derived from the model
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    kv_cache_bytes: int = 256 << 20
-    # On CUDA, a fraction in (0, 1) sizes the KV cache from the GPU memory free after loading
-    # the model instead of kv_cache_bytes.
-    gpu_memory_fraction: float = 0.0
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-        if not 0.0 <= self.gpu_memory_fraction < 1.0:
-            raise ValueError(
-                f"gpu_memory_fraction must be in [0, 1), got {self.gpu_memory_fraction}"
-            )
-        if self.gpu_memory_fraction and not self.device.startswith("cuda"):
-            raise ValueError(
-                "gpu_memory_fraction sizes a GPU's KV cache: use it with a cuda device"
-            )
-
-    def kv_cache_budget_bytes(self) -> int:
-        """Bytes for the KV cache, decided once the model is loaded."""
-        if self.gpu_memory_fraction:
-            free_bytes, _ = torch.cuda.mem_get_info(torch.device(self.device))
-            return int(free_bytes * self.gpu_memory_fraction)
-        return self.kv_cache_bytes
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one request produced in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    ttft_s: float | None = None  # set on the step that produced the first token
+def kv_cache_budget_bytes(config: EngineConfig) -> int:
+    """Bytes for the KV cache, decided once the model is loaded."""
+    if config.gpu_memory_fraction:
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        return int(free_bytes * config.gpu_memory_fraction)
+    return config.kv_cache_bytes
 
 
 @dataclass(slots=True)
@@ -119,7 +84,7 @@ def _finish_reason(
     params = request.params
     if token_id in params.stop_token_ids or token_id in eos_token_ids:
         return FinishReason.STOP
-    num_tokens = len(request.token_ids)
+    num_tokens = request.num_tokens
     if num_tokens - request.num_prompt_tokens >= params.max_tokens:
         return FinishReason.LENGTH
     if num_tokens >= max_model_len:
@@ -135,7 +100,7 @@ class LLMEngine:
         self.model = load_model(config.model, device=config.device, dtype=dtype)
         self.model_config = self.model.config
         num_blocks = num_blocks_for_budget(
-            self.model, config.block_size, dtype, config.kv_cache_budget_bytes()
+            self.model, config.block_size, dtype, kv_cache_budget_bytes(config)
         )
         self.namespace = model_namespace(config.model, config.served_model_name)
         self.kv_cache = KVCacheManager(
@@ -162,51 +127,44 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int] | np.ndarray,
         params: SamplingParams,
         *,
         lora: str | None = None,
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
+        block_hashes: list[bytes] | None = None,
     ) -> None:
         """Queue a request. Raises ValueError, saying what is wrong, for a request that can
         never run; nothing is queued then.
 
         ``num_resumed_tokens``: the last this-many prompt tokens are output the request already
         produced elsewhere; a seeded request samples its next token as the one after them.
+        ``block_hashes``: the prompt's chain (``self.hasher(cache_salt)``), when the caller
+        hashed it already.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        prompt = np.asarray(prompt_token_ids)
+        check_prompt(prompt, self.model_config.vocab_size, self.max_model_len, num_resumed_tokens)
         if lora is not None:
             raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
-        if not 0 <= num_resumed_tokens < len(prompt_token_ids):
-            raise ValueError(
-                f"num_resumed_tokens must be in [0, {len(prompt_token_ids)}) for a prompt of "
-                f"{len(prompt_token_ids)} tokens, got {num_resumed_tokens}"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this worker's context length "
-                f"is {self.max_model_len}"
-            )
-        hasher = BlockHasher(self.namespace, self.config.block_size, cache_salt=cache_salt)
         request = Request(
             request_id,
-            prompt_token_ids,
-            hasher,
+            prompt,
+            self.hasher(cache_salt),
             params,
             make_generator(params, self.runner.device),
+            block_hashes=block_hashes,
         )
         request.num_resumed_tokens = num_resumed_tokens
         # NOTE: output that would pass the context length ends the request with LENGTH instead.
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def hasher(self, cache_salt: str | None = None) -> BlockHasher:
+        """What names this engine's blocks for a request with this salt."""
+        return BlockHasher(self.namespace, self.config.block_size, cache_salt=cache_salt)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not running."""
@@ -254,13 +212,15 @@ class LLMEngine:
         manager keeps up to date, in one gather."""
         num_seqs = len(scheduled)
         tables = self.kv_cache.block_tables
-        input_ids: list[int] = []
-        for request, num_new in scheduled:
-            start = request.num_computed_tokens
-            input_ids += request.token_ids[start : start + num_new]
+        input_ids = np.concatenate(
+            [
+                r.token_ids[r.num_computed_tokens : r.num_computed_tokens + num_new]
+                for r, num_new in scheduled
+            ]
+        )
         rows = np.fromiter((tables.row(r.request_id) for r, _ in scheduled), np.int64, num_seqs)
         return StepBatch(
-            input_ids=np.array(input_ids, np.int64),
+            input_ids=input_ids,
             start_pos=np.fromiter(
                 (r.num_computed_tokens for r, _ in scheduled), np.int64, num_seqs
             ),
@@ -285,7 +245,7 @@ class LLMEngine:
         sampling_rows = []
         for row, (request, num_new) in enumerate(scheduled):
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == len(request.token_ids):
+            if request.num_computed_tokens == request.num_tokens:
                 sampling_rows.append(row)
         if not sampling_rows:
             return []

@@ -111,7 +111,7 @@ class KVCacheManager:
             # block, so there is nothing to take and nothing to cache.
             num_after = request.num_computed_tokens + num_new_tokens
             in_held_blocks = num_after <= len(req_blocks) * self.block_size
-            known = num_after <= len(request.token_ids)  # else the slow path says why not
+            known = num_after <= request.num_tokens  # else the slow path says why not
             num_cached = self._req_to_num_cached_blocks[request.request_id]
             fills_none = not self.enable_caching or num_after // self.block_size <= num_cached
             if in_held_blocks and known and fills_none:

@@ -1,7 +1,7 @@
 """A worker's Prometheus metrics (``kvswitch_worker_*``; docs/OBSERVABILITY.md lists them).
 
 ``WorkerMetrics`` owns its registry. The servicer reports each request once, when it ends; the
-load gauges are read from the engine loop's latest ``LoadReport`` when Prometheus scrapes.
+load gauges are read from the engine core's latest ``LoadReport`` when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import GaugeMetricFamily
 
 from kvswitch.metrics import ReadCounter, ReadCounters, RequestMetrics
-from kvswitch.worker.engine_loop import LoadReport
+from kvswitch.worker.core_protocol import LoadReport
 
 # "rejected": refused before the engine took it (invalid, or the worker is stopping);
 # "error": the engine failed it; the rest are the engine's own finish reasons.

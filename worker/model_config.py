@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,11 @@ class ModelConfig:
         """Shapes for benchmarks with random weights (``--model random:NAME``); no tokenizer."""
         presets = {
             "tiny": cls.tiny(),
+            # The tiny shape with a context long enough for 128K-token prompts (host-work
+            # benchmarks: its forward costs little next to the serving around it).
+            "tiny-long": dataclasses.replace(
+                cls.tiny(), max_position_embeddings=262144, name="random-tiny-long"
+            ),
             # The shape of a 1B-class Llama (16 layers, hidden 2048, 32/8 heads of 64).
             "llama-1b": cls(
                 vocab_size=128256,

@@ -1,7 +1,8 @@
 """Publishes a worker's cache events to the global block-hash index, off the hot path.
 
-The engine thread only appends numbered event batches to the ``EngineLoop``'s buffer; this
-publisher, a task on the server's event loop, takes them in order and applies them to the index.
+The engine client only appends numbered event batches, as the engine core sends them, to its
+buffer; this publisher, a task on the server's event loop, takes them in order and applies them
+to the index.
 Whenever the index cannot be trusted to hold the worker's exact set (first start, a lost batch,
 a lapsed registration, a Redis restart), it registers again and resyncs from a snapshot::
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class EventSource(Protocol):
-    """What the publisher reads from a worker (``EngineLoop`` is one)."""
+    """What the publisher reads from a worker (``EngineClient`` is one)."""
 
     def take_cache_events(self) -> list: ...  # EventBatch(seq, events), oldest first
 

@@ -1,18 +1,62 @@
-"""A request: its token stream, the hashes of its full blocks, and where it is in its life."""
+"""A request: its token stream, the hashes of its full blocks, and where it is in its life; what
+it asks for (``SamplingParams``), what it produces (``RequestOutput``), and the checks that admit
+it. Nothing here imports torch: the serving process admits requests without loading it.
+"""
 
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvswitch.cache_index.hashing import BlockHasher
 
 if TYPE_CHECKING:
     import torch
 
-    from kvswitch.worker.sampler import SamplingParams
+MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed, as the protocol does
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    ``temperature`` 0 means greedy (argmax); ``top_p`` keeps the smallest set of most likely
+    tokens whose probability reaches it; ``seed`` makes a sampled request reproducible.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
+        # NOTE: written so that NaN fails too.
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
+        # A list passed by a caller would make the params unhashable; store a tuple.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bad = [t for t in self.stop_token_ids if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 class RequestStatus(enum.Enum):
@@ -30,12 +74,18 @@ class FinishReason(enum.Enum):
 class Request:
     """Prompt plus generated tokens, with the chain of hashes of every full block.
 
+    The tokens live in one int64 array that grows by doubling (``token_ids`` is a view of the
+    filled part), so admitting a long prompt copies one buffer instead of building a list of
+    Python ints. ``block_hashes`` may come precomputed (hashed where the request was admitted);
+    otherwise the prompt is hashed here.
+
     ``num_computed_tokens`` counts the tokens whose KV is in the cache (or will be, once the step
     that was scheduled for them has run). The KV cache manager needs only the token stream; the
     scheduler and engine use the rest.
     """
 
     __slots__ = (
+        "_tokens",
         "arrival_s",
         "block_hashes",
         "finish_reason",
@@ -47,28 +97,40 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "num_resumed_tokens",
+        "num_tokens",
         "params",
         "request_id",
         "status",
-        "token_ids",
     )
 
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: Sequence[int] | np.ndarray,
         hasher: BlockHasher,
         params: SamplingParams | None = None,
         generator: torch.Generator | None = None,
+        *,
+        block_hashes: list[bytes] | None = None,
     ) -> None:
-        if not prompt_token_ids:
+        num_prompt_tokens = len(prompt_token_ids)
+        if not num_prompt_tokens:
             raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
         self.request_id = request_id
         self.hasher = hasher
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
+        # Room for a short answer up front; longer ones grow the buffer.
+        self._tokens = np.empty(num_prompt_tokens + 64, np.int64)
+        self._tokens[:num_prompt_tokens] = prompt_token_ids
+        self.num_tokens = self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0
-        self.block_hashes: list[bytes] = hasher.hash_blocks(self.token_ids)
+        if block_hashes is None:
+            block_hashes = hasher.hash_blocks(self.token_ids)
+        elif len(block_hashes) != num_prompt_tokens // hasher.block_size:
+            raise ValueError(
+                f"request {request_id!r}: {len(block_hashes)} block hashes for a prompt of "
+                f"{num_prompt_tokens // hasher.block_size} full blocks"
+            )
+        self.block_hashes: list[bytes] = block_hashes
         self.params = params
         self.generator = generator
         self.status = RequestStatus.WAITING
@@ -82,16 +144,17 @@ class Request:
         self.first_token_s: float | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    def token_ids(self) -> np.ndarray:
+        """Every token so far, prompt first: a view, not to be written."""
+        return self._tokens[: self.num_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self._tokens[self.num_prompt_tokens : self.num_tokens].tolist()
 
     @property
     def is_finished(self) -> bool:
@@ -103,9 +166,53 @@ class Request:
 
     def append_token_ids(self, token_ids: Sequence[int]) -> None:
         """Add generated tokens, hashing each block the moment it becomes full."""
-        self.token_ids.extend(token_ids)
-        if len(self.token_ids) // self.hasher.block_size > len(self.block_hashes):
+        end = self.num_tokens + len(token_ids)
+        if end > len(self._tokens):
+            grown = np.empty(max(2 * len(self._tokens), end), np.int64)
+            grown[: self.num_tokens] = self._tokens[: self.num_tokens]
+            self._tokens = grown
+        self._tokens[self.num_tokens : end] = token_ids
+        self.num_tokens = end
+        if end // self.hasher.block_size > len(self.block_hashes):
             self.block_hashes += self.hasher.hash_blocks(self.token_ids, self.block_hashes)
+
+
+def check_prompt(
+    prompt_token_ids: np.ndarray, vocab_size: int, max_model_len: int, num_resumed_tokens: int = 0
+) -> None:
+    """ValueError, saying what is wrong, unless the prompt can run on a model with this vocabulary
+    and context length. Array work only: a 128K-token prompt takes tens of microseconds."""
+    num_tokens = len(prompt_token_ids)
+    if not num_tokens:
+        raise ValueError("the prompt is empty")
+    if prompt_token_ids.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {prompt_token_ids.dtype} values")
+    low, high = int(prompt_token_ids.min()), int(prompt_token_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if not 0 <= num_resumed_tokens < num_tokens:
+        raise ValueError(
+            f"num_resumed_tokens must be in [0, {num_tokens}) for a prompt of {num_tokens} "
+            f"tokens, got {num_resumed_tokens}"
+        )
+    if num_tokens >= max_model_len:
+        raise ValueError(
+            f"the prompt has {num_tokens} tokens; this worker's context length is {max_model_len}"
+        )
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    ttft_s: float | None = None  # set on the step that produced the first token
 
 
 class StepFailed(RuntimeError):

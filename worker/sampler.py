@@ -9,52 +9,13 @@ batch, and wherever it resumes. Unseeded rows share one draw from torch's global
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import xxhash
 
-MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed, as the protocol does
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How one request picks its tokens and when it stops.
-
-    ``temperature`` 0 means greedy (argmax); ``top_p`` keeps the smallest set of most likely
-    tokens whose probability reaches it; ``seed`` makes a sampled request reproducible.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
-            )
-        # NOTE: written so that NaN fails too.
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
-        # A list passed by a caller would make the params unhashable; store a tuple.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bad = [t for t in self.stop_token_ids if t < 0]
-        if bad:
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+from kvswitch.worker.request import SamplingParams
 
 
 def seed_for_position(seed: int, position: int) -> int:

@@ -83,7 +83,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = len(request.token_ids) - request.num_computed_tokens
+            num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
             while kv_cache.allocate_slots(request, num_new) is None:

@@ -1,7 +1,8 @@
 """The worker's gRPC server: ``kvswitch.v1.Worker`` plus the standard health service.
 
-The servicer only translates between protobuf and the engine's types; the engine runs on the
-``EngineLoop``'s thread, so a model step never blocks the event loop that serves RPCs.
+The servicer only translates between protobuf and the engine's types; the engine runs in an
+engine core process of its own (``EngineClient``), so a model step never blocks the event loop
+that serves RPCs, nor takes its GIL.
 
 ``serve(config)`` runs a worker until SIGINT/SIGTERM; ``start_worker(config)`` starts one and
 hands back a ``WorkerServer`` to stop later (tests, embedding).
@@ -15,9 +16,10 @@ import logging
 import socket
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index.connect import connect_index
@@ -31,19 +33,33 @@ from kvswitch.tokenizer import (
     load_tokenizer,
 )
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvswitch.worker.engine_loop import EngineLoop, EngineLoopError, EngineStopped, LoadReport
+from kvswitch.worker.engine_client import (
+    EngineClient,
+    EngineDied,
+    EngineError,
+    EngineStartError,
+    EngineStopped,
+    LoadReport,
+    check_engine_modules,
+)
+from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.publisher import EventPublisher
-from kvswitch.worker.request import FinishReason
+from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
 from kvswitch.worker.scheduler import SchedulerConfig
 
-# NOTE: worker.engine and worker.sampler import torch; they are imported where they are used, so
-# that `kvswitch --help` (which reads WorkerConfig for its options) stays fast.
-if TYPE_CHECKING:
-    from kvswitch.worker.engine import EngineConfig, RequestOutput
-    from kvswitch.worker.sampler import SamplingParams
-
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "WorkerConfig",
+    "WorkerFailed",
+    "WorkerServer",
+    "WorkerStartError",
+    "check_engine_modules",
+    "run",
+    "serve",
+    "start_worker",
+]
 
 SERVICE_NAME = "kvswitch.v1.Worker"  # its health-check name
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this
@@ -79,6 +95,9 @@ class WorkerConfig:
     role: str = "both"  # what the router may send here; only "both" is served so far
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
     metrics_port: int = -1  # Prometheus /metrics on host:metrics_port; -1 = none, 0 = a free port
+    # Run the engine core on a thread of the serving process instead of a process of its own:
+    # one process to debug or profile, at the cost of sharing its GIL with token streaming.
+    engine_in_process: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -109,8 +128,6 @@ class WorkerConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's config: every ``EngineConfig`` field has a field of the same name here."""
-        from kvswitch.worker.engine import EngineConfig
-
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
         return EngineConfig(**{**values, "model": self.model or None})
 
@@ -120,8 +137,6 @@ class WorkerConfig:
 
 def sampling_params_from_proto(sampling: common_pb2.SamplingParams) -> SamplingParams:
     """The engine's params; 0 means the default for max_tokens and top_p. ValueError if invalid."""
-    from kvswitch.worker.sampler import SamplingParams
-
     return SamplingParams(
         max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=sampling.temperature,
@@ -144,7 +159,7 @@ def load_to_proto(load: LoadReport, worker_id: str) -> worker_pb2.WorkerLoad:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """``kvswitch.v1.Worker`` over an ``EngineLoop``.
+    """``kvswitch.v1.Worker`` over an ``EngineClient``.
 
     A request the engine rejects ends with INVALID_ARGUMENT and the engine's message; a cancelled
     RPC (client gone, deadline passed) aborts its request, which frees the request's blocks. Every
@@ -153,14 +168,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        engine: EngineClient,
         *,
         worker_id: str,
         tokenizer: Tokenizer | None,
         metrics: WorkerMetrics,
         max_hashes_per_chunk: int = 4096,
     ) -> None:
-        self._engine_loop = engine_loop
+        self._engine = engine
         self._worker_id = worker_id
         self._tokenizer = tokenizer  # None: chunks carry no text
         self._metrics = metrics
@@ -173,10 +188,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # raises CancelledError inside this coroutine and the `finally` below always runs.
         request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
         log_extra = {"request_id": request_id}
-        prompt_token_ids = list(request.prompt_token_ids)
+        # NOTE: the repeated field converts to an array in one copy, not one Python int a token.
+        prompt_token_ids = np.array(request.prompt_token_ids, np.int64)
         try:
             params = sampling_params_from_proto(request.sampling)
-            queue = await self._engine_loop.submit(
+            queue = await self._engine.submit(
                 request_id,
                 prompt_token_ids,
                 params,
@@ -184,9 +200,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 cache_salt=request.cache_salt or None,
                 num_resumed_tokens=request.num_resumed_tokens,
             )
-        except EngineStopped:
+        except EngineStopped as e:
             self._metrics.requests.finished("rejected")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
         except ValueError as e:
             logger.info("rejected: %s", e, extra=log_extra)
             self._metrics.requests.finished("rejected")
@@ -206,7 +222,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if error is not None:
                     done = True
                     finish_reason = "error"
-                    await context.abort(_error_code(error), f"request {request_id}: {error}")
+                    await context.abort(*_error_status(request_id, error))
                 last = outputs[-1]
                 done = last.finished
                 token_ids = [t for output in outputs for t in output.new_token_ids]
@@ -239,7 +255,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 logger.info(
                     "cancelled (client gone, deadline passed or worker stopping)", extra=log_extra
                 )
-                self._engine_loop.abort(request_id)
+                self._engine.abort(request_id)
             self._metrics.requests.finished(
                 finish_reason,
                 ttft_s=ttft_s,
@@ -251,22 +267,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
-        return load_to_proto(self._engine_loop.load, self._worker_id)
+        return load_to_proto(self._engine.load, self._worker_id)
 
     async def Snapshot(
         self, request: worker_pb2.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> None:
         try:
-            event_seq, block_hashes = await asyncio.wrap_future(self._engine_loop.snapshot())
-        except EngineStopped:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
+            event_seq, block_hashes = await asyncio.wrap_future(self._engine.snapshot())
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
         size = min(request.max_hashes_per_chunk or self._max_hashes_per_chunk, MAX_HASHES_PER_CHUNK)
         # Always at least one chunk: an empty cache still reports its event_seq.
         for start in range(0, max(len(block_hashes), 1), size):
             chunk = worker_pb2.SnapshotChunk(
                 worker_id=self._worker_id,
-                model=self._engine_loop.namespace,
-                block_size=self._engine_loop.block_size,
+                model=self._engine.namespace,
+                block_size=self._engine.block_size,
                 event_seq=event_seq,
                 block_hashes=block_hashes[start : start + size],
             )
@@ -283,23 +299,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def _next_outputs(
-    queue: asyncio.Queue[RequestOutput | EngineLoopError],
-) -> tuple[list[RequestOutput], EngineLoopError | None]:
+    queue: asyncio.Queue[RequestOutput | EngineError],
+) -> tuple[list[RequestOutput], EngineError | None]:
     """Wait for one output, then take every one already queued: a client that reads slower than
     the engine decodes gets several tokens per chunk instead of falling behind. An error, if one
     came, is the queue's last item."""
     items = [await queue.get()]
     while not queue.empty():
         items.append(queue.get_nowait())
-    if isinstance(items[-1], EngineLoopError):
+    if isinstance(items[-1], EngineError):
         return [], items[-1]
     return cast("list[RequestOutput]", items), None
 
 
-def _error_code(error: EngineLoopError) -> grpc.StatusCode:
+def _error_status(request_id: str, error: EngineError) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+        return grpc.StatusCode.UNAVAILABLE, f"request {request_id}: {_unavailable(error)}"
+    return grpc.StatusCode.INTERNAL, f"request {request_id}: {error}"
+
+
+def _unavailable(error: EngineStopped) -> str:
+    if isinstance(error, EngineDied):
+        return f"this worker's {error}; it is stopping"
+    return "this worker is shutting down"
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -311,12 +333,16 @@ class WorkerServer:
 
     worker_id: str
     address: str  # "host:port" as bound
-    engine_loop: EngineLoop
+    engine: EngineClient
     server: grpc.aio.Server
     health_servicer: health.aio.HealthServicer
     metrics: WorkerMetrics
     publisher: EventPublisher | None = None
     metrics_server: MetricsServer | None = None
+    # Set, with the reason, once the engine core has died: the worker can serve nothing more.
+    engine_died: asyncio.Future[str] = dataclasses.field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
     @property
     def metrics_address(self) -> str | None:
@@ -325,25 +351,33 @@ class WorkerServer:
 
     async def stop(self, grace_s: float) -> None:
         """Leave the index, report NOT_SERVING, give running RPCs ``grace_s`` to finish, cancel
-        the rest, stop the engine thread, then the metrics endpoint."""
+        the rest, stop the engine core, then the metrics endpoint."""
         if self.publisher is not None:
             await self.publisher.stop()
             await self.publisher.index.close()
         await self.health_servicer.enter_graceful_shutdown()
         await self.server.stop(grace_s)
-        await asyncio.to_thread(self.engine_loop.stop)
+        await asyncio.to_thread(self.engine.stop)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
+
+    async def _engine_has_died(self, message: str) -> None:
+        """Tell health checkers at once, so that routers stop sending work here."""
+        if not self.engine_died.done():
+            self.engine_died.set_result(message)
+        await self.health_servicer.enter_graceful_shutdown()
 
 
 class WorkerStartError(Exception):
     """The worker could not start: one of its ports is taken, or its model does not load."""
 
 
-async def start_worker(config: WorkerConfig) -> WorkerServer:
-    """Bind the port, build the engine and start serving; ``WorkerStartError`` says why not."""
-    from kvswitch.worker.engine import LLMEngine
+class WorkerFailed(Exception):
+    """The worker stopped serving on its own account: its engine core died."""
 
+
+async def start_worker(config: WorkerConfig) -> WorkerServer:
+    """Bind the port, start the engine core and serve; ``WorkerStartError`` says why not."""
     # NOTE: without so_reuseport 0, gRPC lets a second server bind the same port and share its
     # traffic. Binding before the model loads makes a taken port fail at once.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -354,22 +388,37 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
             f"cannot listen on {host_port(config.host, config.port)}: the port is taken or the "
             "address is not one of this machine's"
         ) from e
-    address = host_port(config.host, port)
     worker_id = config.worker_id or host_port(_public_host(config.host), port)
     try:
-        engine = LLMEngine(config.engine_config())
         tokenizer = _load_tokenizer(config.model)
-    except (ValueError, OSError, TokenizerFileError) as e:
+        engine = await asyncio.to_thread(
+            EngineClient.start, config.engine_config(), in_process=config.engine_in_process
+        )
+    except (ValueError, OSError, TokenizerFileError, EngineStartError) as e:
         raise WorkerStartError(f"cannot load the model: {e}") from e
+    try:
+        return await _serve_engine(config, server, port, worker_id, engine, tokenizer)
+    except BaseException:
+        await server.stop(0)
+        await asyncio.to_thread(engine.stop)
+        raise
 
-    engine_loop = EngineLoop(engine)
+
+async def _serve_engine(
+    config: WorkerConfig,
+    server: grpc.aio.Server,
+    port: int,
+    worker_id: str,
+    engine: EngineClient,
+    tokenizer: Tokenizer | None,
+) -> WorkerServer:
     publisher: EventPublisher | None = None  # once the index is open; its counts read at scrapes
     metrics = WorkerMetrics(
-        lambda: engine_loop.load,
+        lambda: engine.load,
         worker_id=worker_id,
-        model=engine_loop.namespace,
+        model=engine.namespace,
         role=config.role,
-        counters=_read_counters(engine_loop, lambda: publisher),
+        counters=_read_counters(engine, lambda: publisher),
     )
     metrics_server = None
     if config.metrics_port >= 0:
@@ -382,7 +431,7 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
     servicer = WorkerServicer(
-        engine_loop,
+        engine,
         worker_id=worker_id,
         tokenizer=tokenizer,
         metrics=metrics,
@@ -393,54 +442,64 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in (SERVICE_NAME, ""):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    engine_loop.start()
     await server.start()
     if config.index:
         try:
             index = await connect_index(config.index)
         except (ValueError, OSError) as e:
-            await server.stop(0)
-            engine_loop.stop()
             if metrics_server is not None:
                 metrics_server.stop()
             raise WorkerStartError(f"cannot open the block index: {e}") from e
         info = WorkerInfo(
             worker_id,
             host_port(_public_host(config.host), port),
-            engine_loop.namespace,
+            engine.namespace,
             config.block_size,
             config.role,
-            engine.kv_cache.pool.num_blocks,
+            engine.facts.num_blocks,
         )
-        publisher = EventPublisher(index, engine_loop, info)
+        publisher = EventPublisher(index, engine, info)
         publisher.start()
-    logger.info(
-        "worker %s listening on %s: model %s, %d KV blocks of %d tokens",
+    worker = WorkerServer(
         worker_id,
-        address,
-        engine_loop.namespace,
-        engine.kv_cache.pool.num_blocks,
-        config.block_size,
-    )
-    if metrics_server is not None:
-        logger.info("metrics on http://%s/metrics", metrics_server.address)
-    return WorkerServer(
-        worker_id,
-        address,
-        engine_loop,
+        host_port(config.host, port),
+        engine,
         server,
         health_servicer,
         metrics,
         publisher=publisher,
         metrics_server=metrics_server,
     )
+    loop = asyncio.get_running_loop()
+    engine.on_death(
+        lambda message: asyncio.run_coroutine_threadsafe(worker._engine_has_died(message), loop)
+    )
+    logger.info(
+        "worker %s listening on %s: model %s, %d KV blocks of %d tokens, engine core %s",
+        worker_id,
+        worker.address,
+        engine.namespace,
+        engine.facts.num_blocks,
+        config.block_size,
+        f"pid {engine.pid}" if engine.pid is not None else "in process",
+    )
+    if metrics_server is not None:
+        logger.info("metrics on http://%s/metrics", metrics_server.address)
+    return worker
 
 
 async def serve(config: WorkerConfig) -> None:
-    """Run a worker until SIGINT or SIGTERM, then shut it down gracefully."""
+    """Run a worker until SIGINT or SIGTERM, then shut it down gracefully. Raises
+    ``WorkerFailed`` (after shutting down) if its engine core dies first."""
     worker = await start_worker(config)
     announce_ready(f"worker {worker.worker_id}", worker.address)
-    await wait_for_stop_signal()
+    stop_signal = asyncio.create_task(wait_for_stop_signal())
+    await asyncio.wait([stop_signal, worker.engine_died], return_when=asyncio.FIRST_COMPLETED)
+    stop_signal.cancel()
+    if worker.engine_died.done():
+        logger.error("stopping: %s", worker.engine_died.result())
+        await worker.stop(0)
+        raise WorkerFailed(worker.engine_died.result())
     logger.info("shutting down: %.1f s for running requests to finish", config.grace_s)
     await worker.stop(config.grace_s)
     logger.info("worker %s stopped", worker.worker_id)
@@ -452,7 +511,7 @@ def run(config: WorkerConfig) -> None:
 
 
 def _read_counters(
-    engine_loop: EngineLoop, publisher: Callable[[], EventPublisher | None]
+    engine: EngineClient, publisher: Callable[[], EventPublisher | None]
 ) -> list[ReadCounter]:
     """What the worker counts and logs no more than now and then: exported at scrape time."""
 
@@ -463,17 +522,17 @@ def _read_counters(
         (
             "kvswitch_worker_failed_steps",
             "Engine steps that raised: their requests failed, the others went on",
-            lambda: engine_loop.num_failed_steps,
+            lambda: engine.counters.num_failed_steps,
         ),
         (
             "kvswitch_worker_preemptions",
             "Requests preempted to free KV cache blocks, to be recomputed",
-            lambda: engine_loop.engine.stats.num_preemptions,
+            lambda: engine.counters.num_preemptions,
         ),
         (
             "kvswitch_worker_dropped_event_batches",
             "Batches of cache events dropped because the publisher fell behind (a resync follows)",
-            lambda: engine_loop.num_dropped_event_batches,
+            lambda: engine.num_dropped_event_batches,
         ),
         (
             "kvswitch_worker_index_errors",

@@ -174,6 +174,8 @@ WORKER_HELP = {
     "hashes; empty = derived from the checkpoint's content (docs/HASHING.md)",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
+    "engine_in_process": "run the engine core on a thread of the serving process instead of a "
+    "process of its own: one process to debug or profile, sharing one GIL with token streaming",
 }
 DEMO_HELP = {
     "workers": "CPU workers in the local cluster",
@@ -241,6 +243,13 @@ LOOKUP_HELP = {
     "prompt_tokens": "tokens of the text prompt whose tokenizing may stall the loop",
     "repeats": "timed runs per figure (the median is reported)",
     "seed": "random seed",
+}
+ADMISSION_HELP = {
+    "num_decodes": "requests decoding when the long prompt arrives",
+    "prompt_len": "tokens in the long prompt",
+    "steps_before": "engine steps measured before it arrives",
+    "steps_after": "engine steps measured after it arrives (then it is aborted)",
+    "seed": "random seed of the prompts",
 }
 STEP_HELP = {
     "model": "checkpoint directory; empty = the built-in tiny model",
@@ -310,7 +319,7 @@ def _worker_command(args: argparse.Namespace) -> None:
     _configure_logging()
     try:
         worker_server.run(config)
-    except worker_server.WorkerStartError as e:
+    except (worker_server.WorkerStartError, worker_server.WorkerFailed) as e:
         sys.exit(f"kvswitch worker: {e}")
 
 
@@ -364,7 +373,12 @@ def _index_command(report: Callable) -> Callable:
     return command
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; or, given a ``command`` it knows, that command alone. Building a command
+    imports what it runs, so a router or worker started by name does not load (say) the kernels'
+    torch for commands it will never run."""
+    if command not in {name for name, *_ in COMMANDS}:
+        command = None
     parser = argparse.ArgumentParser(
         prog="kvswitch",
         description=DESCRIPTION,
@@ -376,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", metavar="COMMAND", required=True, help="what to run"
     )
     for name, extra, summary, add in COMMANDS:
+        if command is not None and name != command:
+            continue
         try:
             add(commands, name, summary)
         except ModuleNotFoundError as e:
@@ -407,10 +423,11 @@ def _add_unavailable(
 
 def _import_servers() -> None:
     """For the commands that start routers and workers as processes: those must import here,
-    the worker's engine (torch) included."""
+    and the modules of the worker's engine core be found."""
     import kvswitch.router.server
-    import kvswitch.worker.engine
-    import kvswitch.worker.server  # noqa: F401
+    import kvswitch.worker.server
+
+    kvswitch.worker.server.check_engine_modules()
 
 
 def _add_demo(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
@@ -474,6 +491,7 @@ def _add_generate(commands: argparse._SubParsersAction, name: str, summary: str)
 def _add_worker(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
     from kvswitch.worker import server as worker_server
 
+    worker_server.check_engine_modules()
     sub = commands.add_parser(
         name,
         help=summary,
@@ -535,6 +553,7 @@ def _add_kernels(commands: argparse._SubParsersAction, name: str, summary: str) 
 
 
 def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.benchmarks import admission as admission_bench
     from kvswitch.benchmarks import engine as engine_bench
     from kvswitch.benchmarks import hashing as hash_bench
     from kvswitch.benchmarks import index as index_bench
@@ -619,6 +638,13 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             "host time of one engine step (all but the forward): N decodes at a long context",
         ),
         (
+            "admission",
+            admission_bench.run,
+            admission_bench.AdmissionBenchConfig,
+            ADMISSION_HELP,
+            "what a 128K-token prompt's arrival costs the requests decoding on a worker",
+        ),
+        (
             "hash",
             hash_bench.run,
             hash_bench.HashBenchConfig,
@@ -670,7 +696,8 @@ COMMANDS: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not isinstance(args.func, _Unavailable):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -19,7 +19,7 @@ from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.v1 import index_pb2, index_pb2_grpc
 from kvswitch.worker.publisher import Backoff, EventPublisher
 from tests.cache_index.conftest import ServedIndex
-from tests.worker.test_publisher import FAST, generate, index_matches_worker, make_loop
+from tests.worker.test_publisher import FAST, generate, index_matches_worker, start_engine
 
 NS = "model-a"
 TTL_S = 30.0
@@ -211,26 +211,26 @@ def test_a_slow_server_is_a_timeout() -> None:
 def test_a_worker_publishes_to_a_router_embedded_index() -> None:
     """A worker's publisher reaches the router's MemoryIndex through gRPC, and finds it again
     after the router restarts empty on the same port."""
-    engine_loop = make_loop()
+    engine = start_engine()
 
     async def main() -> None:
         router = await ServedIndex.start()
         index = GrpcIndex(router.target)
-        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
-        publisher = EventPublisher(index, engine_loop, info, FAST, Backoff(0.01, 0.05))
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST, Backoff(0.01, 0.05))
         publisher.start()
         prompt = [256, *b"a long shared document " * 4]
-        await generate(engine_loop, "r0", prompt)
-        await index_matches_worker(router.served, engine_loop)
-        chain = hash_prompt_blocks(prompt, 16, engine_loop.namespace)
-        assert await router.served.match(engine_loop.namespace, chain) == {"w": len(chain)}
+        await generate(engine, "r0", prompt)
+        await index_matches_worker(router.served, engine)
+        chain = hash_prompt_blocks(prompt, 16, engine.namespace)
+        assert await router.served.match(engine.namespace, chain) == {"w": len(chain)}
 
         await router.close()
         while publisher.num_errors == 0:  # ConnectionError: the publisher backs off, retries
             await asyncio.sleep(0.01)
         router = await ServedIndex.start(port=int(router.target.rsplit(":", 1)[1]))
-        await generate(engine_loop, "r1", [256, *b"after the restart " * 3])
-        await index_matches_worker(router.served, engine_loop)
+        await generate(engine, "r1", [256, *b"after the restart " * 3])
+        await index_matches_worker(router.served, engine)
         await publisher.stop()
         assert await router.served.live_workers() == []
         await index.close()
@@ -239,4 +239,4 @@ def test_a_worker_publishes_to_a_router_embedded_index() -> None:
     try:
         asyncio.run(main())
     finally:
-        engine_loop.stop()
+        engine.stop()

@@ -25,7 +25,8 @@ from kvswitch.deploy.processes import RestartPolicy
 from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine import EngineConfig, LLMEngine
-from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.request import SamplingParams
+from tests.worker.background import engine_core_pids
 
 QUESTIONS = document_questions(DemoConfig(num_documents=3, questions_per_document=3))
 NUM_DOCUMENTS = 3
@@ -117,7 +118,8 @@ def busiest_worker(cluster: LocalCluster):
     return cluster.workers[running_per_worker.index(max(running_per_worker))]
 
 
-def test_a_worker_killed_mid_load_loses_no_request_and_comes_back() -> None:
+@pytest.mark.parametrize("victim_part", ["serving process", "engine core"])
+def test_a_worker_killed_mid_load_loses_no_request_and_comes_back(victim_part: str) -> None:
     prompts = [
         f"Request {i}: " + "tell me a long story about routers. " * (2 + i % 6) for i in range(32)
     ]
@@ -150,17 +152,23 @@ def test_a_worker_killed_mid_load_loses_no_request_and_comes_back() -> None:
                 assert event.wait(60)
             victim = busiest_worker(cluster)
             old_address = victim.address
-            victim.popen.kill()  # SIGKILL: no goodbye to the router or the index
+            if victim_part == "serving process":
+                victim.popen.kill()  # SIGKILL: no goodbye to the router or the index
+            else:
+                # The worker fails its streams over and exits; its supervisor restarts it.
+                (core_pid,) = engine_core_pids(victim.popen.pid)
+                os.kill(core_pid, signal.SIGKILL)
             killed_s = time.monotonic()
+            # Back within 15 s, under a new address, while the streams it held finish elsewhere.
+            while not (victim.is_ready and victim.address != old_address):
+                assert time.monotonic() - killed_s < 15, said
+                time.sleep(0.05)
+            cluster.wait_for_registration(timeout_s=15 - (time.monotonic() - killed_s))
+            assert time.monotonic() - killed_s < 15, said
             for future in futures:
                 future.result(timeout=120)
 
-        # Back within 15 s, under a new address, and the router sends it new work.
-        while not (victim.is_ready and victim.address != old_address):
-            assert time.monotonic() - killed_s < 15, said
-            time.sleep(0.05)
-        cluster.wait_for_registration(timeout_s=15 - (time.monotonic() - killed_s))
-        assert time.monotonic() - killed_s < 15
+        # ... and the router sends it new work.
         new_prompts = [f"A new document {i}: " + "fresh words. " * 20 for i in range(6)]
         with ThreadPoolExecutor(len(new_prompts)) as pool:
             fresh = list(pool.map(lambda p: client.generate(p, max_tokens=24), new_prompts))
@@ -173,7 +181,8 @@ def test_a_worker_killed_mid_load_loses_no_request_and_comes_back() -> None:
     assert all(r.stats.worker_id != victim.name for r in moved)
     assert all(r.stats.num_output_tokens == max_tokens for r in results if r is not None)
     assert victim.name in {r.stats.worker_id for r in fresh}
-    assert f"{victim.name} exited with code -9; restarting it in 0.5 s" in said
+    exit_code = -9 if victim_part == "serving process" else 1  # 1: it stopped, saying why
+    assert f"{victim.name} exited with code {exit_code}; restarting it in 0.5 s" in said
     assert f"{victim.name} is back at {victim.address}" in said
 
 

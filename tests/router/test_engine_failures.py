@@ -17,7 +17,7 @@ from kvswitch.client import Client, KvswitchError
 from kvswitch.deploy.local import ClusterConfig, LocalCluster, running
 from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.worker.engine import EngineConfig, LLMEngine
-from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.request import SamplingParams
 
 FAULTY_WORKER = Path(__file__).parents[1] / "faulty_worker.py"
 FAIL_ON = "~"  # each worker's first step that computes this character raises

@@ -31,7 +31,7 @@ from kvswitch.router.server import RouterConfig, RouterStartError, start_router
 from kvswitch.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from kvswitch.v1 import common_pb2, router_pb2
 from kvswitch.worker.engine import LLMEngine
-from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.request import SamplingParams
 from kvswitch.worker.server import WorkerServer
 from tests.router.harness import (
     BLOCK_BYTES,
@@ -80,7 +80,7 @@ def wait_until_idle(worker: WorkerServer, timeout_s: float = 5.0) -> None:
     """Until the worker runs nothing and every block is free again."""
     deadline = time.monotonic() + timeout_s
     while True:
-        load = worker.engine_loop.load
+        load = worker.engine.load
         idle = load.num_running_requests == 0 and load.num_waiting_requests == 0
         if idle and load.num_free_blocks == load.num_total_blocks:
             return

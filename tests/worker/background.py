@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import grpc
 
@@ -64,3 +65,19 @@ class BackgroundWorker:
             ):
                 return load
             time.sleep(0.02)
+
+
+def engine_core_pids(parent_pid: int) -> list[int]:
+    """The processes ``parent_pid`` started with multiprocessing's spawn."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvswitch.worker.engine import EngineConfig, LLMEngine
-from kvswitch.worker.request import FinishReason
-from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.engine import EngineConfig, LLMEngine, kv_cache_budget_bytes
+from kvswitch.worker.request import FinishReason, SamplingParams
 
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
 
@@ -176,4 +175,4 @@ def test_gpu_memory_fraction_needs_a_gpu_and_a_sane_value() -> None:
         EngineConfig(gpu_memory_fraction=0.5)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         EngineConfig(device="cuda", gpu_memory_fraction=1.5)
-    assert EngineConfig(kv_cache_bytes=1 << 20).kv_cache_budget_bytes() == 1 << 20
+    assert kv_cache_budget_bytes(EngineConfig(kv_cache_bytes=1 << 20)) == 1 << 20

@@ -10,26 +10,26 @@ import pytest
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
-from kvswitch.worker.engine import EngineConfig, LLMEngine
-from kvswitch.worker.engine_loop import EngineLoop
+from kvswitch.worker.engine_client import EngineClient
+from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.publisher import Backoff, EventPublisher, PublisherConfig
-from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.request import SamplingParams
 
 FAST = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=0.5)
 
 
-async def generate(engine_loop: EngineLoop, request_id: str, prompt: list[int]) -> None:
-    queue = await engine_loop.submit(request_id, prompt, SamplingParams(max_tokens=3))
+async def generate(engine: EngineClient, request_id: str, prompt: list[int]) -> None:
+    queue = await engine.submit(request_id, prompt, SamplingParams(max_tokens=3))
     while not (await queue.get()).finished:
         pass
 
 
-async def index_matches_worker(index: BlockIndex, engine_loop: EngineLoop, timeout_s: float = 5.0):
+async def index_matches_worker(index: BlockIndex, engine: EngineClient, timeout_s: float = 5.0):
     """Wait until the index holds exactly the worker's cached hashes."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        _, cached = await asyncio.wrap_future(engine_loop.snapshot())
-        matches = await index.match(engine_loop.namespace, cached)
+        _, cached = await asyncio.wrap_future(engine.snapshot())
+        matches = await index.match(engine.namespace, cached)
         # Every cached hash is held (a "chain" of all of them matches in full) and nothing else.
         if (
             cached
@@ -42,35 +42,33 @@ async def index_matches_worker(index: BlockIndex, engine_loop: EngineLoop, timeo
         await asyncio.sleep(0.02)
 
 
-def make_loop(num_blocks: int = 64, max_event_batches: int = 10_000) -> EngineLoop:
-    engine = LLMEngine(EngineConfig(kv_cache_bytes=num_blocks * (32 << 10)))
-    engine_loop = EngineLoop(engine, max_event_batches=max_event_batches)
-    engine_loop.start()
-    return engine_loop
+def start_engine(num_blocks: int = 64, max_event_batches: int = 10_000) -> EngineClient:
+    config = EngineConfig(kv_cache_bytes=num_blocks * (32 << 10))
+    return EngineClient.start(config, max_event_batches=max_event_batches)
 
 
 def test_publisher_follows_the_cache_and_recovers_from_lost_batches() -> None:
-    engine_loop = make_loop(num_blocks=24, max_event_batches=1)
+    engine = start_engine(num_blocks=24, max_event_batches=1)
 
     async def main() -> None:
         index = MemoryIndex()
-        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
-        publisher = EventPublisher(index, engine_loop, info, FAST)
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST)
         publisher.start()
         prompt = [256, *b"a long shared document " * 4]
-        await generate(engine_loop, "r0", prompt)
-        await index_matches_worker(index, engine_loop)
-        chain = hash_prompt_blocks(prompt, 16, engine_loop.namespace)
-        assert (await index.match(engine_loop.namespace, chain))["w"] == len(chain)
+        await generate(engine, "r0", prompt)
+        await index_matches_worker(index, engine)
+        chain = hash_prompt_blocks(prompt, 16, engine.namespace)
+        assert (await index.match(engine.namespace, chain))["w"] == len(chain)
         # Several requests before the publisher looks again: the one-batch buffer drops
         # batches, the publisher sees the gap and resyncs from a snapshot.
         await publisher.stop()
-        publisher = EventPublisher(index, engine_loop, info, FAST)
+        publisher = EventPublisher(index, engine, info, FAST)
         for i in range(5):
-            await generate(engine_loop, f"r{i + 1}", [256, *bytes([66 + i]) * 60])
+            await generate(engine, f"r{i + 1}", [256, *bytes([66 + i]) * 60])
         resyncs = publisher.num_resyncs
         publisher.start()
-        await index_matches_worker(index, engine_loop)
+        await index_matches_worker(index, engine)
         assert publisher.num_resyncs > resyncs
         await publisher.stop()
         assert await index.live_workers() == []
@@ -78,7 +76,7 @@ def test_publisher_follows_the_cache_and_recovers_from_lost_batches() -> None:
     try:
         asyncio.run(main())
     finally:
-        engine_loop.stop()
+        engine.stop()
 
 
 class FlakyIndex(MemoryIndex):
@@ -105,29 +103,29 @@ class FlakyIndex(MemoryIndex):
 
 
 def test_publisher_survives_an_index_restart() -> None:
-    engine_loop = make_loop()
+    engine = start_engine()
 
     async def main() -> None:
         index = FlakyIndex()
-        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
-        publisher = EventPublisher(index, engine_loop, info, FAST, Backoff(0.01, 0.05))
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST, Backoff(0.01, 0.05))
         publisher.start()
-        await generate(engine_loop, "r0", [256, *b"before the restart " * 3])
-        await index_matches_worker(index, engine_loop)
+        await generate(engine, "r0", [256, *b"before the restart " * 3])
+        await index_matches_worker(index, engine)
         index.down = True
         await index.deregister("w")  # the restarted index starts empty
-        await generate(engine_loop, "r1", [256, *b"while it was down " * 3])
+        await generate(engine, "r1", [256, *b"while it was down " * 3])
         await asyncio.sleep(0.2)
         assert publisher.num_errors > 0
         index.down = False
-        await generate(engine_loop, "r2", [256, *b"after the restart " * 3])
-        await index_matches_worker(index, engine_loop)
+        await generate(engine, "r2", [256, *b"after the restart " * 3])
+        await index_matches_worker(index, engine)
         await publisher.stop()
 
     try:
         asyncio.run(main())
     finally:
-        engine_loop.stop()
+        engine.stop()
 
 
 class BuggyIndex(MemoryIndex):
@@ -147,17 +145,17 @@ class BuggyIndex(MemoryIndex):
 def test_an_unexpected_error_is_logged_with_its_traceback_and_publishing_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engine_loop = make_loop()
+    engine = start_engine()
 
     async def main() -> None:
         index = BuggyIndex()
-        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
-        publisher = EventPublisher(index, engine_loop, info, FAST, Backoff(0.01, 0.05))
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST, Backoff(0.01, 0.05))
         publisher.start()
         while publisher.num_resyncs == 0:  # registered: the blocks below go through apply
             await asyncio.sleep(0.01)
-        await generate(engine_loop, "r0", [256, *b"a bug shows up here " * 3])
-        await index_matches_worker(index, engine_loop)
+        await generate(engine, "r0", [256, *b"a bug shows up here " * 3])
+        await index_matches_worker(index, engine)
         assert index.num_bugs == 0 and publisher.num_errors == 1
         assert publisher.num_resyncs == 2  # the first registration, and the one after the bug
         await publisher.stop()
@@ -166,7 +164,7 @@ def test_an_unexpected_error_is_logged_with_its_traceback_and_publishing_goes_on
         with caplog.at_level(logging.WARNING, logger="kvswitch.worker.publisher"):
             asyncio.run(main())
     finally:
-        engine_loop.stop()
+        engine.stop()
     (record,) = [r for r in caplog.records if "publishing cache events failed" in r.message]
     assert record.levelno == logging.ERROR and record.exc_info[0] is TypeError
 
@@ -183,27 +181,27 @@ def test_publisher_config_is_checked() -> None:
 
 
 def test_a_lost_batch_or_a_forgotten_worker_triggers_a_resync() -> None:
-    engine_loop = make_loop()
+    engine = start_engine()
 
     async def main() -> None:
         index = MemoryIndex()
-        info = WorkerInfo("w", "127.0.0.1:1", engine_loop.namespace, 16)
-        publisher = EventPublisher(index, engine_loop, info, FAST)
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST)
         await publisher.publish_pending()  # not synced yet: registers and resyncs
         assert publisher.num_resyncs == 1
-        await generate(engine_loop, "r1", [256, *b"first document " * 4])
-        engine_loop.take_cache_events()  # this batch never reaches the index
-        await generate(engine_loop, "r2", [256, *b"second document " * 4])
+        await generate(engine, "r1", [256, *b"first document " * 4])
+        engine.take_cache_events()  # this batch never reaches the index
+        await generate(engine, "r2", [256, *b"second document " * 4])
         await publisher.publish_pending()  # the next batch shows a gap
         assert publisher.num_resyncs == 2
-        await index_matches_worker(index, engine_loop, timeout_s=0.5)
+        await index_matches_worker(index, engine, timeout_s=0.5)
         await index.deregister("w")  # e.g. its registration lapsed
-        await generate(engine_loop, "r3", [256, *b"third document " * 4])
+        await generate(engine, "r3", [256, *b"third document " * 4])
         await publisher.publish_pending()  # UNKNOWN_WORKER: register again, resync
         assert publisher.num_resyncs == 3
-        await index_matches_worker(index, engine_loop, timeout_s=0.5)
+        await index_matches_worker(index, engine, timeout_s=0.5)
 
     try:
         asyncio.run(main())
     finally:
-        engine_loop.stop()
+        engine.stop()

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kvswitch.worker.sampler import Sampler, SamplingParams, make_generator
+from kvswitch.worker.request import SamplingParams
+from kvswitch.worker.sampler import Sampler, make_generator
 
 VOCAB_SIZE = 50
 

@@ -6,6 +6,7 @@ The server runs in-process on its own event-loop thread; the tests are plain gRP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -29,12 +30,13 @@ from kvswitch.app.cli import main
 from kvswitch.cache_index.events import replay
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.tokenizer import ByteTokenizer
-from kvswitch.v1 import common_pb2, worker_pb2
+from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.worker.core_protocol import CoreCounters
 from kvswitch.worker.engine import EngineConfig, LLMEngine
-from kvswitch.worker.engine_loop import EngineLoop
-from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.engine_client import EngineClient
+from kvswitch.worker.request import SamplingParams
 from kvswitch.worker.server import WorkerConfig, WorkerStartError, start_worker
-from tests.worker.background import BackgroundWorker
+from tests.worker.background import BackgroundWorker, engine_core_pids
 from tests.worker.test_model import save_checkpoint
 
 BLOCK_SIZE = 16
@@ -142,7 +144,7 @@ def test_load_and_snapshot(fresh_worker: BackgroundWorker, reference: LLMEngine)
         assert chunk.event_seq == chunks[0].event_seq > 0
 
     # The event batches replay to the snapshot, and the last one is its event_seq.
-    batches = fresh_worker.server.engine_loop.take_cache_events()
+    batches = fresh_worker.server.engine.take_cache_events()
     assert [b.seq for b in batches] == list(range(1, chunks[0].event_seq + 1))
     assert replay([e for b in batches for e in b.events]) == set(expected)
 
@@ -160,16 +162,16 @@ def test_cancelled_and_timed_out_requests_free_their_blocks(worker: BackgroundWo
         prompt_token_ids=[256, *b"tell me a long story " * 4],
         sampling=common_pb2.SamplingParams(max_tokens=900),
     )
-    engine_stats = worker.server.engine_loop.engine.stats
+    engine = worker.server.engine
     call = worker.stub.Generate(request)
     first = next(call)
     assert first.chunk.token_ids
     call.cancel()
-    num_steps = engine_stats.num_steps
+    num_steps = engine.counters.num_steps
     load = worker.wait_until_idle()
     assert load.num_running_requests == 0 and load.num_free_blocks == load.num_total_blocks
     # Aborted, not run to its end.
-    assert engine_stats.num_steps - num_steps < 100
+    assert engine.counters.num_steps - num_steps < 100
 
     with pytest.raises(grpc.RpcError) as error:
         list(worker.stub.Generate(request, timeout=0.3))
@@ -188,25 +190,24 @@ def test_concurrent_requests(worker: BackgroundWorker, reference: LLMEngine) -> 
 
 
 def test_event_buffer_keeps_the_newest_batches() -> None:
-    engine_loop = EngineLoop(LLMEngine(CONFIG.engine_config()), max_event_batches=2)
-    engine_loop.start()
+    engine = EngineClient.start(CONFIG.engine_config(), max_event_batches=2)
 
     async def run_requests() -> None:
         for i in range(4):
             prompt = [256, *bytes([65 + i]) * 40]  # two full blocks, new ones each time
-            queue = await engine_loop.submit(f"r{i}", prompt, SamplingParams(max_tokens=1))
+            queue = await engine.submit(f"r{i}", prompt, SamplingParams(max_tokens=1))
             output = await queue.get()
             assert output.finished
 
     try:
         asyncio.run(run_requests())
     finally:
-        engine_loop.stop()
-    event_seq = engine_loop.event_seq
+        engine.stop()
+    event_seq = engine.event_seq
     assert event_seq >= 4
-    assert [b.seq for b in engine_loop.take_cache_events()] == [event_seq - 1, event_seq]
-    assert engine_loop.num_dropped_event_batches == event_seq - 2
-    assert engine_loop.take_cache_events() == []
+    assert [b.seq for b in engine.take_cache_events()] == [event_seq - 1, event_seq]
+    assert engine.num_dropped_event_batches == event_seq - 2
+    assert engine.take_cache_events() == []
 
 
 def test_fetch_blocks_is_unimplemented(worker: BackgroundWorker) -> None:
@@ -245,7 +246,9 @@ def test_worker_rejects_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None
     assert "dtype must be float32, float16 or bfloat16" in capsys.readouterr().err
 
 
-def test_worker_command_serves_until_sigterm() -> None:
+@contextlib.contextmanager
+def worker_process() -> Iterator[tuple[subprocess.Popen, str]]:
+    """``kvswitch worker`` on a free port: the process and its address, once it is ready."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -265,16 +268,43 @@ def test_worker_command_serves_until_sigterm() -> None:
     try:
         line = process.stdout.readline()
         assert " listening on 127.0.0.1:" in line, process.stderr.read()
-        address = line.split(" listening on ")[1].strip()
+        yield process, line.split(" listening on ")[1].strip()
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_worker_command_serves_until_sigterm() -> None:
+    with worker_process() as (process, address):
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             reply = health.Check(health_pb2.HealthCheckRequest(service="kvswitch.v1.Worker"))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-    finally:
-        process.kill()
-        process.wait()
+
+
+def test_a_worker_whose_engine_core_dies_fails_its_streams_and_exits() -> None:
+    with worker_process() as (process, address):
+        (core_pid,) = engine_core_pids(process.pid)
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            call = stub.Generate(
+                worker_pb2.WorkerGenerateRequest(
+                    prompt_token_ids=PROMPT,
+                    sampling=common_pb2.SamplingParams(max_tokens=100_000),
+                ),
+                timeout=30,
+            )
+            assert next(call).chunk.token_ids
+            os.kill(core_pid, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as error:
+                list(call)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the engine core died (killed by SIGKILL)" in error.value.details()
+        # Not serving any more: the worker stops, saying why, with a failure exit code.
+        assert process.wait(timeout=30) == 1
+        assert "kvswitch worker: the engine core died (killed by SIGKILL)" in process.stderr.read()
 
 
 def test_worker_publishes_its_cache_to_the_index() -> None:
@@ -283,10 +313,10 @@ def test_worker_publishes_its_cache_to_the_index() -> None:
         publisher = worker.server.publisher
         assert publisher is not None
         worker.generate(PROMPT, max_tokens=4)
-        chain = hash_prompt_blocks(PROMPT, BLOCK_SIZE, worker.server.engine_loop.namespace)
+        chain = hash_prompt_blocks(PROMPT, BLOCK_SIZE, worker.server.engine.namespace)
 
         async def matched() -> dict[str, int]:
-            return await publisher.index.match(worker.server.engine_loop.namespace, chain)
+            return await publisher.index.match(worker.server.engine.namespace, chain)
 
         deadline = time.monotonic() + 5
         while worker._run(matched()) != {worker.server.worker_id: len(chain)}:
@@ -380,7 +410,7 @@ def test_metrics_endpoint_counts_requests_and_shows_load(worker: BackgroundWorke
             "index_resyncs",
         ]:
             assert value(f"kvswitch_worker_{name}_total") == 0
-        metered.server.engine_loop.num_failed_steps = 2  # read at the scrape, not copied
+        metered.server.engine.counters = CoreCounters(num_failed_steps=2)  # read at the scrape
         assert _scrape(address)[("kvswitch_worker_failed_steps_total", frozenset())] == 2
 
         # A rejected request counts, but its prompt does not; a cancelled one counts as abort.

@@ -9,7 +9,7 @@ import pytest
 
 from kvswitch.cache_index.events import BlockStored, replay
 from kvswitch.worker.engine import EngineConfig, LLMEngine, StepFailed
-from kvswitch.worker.sampler import SamplingParams
+from kvswitch.worker.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8)
 DOCUMENT = [256, *b"The failed step must not leave hashes on blocks it never wrote. " * 3]

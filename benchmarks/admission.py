@@ -1,0 +1,132 @@
+"""``kvswitch bench admission``: what a very long prompt's arrival costs the requests decoding.
+
+A worker's engine core (in its own process, as ``kvswitch worker`` runs it) decodes
+``num_decodes`` requests. Then a prompt of ``prompt_len`` tokens arrives through the same path a
+gRPC request takes: the token-id field converted to an array, checked, hashed into its block
+chain, and sent to the core. Figures:
+
+- ``max_step_gap_ms``: the longest the core went between two steps while the long prompt
+  arrived and began its prefill (receiving it, admitting it, sending outputs), against
+  ``baseline_max_step_gap_ms`` over as many steps before it. The arrival should add nothing a
+  decoding request can feel.
+- ``admit_ms``: the serving process's own time for that prompt (array, check, hash, send); it
+  runs beside the core, not between its steps.
+
+The model is the built-in tiny one with a long context (``random:tiny-long``), so that only the
+host work is measured; the long prompt is aborted after ``steps_after`` steps (its prefill of a
+128K-token prompt would take minutes on a CPU, and is the model's work, not admission's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvswitch.benchmarks.timing import machine_info
+
+
+@dataclass(frozen=True)
+class AdmissionBenchConfig:
+    num_decodes: int = 64
+    prompt_len: int = 131072
+    steps_before: int = 50
+    steps_after: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_decodes <= 0 or self.steps_before <= 0 or self.steps_after <= 0:
+            raise ValueError("num_decodes, steps_before and steps_after must be positive")
+        if not 0 < self.prompt_len < 262144:
+            raise ValueError(f"prompt_len must be in [1, 262144), got {self.prompt_len}")
+
+
+def run(config: AdmissionBenchConfig) -> dict:
+    return asyncio.run(_run(config))
+
+
+async def _run(config: AdmissionBenchConfig) -> dict:
+    from kvswitch.v1 import worker_pb2
+    from kvswitch.worker.engine_client import EngineClient
+    from kvswitch.worker.engine_config import EngineConfig
+    from kvswitch.worker.request import SamplingParams
+
+    block_size = 16
+    kv_bytes_per_token = 2 * 2 * 2 * 64 * 4  # tiny-long: 2 layers, K and V, 2 heads of 64, fp32
+    num_tokens = config.prompt_len + config.num_decodes * 4096
+    engine = await asyncio.to_thread(
+        EngineClient.start,
+        EngineConfig(
+            model="random:tiny-long",
+            block_size=block_size,
+            kv_cache_bytes=num_tokens * kv_bytes_per_token,
+            max_num_seqs=config.num_decodes + 1,
+        ),
+    )
+    try:
+        rng = np.random.default_rng(config.seed)
+        vocab = engine.facts.vocab_size
+        print(f"  {config.num_decodes} requests decoding ...", file=sys.stderr)
+        queues = [
+            await engine.submit(
+                f"decode-{i}", rng.integers(0, vocab, 64), SamplingParams(max_tokens=100_000)
+            )
+            for i in range(config.num_decodes)
+        ]
+        await _steps(engine, 10)  # every request is decoding now
+        engine.take_max_step_gap()
+        gaps_before = await _steps(engine, config.steps_before)
+
+        # The long prompt, as the worker's servicer receives it.
+        message = worker_pb2.WorkerGenerateRequest(
+            prompt_token_ids=rng.integers(0, vocab, config.prompt_len).tolist()
+        )
+        print(f"  a {config.prompt_len:,}-token prompt arrives ...", file=sys.stderr)
+        start = time.perf_counter()
+        prompt = np.array(message.prompt_token_ids, np.int64)
+        await engine.submit("long", prompt, SamplingParams(max_tokens=1))
+        admit_s = time.perf_counter() - start
+        gaps_after = await _steps(engine, config.steps_after)
+        engine.abort("long")
+        for queue in queues:
+            if not queue.empty() and isinstance(queue.get_nowait(), Exception):
+                raise RuntimeError("a decoding request failed")
+        if engine.load.num_running_requests < config.num_decodes:
+            raise RuntimeError(f"only {engine.load.num_running_requests} requests ran")
+    finally:
+        await asyncio.to_thread(engine.stop)
+    result = {
+        "machine": machine_info(),
+        "num_decodes": config.num_decodes,
+        "prompt_len": config.prompt_len,
+        "admit_ms": admit_s * 1000,
+        "max_step_gap_ms": max(gaps_after) * 1000,
+        "baseline_max_step_gap_ms": max(gaps_before) * 1000,
+        "baseline_median_step_gap_ms": statistics.median(gaps_before) * 1000,
+    }
+    print(
+        f"  largest gap between steps {result['max_step_gap_ms']:.3f} ms as it arrived, "
+        f"{result['baseline_max_step_gap_ms']:.3f} ms before; the serving process took "
+        f"{result['admit_ms']:.1f} ms to admit it",
+        file=sys.stderr,
+    )
+    return result
+
+
+async def _steps(engine, num_steps: int) -> list[float]:
+    """The largest gap between steps in each of the next ``num_steps`` steps' reports."""
+    gaps = []
+    last = engine.counters.num_steps
+    while len(gaps) < num_steps:
+        await asyncio.sleep(0)
+        steps = engine.counters.num_steps
+        if steps != last:
+            gaps.append(engine.take_max_step_gap())
+            last = steps
+        else:
+            await asyncio.sleep(0.0005)
+    return gaps

@@ -1,0 +1,175 @@
+"""What the serving process and its engine core say to each other.
+
+Two one-way ZeroMQ pipes (PUSH to PULL) over Unix sockets in a private directory, one msgpack
+array a message, its first element the kind. Messages on one pipe arrive in the order they were
+sent, which the cache-event numbering relies on.
+
+Serving process to core::
+
+    [ADD, request_id, prompt (uint32 bytes), block_hashes, params, cache_salt, num_resumed_tokens]
+    [ABORT, request_id]
+    [SNAPSHOT, call_id]
+    [STOP]
+
+Core to serving process::
+
+    [READY, facts]                     once, when the engine is built
+    [START_FAILED, message]            instead, when it cannot be
+    [STEP, outputs, failed, events, load, counters, step_gap_s]
+                                       after every round of commands and step
+    [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
+    [STOPPED]                          last
+
+Only ids, token ids, hashes and numbers travel; a prompt travels as one byte string.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
+
+# Serving process -> core.
+ADD, ABORT, SNAPSHOT, STOP = range(4)
+# Core -> serving process.
+READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED = range(10, 15)
+
+
+class Failure(enum.IntEnum):
+    """Why the core failed a request it had accepted."""
+
+    REJECTED = 0  # add_request refused it (the serving process checks first, so rarely)
+    STEP_FAILED = 1  # a step running it raised
+    STOPPED = 2  # the core is stopping
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFacts:
+    """What never changes about a built engine, sent once in READY."""
+
+    namespace: str
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The engine's load as of the end of its latest step (or command)."""
+
+    num_running_requests: int
+    num_waiting_requests: int
+    num_queued_prefill_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CoreCounters:
+    """Running totals the core keeps, as of its latest STEP."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_failed_steps: int = 0
+
+
+def configure(socket: zmq.Socket) -> None:
+    """Both ends' sockets: no queue limit (a full queue would block the sender, and each side
+    drains as fast as it can), and nothing kept for a peer once closed."""
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.LINGER, 0)
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    return msgpack.unpackb(data, raw=False, use_list=True)
+
+
+# -- pieces of messages ----------------------------------------------------------------------------
+
+
+def prompt_to_bytes(prompt: np.ndarray) -> bytes:
+    return prompt.astype("<u4", copy=False).tobytes()
+
+
+def prompt_from_bytes(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<u4")
+
+
+def params_to_wire(params: SamplingParams) -> list[Any]:
+    return [
+        params.max_tokens,
+        params.temperature,
+        params.top_p,
+        params.seed,
+        list(params.stop_token_ids),
+    ]
+
+
+def params_from_wire(fields: list[Any]) -> SamplingParams:
+    max_tokens, temperature, top_p, seed, stop_token_ids = fields
+    return SamplingParams(max_tokens, temperature, top_p, seed, tuple(stop_token_ids))
+
+
+_EVENT_TAGS = {BlockStored: 0, BlockRemoved: 1, AllBlocksCleared: 2}
+
+
+def events_to_wire(events: list[CacheEvent]) -> list[list[Any]]:
+    return [[_EVENT_TAGS[type(e)], list(getattr(e, "block_hashes", ()))] for e in events]
+
+
+def events_from_wire(fields: list[list[Any]]) -> list[CacheEvent]:
+    events: list[CacheEvent] = []
+    for tag, hashes in fields:
+        if tag == 0:
+            events.append(BlockStored(tuple(hashes)))
+        elif tag == 1:
+            events.append(BlockRemoved(tuple(hashes)))
+        else:
+            events.append(AllBlocksCleared())
+    return events
+
+
+_FINISH_REASONS = list(FinishReason)
+
+
+def output_to_wire(output: RequestOutput) -> list[Any]:
+    reason = output.finish_reason
+    return [
+        output.request_id,
+        output.new_token_ids,
+        None if reason is None else _FINISH_REASONS.index(reason),
+        output.num_prompt_tokens,
+        output.num_cached_tokens,
+        output.ttft_s,
+    ]
+
+
+def output_from_wire(fields: list[Any]) -> RequestOutput:
+    request_id, token_ids, reason, num_prompt_tokens, num_cached_tokens, ttft_s = fields
+    return RequestOutput(
+        request_id,
+        token_ids,
+        finished=reason is not None,
+        finish_reason=None if reason is None else _FINISH_REASONS[reason],
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=num_cached_tokens,
+        ttft_s=ttft_s,
+    )
+
+
+def facts_to_wire(facts: CoreFacts) -> dict[str, Any]:
+    return asdict(facts)

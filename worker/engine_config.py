@@ -1,0 +1,38 @@
+"""How an engine is built: its model, device, KV cache size and batch limits. Torch-free, so the
+serving process can check a configuration without loading the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a Hugging Face checkpoint directory; None = built-in tiny model
+    served_model_name: str = ""  # the block-hash namespace; empty = derived from the model
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20
+    # On CUDA, a fraction in (0, 1) sizes the KV cache from the GPU memory free after loading
+    # the model instead of kv_cache_bytes.
+    gpu_memory_fraction: float = 0.0
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 <= self.gpu_memory_fraction < 1.0:
+            raise ValueError(
+                f"gpu_memory_fraction must be in [0, 1), got {self.gpu_memory_fraction}"
+            )
+        if self.gpu_memory_fraction and not self.device.startswith("cuda"):
+            raise ValueError(
+                "gpu_memory_fraction sizes a GPU's KV cache: use it with a cuda device"
+            )
