@@ -9,6 +9,8 @@ chain, and sent to the core. Figures:
   arrived and began its prefill (receiving it, admitting it, sending outputs), against
   ``baseline_max_step_gap_ms`` over as many steps before it. The arrival should add nothing a
   decoding request can feel.
+- ``arrival_delay_ms``: ``max_step_gap_ms`` less the median gap before it: what the arrival
+  added to the most delayed step.
 - ``admit_ms``: the serving process's own time for that prompt (array, check, hash, send); it
   runs beside the core, not between its steps.
 
@@ -104,6 +106,8 @@ async def _run(config: AdmissionBenchConfig) -> dict:
         "num_decodes": config.num_decodes,
         "prompt_len": config.prompt_len,
         "admit_ms": admit_s * 1000,
+        # What the arrival added to the slowest step: its gap less the usual one.
+        "arrival_delay_ms": (max(gaps_after) - statistics.median(gaps_before)) * 1000,
         "max_step_gap_ms": max(gaps_after) * 1000,
         "baseline_max_step_gap_ms": max(gaps_before) * 1000,
         "baseline_median_step_gap_ms": statistics.median(gaps_before) * 1000,

@@ -78,20 +78,6 @@ def check_device(device: str) -> None:
             )
 
 
-def _finish_reason(
-    request: Request, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int
-) -> FinishReason | None:
-    params = request.params
-    if token_id in params.stop_token_ids or token_id in eos_token_ids:
-        return FinishReason.STOP
-    num_tokens = request.num_tokens
-    if num_tokens - request.num_prompt_tokens >= params.max_tokens:
-        return FinishReason.LENGTH
-    if num_tokens >= max_model_len:
-        return FinishReason.LENGTH
-    return None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -158,7 +144,6 @@ class LLMEngine:
             block_hashes=block_hashes,
         )
         request.num_resumed_tokens = num_resumed_tokens
-        # NOTE: output that would pass the context length ends the request with LENGTH instead.
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -243,24 +228,25 @@ class LLMEngine:
         # Only requests whose whole context is now computed produce a token; a prefill chunk
         # that stops short of the end throws its logits away.
         sampling_rows = []
+        requests = []
         for row, (request, num_new) in enumerate(scheduled):
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens = num_computed = request.num_computed_tokens + num_new
+            if num_computed == request.num_tokens:
                 sampling_rows.append(row)
-        if not sampling_rows:
+                requests.append(request)
+                if request.generator is not None and request.params.seed is not None:
+                    position = request.num_resumed_tokens + request.num_output_tokens
+                    request.generator.manual_seed(seed_for_position(request.params.seed, position))
+        if not requests:
             return []
-        requests = [scheduled[row][0] for row in sampling_rows]
-        for request in requests:
-            seed = request.params.seed
-            if request.generator is not None and seed is not None:
-                position = request.num_resumed_tokens + request.num_output_tokens
-                request.generator.manual_seed(seed_for_position(seed, position))
         if len(sampling_rows) < len(scheduled):
             logits = logits[sampling_rows]
         token_ids = self.sampler.sample(
             logits, [r.params for r in requests], [r.generator for r in requests]
         ).tolist()
         now = time.monotonic()
+        # A request ends on a stop token or EOS (STOP), or at max_tokens or the context length
+        # (LENGTH): output that would pass the context length ends it instead.
         max_model_len = self.max_model_len
         eos_token_ids = self.model_config.eos_token_ids
         outputs = []
@@ -271,8 +257,16 @@ class LLMEngine:
                 ttft_s = now - request.arrival_s
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
                 self.stats.num_cached_tokens += request.num_cached_tokens
-            request.append_token_ids((token_id,))
-            reason = _finish_reason(request, token_id, eos_token_ids, max_model_len)
+            request.append_token(token_id)
+            params = request.params
+            reason = None
+            if token_id in params.stop_token_ids or token_id in eos_token_ids:
+                reason = FinishReason.STOP
+            elif (
+                request.num_tokens - request.num_prompt_tokens >= params.max_tokens
+                or request.num_tokens >= max_model_len
+            ):
+                reason = FinishReason.LENGTH
             if reason is not None:
                 request.finish_reason = reason
                 self.scheduler.remove(request)
@@ -281,11 +275,11 @@ class LLMEngine:
                 RequestOutput(
                     request.request_id,
                     [token_id],
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
-                    ttft_s=ttft_s,
+                    reason is not None,
+                    reason,
+                    request.num_prompt_tokens,
+                    request.num_cached_tokens,
+                    ttft_s,
                 )
             )
         return outputs

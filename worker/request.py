@@ -164,6 +164,17 @@ class Request:
     def block_size(self) -> int:
         return self.hasher.block_size
 
+    def append_token(self, token_id: int) -> None:
+        """``append_token_ids((token_id,))``, the decode step's fast path."""
+        num_tokens = self.num_tokens
+        if num_tokens == len(self._tokens):
+            self.append_token_ids((token_id,))
+            return
+        self._tokens[num_tokens] = token_id
+        self.num_tokens = num_tokens = num_tokens + 1
+        if num_tokens % self.hasher.block_size == 0:
+            self.block_hashes += self.hasher.hash_blocks(self.token_ids, self.block_hashes)
+
     def append_token_ids(self, token_ids: Sequence[int]) -> None:
         """Add generated tokens, hashing each block the moment it becomes full."""
         end = self.num_tokens + len(token_ids)
