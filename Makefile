@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/kvswitch bench router --json out/bench_router.json
 	$(BIN)/kvswitch bench lookup --json out/bench_lookup.json
 	$(BIN)/kvswitch bench step --json out/bench_step.json
+	$(BIN)/kvswitch bench admission --json out/bench_admission.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

@@ -237,6 +237,20 @@ def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:
     )
 
 
+def test_bench_admission_times_the_gaps_between_the_cores_steps(tmp_path: Path) -> None:
+    out = tmp_path / "admission.json"
+    args = ["--num-decodes", "4", "--prompt-len", "8192", "--steps-before", "5"]
+    main(["bench", "admission", *args, "--steps-after", "5", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["prompt_len"] == 8192 and figures["num_decodes"] == 4
+    assert 0 < figures["baseline_median_step_gap_ms"] <= figures["baseline_max_step_gap_ms"]
+    assert figures["max_step_gap_ms"] > 0 and figures["admit_ms"] > 0
+    assert 0 < figures["admit_core_ms"] <= figures["max_step_gap_ms"]
+    assert figures["arrival_delay_ms"] == pytest.approx(
+        figures["max_step_gap_ms"] - figures["baseline_median_step_gap_ms"]
+    )
+
+
 def test_bench_index_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "index.json"
     main(["bench", "index", "--num-lookups", "20", "--num-event-batches", "10", "--json", str(out)])

@@ -15,7 +15,7 @@ Core to serving process::
 
     [READY, facts]                     once, when the engine is built
     [START_FAILED, message]            instead, when it cannot be
-    [STEP, outputs, failed, events, load, counters, step_gap_s]
+    [STEP, outputs, failed, events, load, counters, [step_gap_s, commands_s]]
                                        after every round of commands and step
     [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
     [STOPPED]                          last
@@ -71,6 +71,15 @@ class LoadReport:
     num_free_blocks: int
     num_total_blocks: int
     block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepGap:
+    """How long the core went between two steps while requests were running, and how much of
+    that it spent running the commands that had arrived (admitting requests, mostly)."""
+
+    gap_s: float = 0.0
+    commands_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,8 +129,31 @@ class LLMEngine:
         ``block_hashes``: the prompt's chain (``self.hasher(cache_salt)``), when the caller
         hashed it already.
         """
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already running")
+        self.add(
+            self.make_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                lora=lora,
+                cache_salt=cache_salt,
+                num_resumed_tokens=num_resumed_tokens,
+                block_hashes=block_hashes,
+            )
+        )
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        params: SamplingParams,
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        num_resumed_tokens: int = 0,
+        block_hashes: list[bytes] | None = None,
+    ) -> Request:
+        """The request ``add_request`` would queue, checked (ValueError) but not queued. It reads
+        only what never changes in the engine, so any thread may call it."""
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len, num_resumed_tokens)
         if lora is not None:
@@ -144,7 +167,13 @@ class LLMEngine:
             block_hashes=block_hashes,
         )
         request.num_resumed_tokens = num_resumed_tokens
-        self.requests[request_id] = request
+        return request
+
+    def add(self, request: Request) -> None:
+        """Queue a request from ``make_request``; ValueError if its id is already running."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
 
     def hasher(self, cache_salt: str | None = None) -> BlockHasher:

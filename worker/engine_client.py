@@ -44,7 +44,7 @@ from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.logs import JsonFormatter, Throttled
 from kvswitch.worker import core_protocol as wire
-from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport
+from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, StepGap
 from kvswitch.worker.engine_core import build_and_run, core_process_main
 from kvswitch.worker.request import RequestOutput, SamplingParams, check_prompt
 
@@ -161,6 +161,7 @@ class EngineClient:
         self._stopping = False
         self._ended: EngineStopped | None = None  # set once the core has stopped or died
         self._on_death: list[Callable[[str], None]] = []
+        self._on_events: list[Callable[[], None]] = []
 
         self._events_lock = threading.Lock()
         self._event_batches: deque[EventBatch] = deque()
@@ -171,7 +172,7 @@ class EngineClient:
 
         self.load = LoadReport(0, 0, 0, facts.num_blocks, facts.num_blocks, facts.block_size)
         self.counters = CoreCounters()
-        self._max_step_gap_s = 0.0
+        self._max_step_gap = StepGap()
         self._receiver = threading.Thread(target=self._receive, name="engine-receiver", daemon=True)
         self._receiver.start()
 
@@ -262,6 +263,10 @@ class EngineClient:
         self._context.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
 
+    def on_events(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on the receiver thread) whenever an event batch is buffered."""
+        self._on_events.append(callback)
+
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(message)`` (on the receiver thread) if the core dies unasked."""
         self._on_death.append(callback)
@@ -286,11 +291,12 @@ class EngineClient:
     def num_failed_steps(self) -> int:
         return self.counters.num_failed_steps
 
-    def take_max_step_gap(self) -> float:
-        """The longest the core went between two steps while requests were running, in seconds,
-        since the last call: the time it spent receiving and admitting requests and sending
-        outputs instead of computing (``kvswitch bench admission`` reads it)."""
-        gap, self._max_step_gap_s = self._max_step_gap_s, 0.0
+    def take_max_step_gap(self) -> StepGap:
+        """The longest the core went between two steps while requests were running, and the
+        longest it spent on commands there, since the last call: time spent receiving and
+        admitting requests and sending outputs (or waiting for a CPU) instead of computing
+        (``kvswitch bench admission`` reads it)."""
+        gap, self._max_step_gap = self._max_step_gap, StepGap()
         return gap
 
     # -- requests ---------------------------------------------------------------------------------
@@ -397,6 +403,11 @@ class EngineClient:
                 )
                 self.num_dropped_event_batches += 1
             self._event_batches.append(EventBatch(self._event_seq, events))
+        for callback in self._on_events:
+            try:
+                callback()
+            except Exception:
+                logger.exception("a cache-event callback failed")
 
     # -- the receiver thread ----------------------------------------------------------------------
 
@@ -425,10 +436,14 @@ class EngineClient:
     def _handle(self, message: list[Any]) -> None:
         kind = message[0]
         if kind == wire.STEP:
-            _, outputs, failed, events, load, counters, step_gap_s = message
+            _, outputs, failed, events, load, counters, (gap_s, commands_s) = message
             self.load = LoadReport(*load)
             self.counters = CoreCounters(*counters)
-            self._max_step_gap_s = max(self._max_step_gap_s, step_gap_s)
+            most = self._max_step_gap
+            if gap_s > most.gap_s or commands_s > most.commands_s:
+                self._max_step_gap = StepGap(
+                    max(gap_s, most.gap_s), max(commands_s, most.commands_s)
+                )
             if events:
                 self._record_events(wire.events_from_wire(events))
             for request_id, why, text in failed:

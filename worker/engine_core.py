@@ -13,15 +13,18 @@ The loop::
     send one STEP: the step's outputs, the requests it failed, the cache events, the load
 
 Requests arrive admitted: checked and hashed by the serving process, their prompt one byte
-string, so taking one in costs the core a buffer copy and a dict insert, not a pass over the
-tokens in Python.
+string. The core's input thread decodes each message and builds the request (a buffer copy)
+while the loop computes, so taking one in costs the loop a queue pop and a dict insert.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import queue
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +32,7 @@ import zmq
 
 from kvswitch.logs import configure_logging
 from kvswitch.worker import core_protocol as wire
-from kvswitch.worker.request import StepFailed
+from kvswitch.worker.request import Request, StepFailed
 
 if TYPE_CHECKING:
     from kvswitch.worker.engine import LLMEngine
@@ -39,9 +42,11 @@ logger = logging.getLogger(__name__)
 
 # How long the loop sleeps when it has requests but the scheduler ran none of them, so that such
 # a state (which only a command can change) cannot spin a core.
-_IDLE_WAIT_MS = 50
+_IDLE_WAIT_S = 0.05
 # How often a core with nothing to do checks that the serving process is still there.
-_ORPHAN_CHECK_MS = 1000
+_ORPHAN_CHECK_S = 1.0
+# A command the input thread queues when it fails: the core cannot go on without its input.
+_INPUT_FAILED = -1
 
 
 class _ServingProcessGone(Exception):
@@ -49,14 +54,19 @@ class _ServingProcessGone(Exception):
 
 
 class EngineCore:
-    """Owns the engine; everything here runs on the one thread that calls ``run``."""
+    """Owns the engine. Two threads: the step loop (the thread that calls ``run``), which alone
+    touches the engine's state and sends; and an input thread, which receives and decodes
+    commands and builds arriving requests (``LLMEngine.make_request``) while the loop computes,
+    so that taking a request in costs the loop a queue pop and a dict insert."""
 
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         self.engine = engine
-        self._inbox = inbox
+        self._inbox = inbox  # the input thread's alone
         self._outbox = outbox
-        self._poller = zmq.Poller()
-        self._poller.register(inbox, zmq.POLLIN)
+        self._arrived: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._input_stop = threading.Event()
+        self._input = threading.Thread(target=self._read, name="engine-core-input", daemon=True)
+        engine.max_model_len  # noqa: B018  (computed once here, read by the input thread)
         self._num_failed_steps = 0
         self._outputs: list[list[Any]] = []
         self._failed: list[list[Any]] = []
@@ -64,6 +74,7 @@ class EngineCore:
         # receiving and admitting requests, and sending outputs, cost the running requests.
         self._last_step_end: float | None = None
         self._step_gap_s = 0.0
+        self._commands_s = 0.0  # of which running the commands that arrived
 
     @staticmethod
     def facts(engine: LLMEngine) -> wire.CoreFacts:
@@ -78,11 +89,15 @@ class EngineCore:
     def run(self, parent_pid: int | None = None) -> None:
         """Serve until STOP, then fail what is left and send STOPPED. ``parent_pid``: stop at
         once, dropping everything, when that process is gone (nobody is left to tell)."""
+        self._input.start()
         try:
             self._loop(parent_pid)
         except _ServingProcessGone:
             logger.error("the serving process is gone; the engine core stops")
             return
+        finally:
+            self._input_stop.set()
+            self._input.join()
         self._shutdown()
 
     def _loop(self, parent_pid: int | None) -> None:
@@ -92,13 +107,16 @@ class EngineCore:
             if parent_pid is not None and os.getppid() != parent_pid:
                 raise _ServingProcessGone
             if engine.has_unfinished():
-                timeout = _IDLE_WAIT_MS if idle else 0
+                timeout = _IDLE_WAIT_S if idle else 0.0
             else:
-                timeout = _ORPHAN_CHECK_MS if parent_pid is not None else None
-            if not self._poller.poll(timeout) and not engine.has_unfinished():
+                timeout = _ORPHAN_CHECK_S if parent_pid is not None else None
+            commands = self._take_commands(timeout)
+            if not commands and not engine.has_unfinished():
                 continue
-            if not self._run_commands():
+            commands_start = time.perf_counter()
+            if not self._run_commands(commands):
                 return
+            self._commands_s = time.perf_counter() - commands_start
             idle = False
             if engine.has_unfinished():
                 num_steps = engine.stats.num_steps
@@ -113,16 +131,63 @@ class EngineCore:
 
     # -- commands ---------------------------------------------------------------------------------
 
-    def _run_commands(self) -> bool:
-        """Run every command that has arrived, in order; False on STOP."""
-        while True:
-            try:
-                message = wire.unpack(self._inbox.recv(zmq.NOBLOCK, copy=True))
-            except zmq.Again:
-                return True
+    def _read(self) -> None:
+        """The input thread: receive, decode, and build requests, until STOP."""
+        try:
+            while not self._input_stop.is_set():
+                if not self._inbox.poll(100):
+                    continue
+                message = wire.unpack(self._inbox.recv())
+                if message[0] == wire.ADD:
+                    message = [wire.ADD, self._make_request(*message[1:])]
+                self._arrived.put(message)
+                if message[0] == wire.STOP:
+                    return
+        except Exception:
+            logger.exception("the engine core's input thread failed")
+            self._arrived.put([_INPUT_FAILED])
+
+    def _make_request(
+        self,
+        request_id: str,
+        prompt: bytes,
+        block_hashes: list[bytes],
+        params: list[Any],
+        cache_salt: str | None,
+        num_resumed_tokens: int,
+    ) -> Request | tuple[str, str]:
+        """The request, or ``(request_id, why it cannot run)``."""
+        try:
+            return self.engine.make_request(
+                request_id,
+                wire.prompt_from_bytes(prompt),
+                wire.params_from_wire(params),
+                cache_salt=cache_salt,
+                num_resumed_tokens=num_resumed_tokens,
+                block_hashes=block_hashes,
+            )
+        except ValueError as e:
+            return request_id, str(e)
+
+    def _take_commands(self, timeout: float | None) -> list[list[Any]]:
+        """What has arrived; waits up to ``timeout`` (None: for ever) for a first command."""
+        commands = []
+        try:
+            if timeout == 0.0:
+                commands.append(self._arrived.get_nowait())
+            else:
+                commands.append(self._arrived.get(timeout=timeout))
+            while True:
+                commands.append(self._arrived.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def _run_commands(self, commands: list[list[Any]]) -> bool:
+        """Run the commands, in order; False on STOP."""
+        for message in commands:
             kind = message[0]
             if kind == wire.ADD:
-                self._add(*message[1:])
+                self._add(message[1])
             elif kind == wire.ABORT:
                 if self.engine.abort(message[1]):
                     logger.info("request %s: aborted", message[1])
@@ -133,29 +198,21 @@ class EngineCore:
                 self._send([wire.SNAPSHOT_TAKEN, message[1], hashes])
             elif kind == wire.STOP:
                 return False
+            elif kind == _INPUT_FAILED:
+                raise RuntimeError("the engine core's input thread failed")
             else:
                 logger.error("unknown command %r: ignored", kind)
+        return True
 
-    def _add(
-        self,
-        request_id: str,
-        prompt: bytes,
-        block_hashes: list[bytes],
-        params: list[Any],
-        cache_salt: str | None,
-        num_resumed_tokens: int,
-    ) -> None:
+    def _add(self, request: Request | tuple[str, str]) -> None:
+        if isinstance(request, tuple):
+            request_id, why = request
+            self._failed.append([request_id, wire.Failure.REJECTED, why])
+            return
         try:
-            self.engine.add_request(
-                request_id,
-                wire.prompt_from_bytes(prompt),
-                wire.params_from_wire(params),
-                cache_salt=cache_salt,
-                num_resumed_tokens=num_resumed_tokens,
-                block_hashes=block_hashes,
-            )
+            self.engine.add(request)
         except ValueError as e:
-            self._failed.append([request_id, wire.Failure.REJECTED, str(e)])
+            self._failed.append([request.request_id, wire.Failure.REJECTED, str(e)])
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -201,9 +258,10 @@ class EngineCore:
         ]
         counters = [engine.stats.num_steps, engine.stats.num_preemptions, self._num_failed_steps]
         events = wire.events_to_wire(engine.take_events())
-        message = [wire.STEP, self._outputs, self._failed, events, load, counters, self._step_gap_s]
-        self._send(message)
-        self._outputs, self._failed, self._step_gap_s = [], [], 0.0
+        gap = [self._step_gap_s, self._commands_s]
+        self._send([wire.STEP, self._outputs, self._failed, events, load, counters, gap])
+        self._outputs, self._failed = [], []
+        self._step_gap_s = self._commands_s = 0.0
 
     def _send(self, message: list[Any]) -> None:
         try:
@@ -240,9 +298,15 @@ def build_and_run(
         except (ValueError, OSError) as e:
             outbox.send(wire.pack([wire.START_FAILED, str(e)]))
             return
+        # NOTE: what was built so far (the model, torch's and the engine's objects) lives as
+        # long as the core; frozen, a garbage collection, which admitting a long prompt's
+        # thousands of hashes can set off, no longer walks it between two steps (3.5 ms -> 0.04
+        # ms at worst for a 128K-token prompt's admission on cpu-2c).
+        gc.freeze()
         outbox.send(wire.pack([wire.READY, wire.facts_to_wire(EngineCore.facts(engine))]))
         EngineCore(engine, inbox, outbox).run(parent_pid)
     finally:
+        gc.unfreeze()  # so that what was frozen is collected, not reported leaked, at exit
         # NOTE: LINGER 0 would drop what is still queued; give the last messages time to leave.
         outbox.setsockopt(zmq.LINGER, 5000)
         inbox.close()

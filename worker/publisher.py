@@ -14,6 +14,7 @@ a lapsed registration, a Redis restart), it registers again and resyncs from a s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from dataclasses import dataclass
@@ -31,10 +32,13 @@ class EventSource(Protocol):
 
     def snapshot(self): ...  # a concurrent Future of (event_seq, cached block hashes)
 
+    # Optional: ``on_events(callback)`` calls ``callback()`` (on any thread) whenever a batch is
+    # buffered; a source that has it is published at once instead of every ``interval_s``.
+
 
 @dataclass(frozen=True)
 class PublisherConfig:
-    interval_s: float = 0.02  # how often to look for new event batches
+    interval_s: float = 0.02  # how often to look for new event batches (without on_events)
     heartbeat_s: float = 1.0
     ttl_s: float = 5.0  # a registration lapses this long after the last heartbeat
 
@@ -81,9 +85,22 @@ class EventPublisher:
         self.num_errors = 0  # failed rounds, each followed by a resync
         self._synced = False  # the index holds exactly our set as of the last applied batch
         self._task: asyncio.Task | None = None
+        self._arrived: asyncio.Event | None = None  # set when the source says a batch is in
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="event-publisher")
+        loop = asyncio.get_running_loop()
+        on_events = getattr(self.source, "on_events", None)
+        if on_events is not None:
+            # NOTE: a second router reading the index sees a worker's blocks a moment after
+            # the step that cached them, not up to a polling interval later.
+            arrived = self._arrived = asyncio.Event()
+
+            def wake() -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody to wake
+                    loop.call_soon_threadsafe(arrived.set)
+
+            on_events(wake)
+        self._task = loop.create_task(self.run(), name="event-publisher")
 
     async def stop(self) -> None:
         """Stop publishing and remove this worker from the index (best effort)."""
@@ -110,7 +127,7 @@ class EventPublisher:
                         self._synced = False
                     next_heartbeat = loop.time() + self.config.heartbeat_s
                 self.backoff.reset()
-                await asyncio.sleep(self.config.interval_s)
+                await self._wait_for_events(next_heartbeat - loop.time())
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -125,6 +142,17 @@ class EventPublisher:
                 else:
                     logger.exception("publishing cache events failed; resyncing in %.2fs", delay_s)
                 await asyncio.sleep(delay_s)
+
+    async def _wait_for_events(self, until_heartbeat_s: float) -> None:
+        """Until the source says a batch is in (or the next heartbeat is due); without
+        ``on_events``, one polling interval."""
+        if self._arrived is None:
+            await asyncio.sleep(self.config.interval_s)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(until_heartbeat_s, 0.0)):
+                await self._arrived.wait()
+        self._arrived.clear()
 
     async def publish_pending(self) -> None:
         """Apply every buffered batch, in order; on any doubt, fall back to a resync."""
