@@ -254,13 +254,16 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
+        # Only the prompt's last few tokens are ever read, as Python ints (the prompt may be a
+        # numpy array of 128K of them).
+        tail = [int(t) for t in prompt_token_ids[-self.NUM_CONTEXT_TOKENS :]]
         if isinstance(tokenizer, ByteTokenizer):
             # NOTE: bytes decode one at a time, so the codec's own pending buffer is the whole
             # state; seeding it with the prompt completes a character split across the boundary.
             self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            self._utf8.decode(tokenizer.to_bytes(prompt_token_ids[-3:]))
+            self._utf8.decode(tokenizer.to_bytes(tail[-3:]))
             return
-        self._token_ids = list(prompt_token_ids)
+        self._token_ids = tail
         # Window: tokens [prefix_offset, read_offset) were emitted and give context; tokens from
         # read_offset on are not emitted yet.
         self._read_offset = len(self._token_ids)

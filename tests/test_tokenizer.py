@@ -8,6 +8,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sentencepiece
 import tokenizers
@@ -204,11 +205,17 @@ def check_stream(tokenizer: Tokenizer, texts: list[str], step: int) -> list[str]
     """Streams ``texts`` (and an emoji split into byte tokens) after a prompt, ``step`` tokens a
     push: no piece breaks a character, and the pieces add up to what the tokens add to the
     prompt's text. Returns the pieces."""
-    prompt_ids = tokenizer.encode("hello router")
+    prompt_ids = tokenizer.encode(
+        "a prompt longer than the context the decoder keeps: hello router"
+    )
     output_ids = tokenizer.encode(" / ".join(texts) + f" {EMOJI}", add_bos=False)
     # The emoji must really be split across tokens for this test to mean anything.
     assert all(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in output_ids[-4:])
     pieces = stream(IncrementalDecoder(tokenizer, prompt_ids), output_ids, step)
+    # A worker hands over its prompt as a numpy array: the same text, and only its tail kept.
+    from_array = IncrementalDecoder(tokenizer, np.array(prompt_ids, np.int64))
+    assert len(from_array._token_ids) <= IncrementalDecoder.NUM_CONTEXT_TOKENS
+    assert stream(from_array, output_ids, step) == pieces
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
     full = tokenizer.decode(prompt_ids + output_ids)
     assert full == tokenizer.decode(prompt_ids) + "".join(pieces)
