@@ -6,7 +6,8 @@ sent, which the cache-event numbering relies on.
 
 Serving process to core::
 
-    [ADD, request_id, prompt (uint32 bytes), block_hashes, params, cache_salt, num_resumed_tokens]
+    [ADD, request_id, prompt (little-endian uint32 bytes), block_hashes, params, cache_salt,
+     num_resumed_tokens]
     [ABORT, request_id]
     [SNAPSHOT, call_id]
     [STOP]
@@ -91,12 +92,19 @@ class CoreCounters:
     num_failed_steps: int = 0
 
 
-def configure(socket: zmq.Socket) -> None:
-    """Both ends' sockets: no queue limit (a full queue would block the sender, and each side
-    drains as fast as it can), and nothing kept for a peer once closed."""
+def open_pipe_end(context: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Socket:
+    """One end of a pipe (``zmq.PUSH`` or ``zmq.PULL``): no queue limit (a full queue would block
+    the sender, and each side drains as fast as it can), nothing kept for a peer once closed.
+    The serving process binds; the core connects."""
+    socket = context.socket(kind)
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.LINGER, 0)
+    if bind:
+        socket.bind(address)
+    else:
+        socket.connect(address)
+    return socket
 
 
 def pack(message: list[Any]) -> bytes:
@@ -108,10 +116,6 @@ def unpack(data: bytes) -> list[Any]:
 
 
 # -- pieces of messages ----------------------------------------------------------------------------
-
-
-def prompt_to_bytes(prompt: np.ndarray) -> bytes:
-    return prompt.astype("<u4", copy=False).tobytes()
 
 
 def prompt_from_bytes(data: bytes) -> np.ndarray:

@@ -18,6 +18,7 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -115,31 +116,11 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: Sequence[int] | np.ndarray,
         params: SamplingParams,
-        *,
-        lora: str | None = None,
-        cache_salt: str | None = None,
-        num_resumed_tokens: int = 0,
-        block_hashes: list[bytes] | None = None,
+        **options: Any,
     ) -> None:
         """Queue a request. Raises ValueError, saying what is wrong, for a request that can
-        never run; nothing is queued then.
-
-        ``num_resumed_tokens``: the last this-many prompt tokens are output the request already
-        produced elsewhere; a seeded request samples its next token as the one after them.
-        ``block_hashes``: the prompt's chain (``self.hasher(cache_salt)``), when the caller
-        hashed it already.
-        """
-        self.add(
-            self.make_request(
-                request_id,
-                prompt_token_ids,
-                params,
-                lora=lora,
-                cache_salt=cache_salt,
-                num_resumed_tokens=num_resumed_tokens,
-                block_hashes=block_hashes,
-            )
-        )
+        never run; nothing is queued then. ``options`` are ``make_request``'s."""
+        self.add(self.make_request(request_id, prompt_token_ids, params, **options))
 
     def make_request(
         self,
@@ -153,7 +134,13 @@ class LLMEngine:
         block_hashes: list[bytes] | None = None,
     ) -> Request:
         """The request ``add_request`` would queue, checked (ValueError) but not queued. It reads
-        only what never changes in the engine, so any thread may call it."""
+        only what never changes in the engine, so any thread may call it.
+
+        ``num_resumed_tokens``: the last this-many prompt tokens are output the request already
+        produced elsewhere; a seeded request samples its next token as the one after them.
+        ``block_hashes``: the prompt's chain (``self.hasher(cache_salt)``), when the caller
+        hashed it already.
+        """
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len, num_resumed_tokens)
         if lora is not None:

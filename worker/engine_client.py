@@ -198,12 +198,8 @@ class EngineClient:
         socket_dir = tempfile.mkdtemp(prefix="kvswitch-engine-")  # mode 0700: ours alone
         scheme = "inproc://" if in_process else "ipc://"
         inbox_address, outbox_address = f"{scheme}{socket_dir}/in", f"{scheme}{socket_dir}/out"
-        inbox = context.socket(zmq.PUSH)
-        outbox = context.socket(zmq.PULL)
-        for socket in (inbox, outbox):
-            wire.configure(socket)
-        inbox.bind(inbox_address)
-        outbox.bind(outbox_address)
+        inbox = wire.open_pipe_end(context, zmq.PUSH, inbox_address, bind=True)
+        outbox = wire.open_pipe_end(context, zmq.PULL, outbox_address, bind=True)
         core: multiprocessing.process.BaseProcess | threading.Thread
         if in_process:
             core = threading.Thread(
@@ -287,10 +283,6 @@ class EngineClient:
     def block_size(self) -> int:
         return self.facts.block_size
 
-    @property
-    def num_failed_steps(self) -> int:
-        return self.counters.num_failed_steps
-
     def take_max_step_gap(self) -> StepGap:
         """The longest the core went between two steps while requests were running, and the
         longest it spent on commands there, since the last call: time spent receiving and
@@ -321,13 +313,15 @@ class EngineClient:
         check_prompt(prompt, facts.vocab_size, facts.max_model_len, num_resumed_tokens)
         if lora is not None:
             raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
+        # Checked, so in range: converted once, for the hashes and the wire alike.
+        prompt = prompt.astype("<u4", copy=False)
         hasher = BlockHasher(facts.namespace, facts.block_size, cache_salt=cache_salt)
         block_hashes = hasher.hash_blocks(prompt)
         message = wire.pack(
             [
                 wire.ADD,
                 request_id,
-                wire.prompt_to_bytes(prompt),
+                prompt.tobytes(),
                 block_hashes,
                 wire.params_to_wire(params),
                 cache_salt,

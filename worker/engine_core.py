@@ -286,12 +286,8 @@ def build_and_run(
 ) -> None:
     """Connect the pipes, build the engine (START_FAILED saying why it cannot be), send READY and
     run until STOP. Both placements, process and thread, start here."""
-    inbox = context.socket(zmq.PULL)
-    outbox = context.socket(zmq.PUSH)
-    for socket in (inbox, outbox):
-        wire.configure(socket)
-    inbox.connect(inbox_address)
-    outbox.connect(outbox_address)
+    inbox = wire.open_pipe_end(context, zmq.PULL, inbox_address, bind=False)
+    outbox = wire.open_pipe_end(context, zmq.PUSH, outbox_address, bind=False)
     try:
         try:
             engine = _build_engine(config)

@@ -189,7 +189,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
         log_extra = {"request_id": request_id}
         # NOTE: the repeated field converts to an array in one copy, not one Python int a token.
-        prompt_token_ids = np.array(request.prompt_token_ids, np.int64)
+        prompt_token_ids = np.array(request.prompt_token_ids, np.uint32)
         try:
             params = sampling_params_from_proto(request.sampling)
             queue = await self._engine.submit(

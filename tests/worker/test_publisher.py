@@ -205,3 +205,29 @@ def test_a_lost_batch_or_a_forgotten_worker_triggers_a_resync() -> None:
         asyncio.run(main())
     finally:
         engine.stop()
+
+
+def test_cache_events_are_published_when_they_arrive_not_at_the_next_poll() -> None:
+    engine = start_engine()
+    # Polling alone would take up to a second to publish: the engine's events must wake it.
+    slow = PublisherConfig(interval_s=1.0, heartbeat_s=1.0, ttl_s=5.0)
+
+    async def main() -> None:
+        index = MemoryIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, slow)
+        publisher.start()
+        await asyncio.sleep(0.05)  # registered and resynced (empty)
+        prompt = [256, *b"published at once " * 4]
+        await generate(engine, "r1", prompt)
+        chain = hash_prompt_blocks(prompt, 16, engine.namespace)
+        deadline = asyncio.get_running_loop().time() + 0.3
+        while (await index.match(engine.namespace, chain)).get("w") != len(chain):
+            assert asyncio.get_running_loop().time() < deadline, "published only at a poll"
+            await asyncio.sleep(0.01)
+        await publisher.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
