@@ -33,6 +33,11 @@ class BlockTables:
         """The request's row; KeyError if it holds no blocks."""
         return self._row_of[request_id]
 
+    def rows(self, request_ids: list[str]) -> np.ndarray:
+        """The rows of these requests, in order; KeyError if one holds no blocks."""
+        row_of = self._row_of
+        return np.array([row_of[request_id] for request_id in request_ids], np.int64)
+
     def append(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Add blocks to the end of the request's table, giving it a row if it has none."""
         row = self._row_of.get(request_id)

@@ -37,7 +37,7 @@ from kvswitch.worker.request import (
     check_prompt,
 )
 from kvswitch.worker.sampler import Sampler, make_generator, seed_for_position
-from kvswitch.worker.scheduler import Scheduler, SchedulerConfig
+from kvswitch.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvswitch.worker.weights import load_model, model_namespace
 
 
@@ -86,6 +86,7 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype)
         self.model = load_model(config.model, device=config.device, dtype=dtype)
         self.model_config = self.model.config
+        self._eos_token_ids = frozenset(self.model_config.eos_token_ids)
         num_blocks = num_blocks_for_budget(
             self.model, config.block_size, dtype, kv_cache_budget_bytes(config)
         )
@@ -154,6 +155,8 @@ class LLMEngine:
             block_hashes=block_hashes,
         )
         request.num_resumed_tokens = num_resumed_tokens
+        request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
+        request.stop_token_ids |= self._eos_token_ids
         return request
 
     def add(self, request: Request) -> None:
@@ -192,41 +195,50 @@ class LLMEngine:
             # Unknown how far scheduling got: no request's state can be trusted.
             raise self._fail_step(list(self.requests), e) from e
         self.stats.num_preemptions += len(scheduled.preempted)
-        if not scheduled.scheduled:
+        if not scheduled.requests:
             return []
-        step_ids = [request.request_id for request, _ in scheduled.scheduled]
         try:
-            logits = self.runner.execute_batch(self._batch(scheduled.scheduled))
+            logits = self.runner.execute_batch(self._batch(scheduled))
         except Exception as e:
-            raise self._fail_step(step_ids, e) from e
+            raise self._fail_step([r.request_id for r in scheduled.requests], e) from e
         self.kv_cache.commit()
         self.stats.num_steps += 1
         self.stats.num_step_tokens += scheduled.num_tokens
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, scheduled.num_tokens)
         try:
-            return self._postprocess(scheduled.scheduled, logits)
+            return self._postprocess(scheduled, logits)
         except Exception as e:
-            raise self._fail_step(step_ids, e) from e
+            raise self._fail_step([r.request_id for r in scheduled.requests], e) from e
 
-    def _batch(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+    def _batch(self, scheduled: SchedulerOutput) -> StepBatch:
         """The step's sequences as arrays; their block tables come from the rows the KV cache
         manager keeps up to date, in one gather."""
-        num_seqs = len(scheduled)
+        requests = scheduled.requests
+        num_seqs = len(requests)
         tables = self.kv_cache.block_tables
-        input_ids = np.concatenate(
-            [
-                r.token_ids[r.num_computed_tokens : r.num_computed_tokens + num_new]
-                for r, num_new in scheduled
-            ]
-        )
-        rows = np.fromiter((tables.row(r.request_id) for r, _ in scheduled), np.int64, num_seqs)
+        if scheduled.num_tokens == num_seqs:
+            # One token each, nearly always a decode, whose input is the last token.
+            input_ids = np.array(
+                [
+                    r.last_token_id
+                    if r.num_computed_tokens + 1 == r.num_tokens
+                    else r.token_ids[r.num_computed_tokens]
+                    for r in requests
+                ],
+                np.int64,
+            )
+        else:
+            input_ids = np.concatenate(
+                [
+                    r.token_ids[r.num_computed_tokens : r.num_computed_tokens + num_new]
+                    for r, num_new in zip(requests, scheduled.num_new_tokens, strict=True)
+                ]
+            )
         return StepBatch(
             input_ids=input_ids,
-            start_pos=np.fromiter(
-                (r.num_computed_tokens for r, _ in scheduled), np.int64, num_seqs
-            ),
-            num_new=np.fromiter((n for _, n in scheduled), np.int64, num_seqs),
-            block_tables=tables.gather(rows),
+            start_pos=np.array([r.num_computed_tokens for r in requests], np.int64),
+            num_new=np.array(scheduled.num_new_tokens, np.int64),
+            block_tables=tables.gather(tables.rows([r.request_id for r in requests])),
         )
 
     def _fail_step(self, request_ids: list[str], cause: Exception) -> StepFailed:
@@ -238,35 +250,34 @@ class LLMEngine:
             self.abort(request_id)
         return StepFailed(failed, cause)
 
-    def _postprocess(
-        self, scheduled: list[tuple[Request, int]], logits: torch.Tensor
-    ) -> list[RequestOutput]:
+    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         # Only requests whose whole context is now computed produce a token; a prefill chunk
         # that stops short of the end throws its logits away.
+        requests = scheduled.requests
+        sampling: list[Request] = []
         sampling_rows = []
-        requests = []
-        for row, (request, num_new) in enumerate(scheduled):
+        for row, (request, num_new) in enumerate(
+            zip(requests, scheduled.num_new_tokens, strict=True)
+        ):
             request.num_computed_tokens = num_computed = request.num_computed_tokens + num_new
             if num_computed == request.num_tokens:
                 sampling_rows.append(row)
-                requests.append(request)
+                sampling.append(request)
                 if request.generator is not None and request.params.seed is not None:
                     position = request.num_resumed_tokens + request.num_output_tokens
                     request.generator.manual_seed(seed_for_position(request.params.seed, position))
-        if not requests:
+        if not sampling:
             return []
-        if len(sampling_rows) < len(scheduled):
+        if len(sampling) < len(requests):
             logits = logits[sampling_rows]
         token_ids = self.sampler.sample(
-            logits, [r.params for r in requests], [r.generator for r in requests]
+            logits, [r.params for r in sampling], [r.generator for r in sampling]
         ).tolist()
         now = time.monotonic()
         # A request ends on a stop token or EOS (STOP), or at max_tokens or the context length
-        # (LENGTH): output that would pass the context length ends it instead.
-        max_model_len = self.max_model_len
-        eos_token_ids = self.model_config.eos_token_ids
+        # (LENGTH), both folded into ``stop_token_ids`` and ``max_num_tokens`` on admission.
         outputs = []
-        for request, token_id in zip(requests, token_ids, strict=True):
+        for request, token_id in zip(sampling, token_ids, strict=True):
             ttft_s = None
             if request.first_token_s is None:
                 request.first_token_s = now
@@ -274,14 +285,10 @@ class LLMEngine:
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
                 self.stats.num_cached_tokens += request.num_cached_tokens
             request.append_token(token_id)
-            params = request.params
             reason = None
-            if token_id in params.stop_token_ids or token_id in eos_token_ids:
+            if token_id in request.stop_token_ids:
                 reason = FinishReason.STOP
-            elif (
-                request.num_tokens - request.num_prompt_tokens >= params.max_tokens
-                or request.num_tokens >= max_model_len
-            ):
+            elif request.num_tokens >= request.max_num_tokens:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 request.finish_reason = reason

@@ -92,6 +92,8 @@ class Request:
         "first_token_s",
         "generator",
         "hasher",
+        "last_token_id",
+        "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -101,6 +103,7 @@ class Request:
         "params",
         "request_id",
         "status",
+        "stop_token_ids",
     )
 
     def __init__(
@@ -131,8 +134,13 @@ class Request:
                 f"{num_prompt_tokens // hasher.block_size} full blocks"
             )
         self.block_hashes: list[bytes] = block_hashes
+        self.last_token_id = int(self._tokens[num_prompt_tokens - 1])
         self.params = params
         self.generator = generator
+        # When the request ends: at this many tokens (LENGTH), or on one of these (STOP). The
+        # engine narrows both to its context length and adds the model's EOS tokens.
+        self.max_num_tokens = num_prompt_tokens + (params.max_tokens if params else 1 << 62)
+        self.stop_token_ids = frozenset(params.stop_token_ids if params else ())
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         # Prompt tokens found in the prefix cache when the request was first admitted.
@@ -170,7 +178,7 @@ class Request:
         if num_tokens == len(self._tokens):
             self.append_token_ids((token_id,))
             return
-        self._tokens[num_tokens] = token_id
+        self._tokens[num_tokens] = self.last_token_id = token_id
         self.num_tokens = num_tokens = num_tokens + 1
         if num_tokens % self.hasher.block_size == 0:
             self.block_hashes += self.hasher.hash_blocks(self.token_ids, self.block_hashes)
@@ -184,6 +192,7 @@ class Request:
             self._tokens = grown
         self._tokens[self.num_tokens : end] = token_ids
         self.num_tokens = end
+        self.last_token_id = int(self._tokens[end - 1])
         if end // self.hasher.block_size > len(self.block_hashes):
             self.block_hashes += self.hasher.hash_blocks(self.token_ids, self.block_hashes)
 

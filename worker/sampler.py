@@ -62,7 +62,8 @@ class Sampler:
             )
         logits = logits.float()
         token_ids = logits.argmax(dim=-1)  # the greedy rows' answer; sampled rows overwrite it
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        # NOTE: the field, not ``is_greedy``: a property call per row costs on every step.
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
         if not sampled_rows:
             return token_ids
         if len(sampled_rows) == num_seqs:

@@ -32,16 +32,20 @@ class SchedulerConfig:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
-    """The step's work: ``(request, num_new_tokens)`` in batch order."""
+    """The step's work, in batch order: ``requests[i]`` computes ``num_new_tokens[i]`` tokens,
+    ``num_tokens`` in all."""
 
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+        self.num_tokens += num_new_tokens
 
 
 class Scheduler:
@@ -79,26 +83,30 @@ class Scheduler:
         kv_cache = self.kv_cache
 
         # Running requests first: decodes and the next chunk of unfinished prefills.
-        scheduled: list[Request] = []
+        # NOTE: the steady state runs this loop once per decoding request per step, so it keeps
+        # to local names and appends to the output's lists directly.
+        running, allocate_slots = self.running, kv_cache.allocate_slots
+        requests, num_new_tokens = out.requests, out.num_new_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
-            while kv_cache.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()  # the most recently admitted
+            while allocate_slots(request, num_new) is None:
+                victim = running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                scheduled.append(request)
-                out.scheduled.append((request, num_new))
+                requests.append(request)
+                num_new_tokens.append(num_new)
                 budget -= num_new
                 i += 1
                 continue
             break  # the request itself was preempted: nothing after it can run either
+        out.num_tokens = self.config.max_num_batched_tokens - budget
 
         # Then admit waiting requests, oldest first, as long as everything fits.
         while (
@@ -118,7 +126,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            out.add(request, num_new)
             budget -= num_new
         return out
 

@@ -135,3 +135,29 @@ def test_random_presets() -> None:
     assert (big.num_layers, big.hidden_size, big.num_kv_heads) == (16, 2048, 8)
     with pytest.raises(ValueError, match="unknown random model"):
         load_model("random:nope")
+
+
+def test_engine_stops_on_the_checkpoints_eos_and_at_its_context_length(tmp_path: Path) -> None:
+    from kvswitch.worker.engine import EngineConfig, LLMEngine
+    from kvswitch.worker.request import FinishReason, SamplingParams
+
+    def run(eos_token_id: int | None, prompt: list[int], max_tokens: int):
+        save_checkpoint(tmp_path, "llama", eos_token_id=eos_token_id)  # same weights each time
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=BLOCK_SIZE))
+        engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens))
+        tokens, reason = [], None
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens += output.new_token_ids
+                reason = output.finish_reason
+        return tokens, reason
+
+    prompt = list(range(1, 20))
+    free, reason = run(None, prompt, 12)
+    assert (len(free), reason) == (12, FinishReason.LENGTH)
+    eos = free[4]  # EOS from config.json ends the request there
+    tokens, reason = run(eos, prompt, 12)
+    assert (tokens, reason) == (free[: free.index(eos) + 1], FinishReason.STOP)
+    # max_position_embeddings is 256: a 250-token prompt has room for 6 tokens, whatever max_tokens.
+    tokens, reason = run(None, [i % 100 + 1 for i in range(250)], 50)
+    assert (len(tokens), reason) == (6, FinishReason.LENGTH)
