@@ -1,2 +1,2 @@
-"""Reserved for the cache-aware routing load tests and the trace-driven fleet simulator; empty so
-far."""
+"""Load on a fleet: request traces (``trace.py``), the trace-driven fleet simulator (``sim.py``,
+``kvswitch sim``) and load tests against a live router (``live.py``, ``kvswitch loadtest``)."""

@@ -32,6 +32,8 @@ class WorkerState:
     num_outstanding_tokens: int  # work already queued there, in tokens (reports + in flight)
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    num_requests: int = 0  # requests running or queued there (reports + in flight)
+    num_prefill_tokens: int = 0  # the part of the outstanding work that is prompt to prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,7 @@ class Policy(ABC):
     """Picks a worker. Implementations may keep state across calls (a rotation), nothing else."""
 
     name: str
+    weight_names: tuple[str, ...] = ()  # what ``make_policy``'s weights may set
 
     @abstractmethod
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
@@ -142,25 +145,36 @@ class PrefixPolicy(_Ranked):
 
 class CostPolicy(_Ranked):
     name = "cost"
+    weight_names = ("prefill_weight", "temperature", "decode_weight")
 
     def __init__(
         self,
         prefill_weight: float = 1.0,
         temperature: float = 0.0,
+        decode_weight: float = 1.0,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__()
-        if not prefill_weight >= 0 or not math.isfinite(prefill_weight):
-            raise ValueError(f"prefill_weight must be a finite number >= 0, got {prefill_weight}")
-        if not temperature >= 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        for name, value in (
+            ("prefill_weight", prefill_weight),
+            ("temperature", temperature),
+            ("decode_weight", decode_weight),
+        ):
+            if not value >= 0 or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         self.prefill_weight = prefill_weight
         self.temperature = temperature
+        self.decode_weight = decode_weight
         self._rng = rng or random.Random()
 
     def cost(self, request: RouteRequest, worker: WorkerState) -> float:
         uncached = request.num_uncached_tokens(worker.num_matched_blocks)
-        return uncached * self.prefill_weight + worker.num_outstanding_tokens
+        num_output_tokens = worker.num_outstanding_tokens - worker.num_prefill_tokens
+        return (
+            uncached * self.prefill_weight
+            + worker.num_prefill_tokens
+            + num_output_tokens * self.decode_weight
+        )
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
         costs = [(self.cost(request, w), w) for w in workers]
@@ -177,26 +191,166 @@ class CostPolicy(_Ranked):
         return Decision(worker.worker_id, self.name, reason, worker.num_matched_blocks, cost)
 
 
-POLICIES = ("cost", "prefix", "least_loaded", "round_robin", "random")
-COST_WEIGHTS = ("prefill_weight", "temperature")
+# -- other routers' rules, for comparison -----------------------------------------------------
+# Each follows its project's published rule and defaults, read onto what our router sees: the
+# index's matched blocks, the workers' load reports and this router's in-flight counts.
 
 
-def make_policy(name: str, weights: Mapping[str, float] | None = None) -> Policy:
-    """The policy called ``name``; ``weights`` tunes ``cost`` (``prefill_weight``,
-    ``temperature``) and is refused for the others. ValueError says what is wrong."""
+class SGLangLike(_Ranked):
+    """SGLang's cache-aware router: while the fleet is balanced, the longest match if it covers
+    more than ``cache_threshold`` of the prompt, else the worker with the most free cache; once the
+    fleet is imbalanced (busiest minus idlest > ``balance_abs_threshold`` requests and busiest >
+    ``balance_rel_threshold`` x idlest), the one with the fewest requests."""
+
+    name = "sglang_like"
+    weight_names = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: float = 32,
+        balance_rel_threshold: float = 1.0001,
+    ) -> None:
+        super().__init__()
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
+        loads = [w.num_requests for w in workers]
+        busiest, idlest = max(loads), min(loads)
+        if (
+            busiest - idlest > self.balance_abs_threshold
+            and busiest > self.balance_rel_threshold * idlest
+        ):
+            worker = self._pick([((w.num_requests,), w) for w in workers])
+            reason = "imbalanced: fewest requests"
+        else:
+            best = max(w.num_matched_blocks for w in workers)
+            matched = min(best * request.block_size, request.num_prompt_tokens)
+            if matched / request.num_prompt_tokens > self.cache_threshold:
+                worker = self._pick([((-w.num_matched_blocks,), w) for w in workers])
+                reason = "match above the cache threshold"
+            else:
+                worker = self._pick([((-w.num_free_blocks,), w) for w in workers])
+                reason = "match below the cache threshold: most free cache"
+        return Decision(
+            worker.worker_id, self.name, reason, worker.num_matched_blocks, worker.num_requests
+        )
+
+
+class DynamoLike(_Ranked):
+    """Dynamo's KV router: the lowest ``overlap_score_weight`` x prefill blocks (the prompt's
+    uncached blocks plus those queued there) + decode blocks (the blocks running requests hold
+    there, plus the prompt's), in blocks."""
+
+    name = "dynamo_like"
+    weight_names = ("overlap_score_weight",)
+
+    def __init__(self, overlap_score_weight: float = 1.0) -> None:
+        super().__init__()
+        self.overlap_score_weight = overlap_score_weight
+
+    def logit(self, request: RouteRequest, worker: WorkerState) -> float:
+        block_size = request.block_size
+        prefill = request.num_uncached_tokens(worker.num_matched_blocks) + worker.num_prefill_tokens
+        active = worker.num_total_blocks - worker.num_free_blocks
+        decode = active + -(-request.num_prompt_tokens // block_size)
+        return self.overlap_score_weight * prefill / block_size + decode
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
+        worker = self._pick([((self.logit(request, w),), w) for w in workers])
+        return Decision(
+            worker.worker_id,
+            self.name,
+            "lowest prefill + decode blocks",
+            worker.num_matched_blocks,
+            self.logit(request, worker),
+        )
+
+
+class LlmdLike(_Ranked):
+    """llm-d's inference scheduler: the highest weighted sum of scores in [0, 1]: the prefix
+    cached there as a fraction of the prompt's blocks (``prefix_weight``), the queue, min-max
+    scaled over the candidates so that the shortest scores 1 (``queue_weight``), and the free
+    fraction of the KV cache (``kv_cache_weight``)."""
+
+    name = "llmd_like"
+    weight_names = ("prefix_weight", "queue_weight", "kv_cache_weight")
+
+    def __init__(
+        self, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_cache_weight: float = 2.0
+    ) -> None:
+        super().__init__()
+        self.prefix_weight = prefix_weight
+        self.queue_weight = queue_weight
+        self.kv_cache_weight = kv_cache_weight
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
+        num_blocks = max(-(-request.num_prompt_tokens // request.block_size), 1)
+        queues = [w.num_requests for w in workers]
+        shortest, longest = min(queues), max(queues)
+
+        def score(w: WorkerState) -> float:
+            prefix = min(w.num_matched_blocks / num_blocks, 1.0)
+            queue = (longest - w.num_requests) / (longest - shortest) if longest > shortest else 1
+            free = w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 1.0
+            return (
+                self.prefix_weight * prefix
+                + self.queue_weight * queue
+                + self.kv_cache_weight * free
+            )
+
+        worker = self._pick([((-score(w),), w) for w in workers])
+        return Decision(
+            worker.worker_id,
+            self.name,
+            "highest prefix + queue + free-cache score",
+            worker.num_matched_blocks,
+            score(worker),
+        )
+
+
+POLICIES = (
+    "cost",
+    "prefix",
+    "least_loaded",
+    "round_robin",
+    "random",
+    "sglang_like",
+    "dynamo_like",
+    "llmd_like",
+)
+_TUNABLE: dict[str, type[Policy]] = {
+    "cost": CostPolicy,
+    "sglang_like": SGLangLike,
+    "dynamo_like": DynamoLike,
+    "llmd_like": LlmdLike,
+}
+
+
+def make_policy(
+    name: str, weights: Mapping[str, float] | None = None, *, rng: random.Random | None = None
+) -> Policy:
+    """The policy called ``name``; ``weights`` tunes those that take parameters (``cost``:
+    ``prefill_weight``, ``temperature``; the anchors their published knobs) and is refused for
+    the others. ``rng`` is what a policy that samples draws from (a seeded one makes a
+    simulation repeat); None: a fresh one. ValueError says what is wrong."""
     weights = dict(weights or {})
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
-    if name == "cost":
-        unknown = sorted(set(weights) - set(COST_WEIGHTS))
+    tunable = _TUNABLE.get(name)
+    if tunable is not None:
+        unknown = sorted(set(weights) - set(tunable.weight_names))
         if unknown:
-            raise ValueError(f"unknown cost weights {unknown}; known: {', '.join(COST_WEIGHTS)}")
-        return CostPolicy(**weights)
+            raise ValueError(
+                f"unknown {name} weights {unknown}; known: {', '.join(tunable.weight_names)}"
+            )
+        if name == "cost":
+            return CostPolicy(**weights, rng=rng)
+        return tunable(**weights)
     if weights:
         raise ValueError(f"the {name} policy takes no weights")
-    return {
-        "prefix": PrefixPolicy,
-        "least_loaded": LeastLoaded,
-        "round_robin": RoundRobin,
-        "random": RandomPolicy,
-    }[name]()
+    if name == "random":
+        return RandomPolicy(rng)
+    return {"prefix": PrefixPolicy, "least_loaded": LeastLoaded, "round_robin": RoundRobin}[name]()

@@ -69,7 +69,7 @@ class Router:
         self.tokenizer = tokenizer  # None: the model has none, and prompts come as token ids
         self.no_tokenizer_reason = no_tokenizer_reason
         self.namespace = namespace  # empty: the one namespace the live workers serve
-        self.pending = pending or PendingBlocks()
+        self.pending = pending if pending is not None else PendingBlocks()
         self.default_policy = make_policy(policy, weights)
         self._policies: dict[tuple, Policy] = {}
         self.last_lookup_s = 0.0  # how long the last index match took

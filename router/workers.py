@@ -57,21 +57,33 @@ class WorkerHandle:
     def worker_id(self) -> str:
         return self.info.worker_id
 
-    def num_outstanding_tokens(self, num_shared_prefill_tokens: int = 0) -> int:
-        """Work queued here, in tokens. ``num_shared_prefill_tokens``: prompt tokens still being
-        prefilled here for another request that the request being routed shares; that prefill
-        serves both, so it is not charged to the newcomer a second time."""
+    def num_prefill_tokens_queued(self, num_shared_prefill_tokens: int = 0) -> int:
+        """Prompt tokens queued here to prefill. ``num_shared_prefill_tokens``: prompt tokens
+        still being prefilled here for another request that the request being routed shares;
+        that prefill serves both, so it is not charged to the newcomer a second time."""
         reported = self.load.num_queued_prefill_tokens if self.load is not None else 0
-        prefill = max(reported, self.num_prefill_tokens)
-        return max(prefill - num_shared_prefill_tokens, 0) + self.num_output_tokens
+        return max(max(reported, self.num_prefill_tokens) - num_shared_prefill_tokens, 0)
+
+    def num_outstanding_tokens(self, num_shared_prefill_tokens: int = 0) -> int:
+        """Work queued here, in tokens: prompt to prefill and output to decode."""
+        return self.num_prefill_tokens_queued(num_shared_prefill_tokens) + self.num_output_tokens
+
+    def num_requests(self) -> int:
+        """Requests running or waiting here: as reported, or as this router counts them."""
+        load = self.load
+        reported = load.num_running_requests + load.num_waiting_requests if load else 0
+        return max(reported, self.num_in_flight)
 
     def state(self, num_matched_blocks: int, num_shared_prefill_tokens: int = 0) -> WorkerState:
+        num_prefill_tokens = self.num_prefill_tokens_queued(num_shared_prefill_tokens)
         return WorkerState(
             worker_id=self.worker_id,
             num_matched_blocks=num_matched_blocks,
-            num_outstanding_tokens=self.num_outstanding_tokens(num_shared_prefill_tokens),
+            num_outstanding_tokens=num_prefill_tokens + self.num_output_tokens,
             num_free_blocks=self.load.num_free_blocks if self.load is not None else 0,
             num_total_blocks=self.info.num_blocks,
+            num_requests=self.num_requests(),
+            num_prefill_tokens=num_prefill_tokens,
         )
 
 

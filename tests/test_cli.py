@@ -42,6 +42,8 @@ COMMANDS = [
     ["index", "audit"],
     ["kernels"],
     ["kernels", "compile"],
+    ["sim"],
+    ["loadtest"],
 ]
 
 

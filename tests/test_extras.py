@@ -40,6 +40,8 @@ IMPORT_NAMES = {
     "triton": "triton",
     "pyzmq": "zmq",
     "msgpack": "msgpack",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
 }
 
 
@@ -157,6 +159,7 @@ def test_kvswitch_generate_runs_on_grpc_and_protobuf_alone(light_router):
         (("router",), ["worker", "--port", "0"], "worker"),
         (("router",), ["bench", "ttft"], "all"),
         (("router",), ["kernels", "compile", "--arch", "90"], "worker"),
+        (("router",), ["loadtest", "--target", "127.0.0.1:1"], "loadtest"),
     ],
 )
 def test_a_command_without_its_extra_says_what_to_install(installed, command, extra):

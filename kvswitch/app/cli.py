@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvswitch import __version__
-from kvswitch.app.cli_args import ConfigError, add_config_args, config_from_args
+from kvswitch.app.cli_args import ConfigError, add_config_args, config_from_args, with_flags
 from kvswitch.benchmarks.timing import BenchmarkUnavailable
 from kvswitch.logs import configure_logging, log_format_from_env, log_level_from_env
 
@@ -40,6 +41,10 @@ examples:
                                       the index against the workers' own caches
   kvswitch bench kernels              paged-attention kernels (needs a CUDA GPU)
   kvswitch kernels compile --arch 90  compile the kernels for H100 here: registers, spills, ...
+  kvswitch loadtest --target 127.0.0.1:50051 --policies cost,round_robin
+                                      the same prompts under two routing policies: TTFT, hit rate
+  kvswitch sim --trace trace.jsonl --workers 16 --capacity-blocks 4096 --target-utilization 0.8
+                                      replay a trace through every policy on a simulated fleet
 
 run 'kvswitch COMMAND --help' for the options of a command.
 """
@@ -206,7 +211,8 @@ ROUTER_HELP = {
     "built-in model's byte tokenizer",
     "namespace": "the model to route for, as the workers name it; empty = the one every live "
     "worker serves",
-    "policy": "how to pick a worker: cost, prefix, least_loaded, round_robin or random",
+    "policy": "how to pick a worker: cost, prefix, least_loaded, round_robin or random; or "
+    "another router's rule for comparison: sglang_like, dynamo_like or llmd_like (docs/ROUTER.md)",
     "prefill_weight": "cost policy: what one uncached prompt token costs, in tokens of queued work",
     "temperature": "cost policy: 0 = always the cheapest worker; > 0 = sample near-ties, in tokens",
     "max_failovers": "other workers to try when a worker fails a request",
@@ -259,6 +265,50 @@ STEP_HELP = {
     "context_len": "tokens of context each request decodes at",
     "num_steps": "timed steps (the median is reported)",
     "seed": "random seed of the prompts",
+}
+SIM_HELP = {
+    "trace": "JSON-lines trace to replay (Mooncake format: timestamp ms, input_length, "
+    "output_length, hash_ids)",
+    "workers": "simulated workers",
+    "capacity_blocks": "KV cache blocks per worker",
+    "block_tokens": "tokens per block: one hash id of the trace names one block",
+    "policy": "routing policy to replay, or all",
+    "rate_scale": "arrivals come this many times as fast as in the trace",
+    "target_utilization": "find the rate scale at which round_robin keeps the workers this busy "
+    "on average (in (0, 1)), and replay every policy at it; 0 = use --rate-scale",
+    "profile": "what a worker's steps cost: gpu (an estimate for an 8B model on an H100) or cpu "
+    "(the built-in model, measured); see docs/SIMULATOR.md",
+    "load_poll_s": "seconds between the load reports the router polls from each worker; 0 = "
+    "the router sees each worker's load as it is",
+    "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the index "
+    "confirms it",
+    "seed": "random seed of the policies that sample",
+}
+LOADTEST_HELP = {
+    "target": "the router, HOST:PORT",
+    "workload": "shared_prefix, long_document_qa, multi_turn_chat, no_sharing or trace",
+    "workload_args": "the workload's parameters over its defaults, 'key=value,...' (e.g. "
+    "'groups=4,users=8' or 'path=trace.jsonl,block_len=16'); a wrong key lists the known ones",
+    "policies": "routing policies to run the workload under, one phase each, comma-separated; "
+    "'all', or 'default' for the router's own",
+    "rate": "sessions started per second (open loop); inf = all at once; a trace replays at its "
+    "own times unless a rate is given",
+    "burstiness": "gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier",
+    "concurrency": "> 0: a closed loop of this many sessions at a time instead of --rate",
+    "warmup": "sessions at the start of each phase left out of the figures",
+    "max_requests": "requests per phase at most; 0 = every turn of every session",
+    "duration_s": "seconds per phase after which no new request is sent; inf = no bound",
+    "timeout_s": "deadline of each request in seconds",
+    "vocab_size": "prompts are token ids drawn from [0, VOCAB_SIZE): the served model's "
+    "vocabulary (256 for the built-in model)",
+    "num_workers": "the fleet's size, so that workers that got no request count in the "
+    "imbalance; 0 = the workers seen",
+    "slo_ttft_ms": "goodput: time to first token at most this (ms); 0 = not checked",
+    "slo_tpot_ms": "goodput: time per output token at most this (ms); 0 = not checked",
+    "slo_e2el_ms": "goodput: end-to-end latency at most this (ms); 0 = not checked",
+    "seed": "random seed of the prompts and arrivals",
+    "plots": "folder to write ttft_cdf.png, hit_rate.png and worker_load.png into; empty = none",
+    "progress": "show a progress bar on stderr",
 }
 GENERATE_HELP = {
     "target": "the router, HOST:PORT",
@@ -355,6 +405,38 @@ def _up_command(args: argparse.Namespace) -> None:
 def _exit_with(code: int) -> None:
     if code:
         sys.exit(code)
+
+
+def _add_report_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    description: str,
+    config_cls: type,
+    helps: dict[str, str],
+    run: Callable[[Any], dict[str, Any]],
+) -> None:
+    """A command that builds ``config_cls`` from its options, runs it and prints the JSON it
+    returns; a file it cannot read or a value it refuses (ValueError) is a one-line message."""
+
+    def command(args: argparse.Namespace) -> None:
+        config = config_from_args(config_cls, args)
+        try:
+            result = run(config)
+        except (OSError, ValueError) as e:
+            fields = [field.name for field in dataclasses.fields(config_cls)]
+            sys.exit(f"kvswitch {name}: {with_flags(str(e), fields)}")
+        _write_json(result, args.json)
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(sub, config_cls, helps)
+    sub.add_argument("--json", type=Path, metavar="OUT", help="also write the figures here")
+    sub.set_defaults(func=command)
 
 
 def _index_command(report: Callable) -> Callable:
@@ -552,6 +634,24 @@ def _add_kernels(commands: argparse._SubParsersAction, name: str, summary: str) 
     compile_parser.set_defaults(func=_kernels_compile_command)
 
 
+def _add_sim(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.loadtest import sim, sim_report
+
+    description = _plain(sim_report.__doc__) + "\n" + _plain(sim.__doc__)
+    _add_report_command(
+        commands, name, summary, description, sim.SimConfig, SIM_HELP, sim_report.run
+    )
+
+
+def _add_loadtest(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.loadtest import live, workloads
+
+    description = _plain(live.__doc__) + "\n" + _plain(workloads.__doc__)
+    _add_report_command(
+        commands, name, summary, description, live.LoadTestConfig, LOADTEST_HELP, live.run
+    )
+
+
 def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
     from kvswitch.benchmarks import admission as admission_bench
     from kvswitch.benchmarks import engine as engine_bench
@@ -692,6 +792,18 @@ COMMANDS: list[
     ),
     ("kernels", "worker", "the Triton kernels: compile them for a GPU without one", _add_kernels),
     ("bench", "all", "measure a component; prints JSON and can write it to a file", _add_bench),
+    (
+        "loadtest",
+        "loadtest",
+        "load-test a live router: a workload under several routing policies, vllm-style figures",
+        _add_loadtest,
+    ),
+    (
+        "sim",
+        "router",
+        "replay a request trace through the routing policies on a simulated fleet",
+        _add_sim,
+    ),
 ]
 
 

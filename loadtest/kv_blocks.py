@@ -1,0 +1,88 @@
+"""Simulated requests' blocks on a real block pool, kept as the worker's KV cache manager keeps
+them, so that the simulator's hits and evictions are the worker's own.
+
+As in ``worker/kv_cache_manager.py``: a request's prefix hit is looked up on admission (never the
+whole prompt: the last token is always computed); blocks are taken from the pool as tokens are
+computed; a full prompt block is cached the moment it is allocated; a finished or preempted
+request frees its blocks end of the chain first, so the end is evicted first. Blocks that fill
+with output tokens are left uncached here: a trace names only prompt blocks, so no later request
+could hit them, and a free uncached block sits in the free queue exactly where a cached one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvswitch.worker.block_pool import BlockPool, KVBlock
+
+
+class BlockTable:
+    """One request's blocks, in chain order."""
+
+    __slots__ = ("blocks", "num_cached")
+
+    def __init__(self) -> None:
+        self.blocks: list[KVBlock] = []
+        self.num_cached = 0  # leading blocks whose hash is cached (or a known duplicate)
+
+
+class KVBlocks:
+    """The block tables of one worker's requests over its ``BlockPool``. No clock, no I/O."""
+
+    def __init__(self, num_blocks: int, block_tokens: int) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_tokens = block_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def lookup(self, block_hashes: Sequence[bytes], num_tokens: int) -> list[KVBlock]:
+        """The cached blocks of the longest prefix hit of a prompt of ``num_tokens`` tokens.
+        Will not modify the pool."""
+        max_hit = (num_tokens - 1) // self.block_tokens
+        get = self.pool.get_cached_block
+        blocks = []
+        for block_hash in block_hashes[:max_hit]:
+            block = get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate(
+        self,
+        table: BlockTable,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        hit: Sequence[KVBlock] = (),
+    ) -> bool:
+        """Hold enough blocks for the first ``num_tokens`` tokens of the request (``hit``: its
+        prefix hit, on admission only) and cache the full prompt blocks among them. False,
+        changing nothing, when the pool has too few free blocks."""
+        pool = self.pool
+        num_needed = -(-num_tokens // self.block_tokens) - len(table.blocks) - len(hit)
+        num_to_take = max(num_needed, 0)
+        # Touching a free prefix-hit block takes it out of the free queue too.
+        num_revived = sum(1 for block in hit if block.ref_cnt == 0)
+        if num_to_take + num_revived > pool.num_free_blocks:
+            return False
+        blocks = table.blocks
+        if hit:
+            pool.touch(hit)
+            blocks += hit
+            table.num_cached = len(blocks)
+        if num_to_take:
+            blocks += pool.get_new_blocks(num_to_take)
+        num_full = min(num_tokens // self.block_tokens, len(block_hashes))
+        if num_full > table.num_cached:
+            start = table.num_cached
+            pool.cache_full_blocks(blocks[start:num_full], block_hashes[start:num_full])
+            table.num_cached = num_full
+        return True
+
+    def free(self, table: BlockTable) -> None:
+        """Release every block of the request, end of the chain first."""
+        self.pool.free_blocks(reversed(table.blocks))
+        table.blocks = []
+        table.num_cached = 0

@@ -1,0 +1,275 @@
+"""The fleet simulator: a trace through the router's own code and simulated workers.
+
+For each request, in arrival order, on a simulated clock::
+
+    every worker runs the steps that end by now     (loadtest/sim_worker.py; its block pool)
+      its cache events go to an embedded index      (cache_index/memory_index.py)
+      the router sees its last polled load report
+    Router.choose(plan)                             (router/router.py: index match + pending
+                                                     guesses -> WorkerState per worker -> the
+                                                     policy, by name from make_policy)
+    Router.routed(plan, decision)                   (the guess that its blocks will be there)
+    the chosen worker queues it; the router counts its uncached prompt and output tokens there
+
+What is not modelled: the network and the router's own time (a decision takes no simulated time),
+index events in flight (the index learns a step's blocks as the step ends), failures and
+failover, several routers, output blocks being hit (a trace names prompt blocks only). Worker
+speed is a profile (loadtest/profiles.py), not a model run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvswitch.cache_index.index import WorkerInfo
+from kvswitch.cache_index.memory_index import MemoryIndex
+from kvswitch.loadtest.profiles import PROFILES, get_profile
+from kvswitch.loadtest.sim_worker import Job, SimWorker
+from kvswitch.loadtest.trace import TRACE_NAMESPACE, TraceRequest, block_hashes
+from kvswitch.router.pending import PendingBlocks
+from kvswitch.router.policy import POLICIES, make_policy
+from kvswitch.router.router import RoutePlan, Router
+from kvswitch.router.workers import WorkerDirectory, WorkerHandle
+
+MAX_WORKERS = 1024
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    trace: str = ""
+    workers: int = 16
+    capacity_blocks: int = 0
+    block_tokens: int = 512
+    policy: str = "all"
+    rate_scale: float = 1.0
+    target_utilization: float = 0.0
+    profile: str = "gpu"
+    load_poll_s: float = 0.1
+    pending_ttl_s: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.trace:
+            raise ValueError("give the trace to replay: --trace FILE (JSON lines)")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be in [1, {MAX_WORKERS}], got {self.workers}")
+        if self.capacity_blocks < 1:
+            raise ValueError(
+                f"capacity_blocks must be >= 1 (KV blocks per worker), got {self.capacity_blocks}"
+            )
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+        if self.policy != "all" and self.policy not in POLICIES:
+            raise ValueError(
+                f"policy must be all or one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
+        if not 0 < self.rate_scale < math.inf:
+            raise ValueError(f"rate_scale must be a positive number, got {self.rate_scale}")
+        if not 0 <= self.target_utilization < 1:
+            raise ValueError(
+                f"target_utilization must be in (0, 1), or 0 for none, got "
+                f"{self.target_utilization}"
+            )
+        if self.target_utilization and self.rate_scale != 1.0:
+            raise ValueError("give rate_scale or target_utilization, not both")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        if not 0 <= self.load_poll_s < math.inf:
+            raise ValueError(f"load_poll_s must be a number >= 0, got {self.load_poll_s}")
+        if not 0 < self.pending_ttl_s < math.inf:
+            raise ValueError(f"pending_ttl_s must be a positive number, got {self.pending_ttl_s}")
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        return POLICIES if self.policy == "all" else (self.policy,)
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """A trace request as the router plans it: its full blocks' chained hashes."""
+
+    request: TraceRequest
+    plan: RoutePlan
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return self.plan.block_hashes
+
+
+def prepare(requests: Sequence[TraceRequest], block_tokens: int) -> list[SimRequest]:
+    """Hash every request's blocks once, for all the runs over the trace."""
+    return [
+        SimRequest(
+            r,
+            RoutePlan(
+                # NOTE: the router reads only the prompt's length from its tokens.
+                range(r.num_prompt_tokens),
+                TRACE_NAMESPACE,
+                block_tokens,
+                block_hashes(r, block_tokens),
+            ),
+        )
+        for r in requests
+    ]
+
+
+def check_capacity(
+    requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int
+) -> None:
+    """ValueError if a request could not fit in an empty worker (the worker would fail it)."""
+    largest = max(requests, key=lambda r: r.num_prompt_tokens + r.num_output_tokens)
+    num_needed = -(-(largest.num_prompt_tokens + largest.num_output_tokens - 1) // block_tokens)
+    if num_needed > capacity_blocks:
+        raise ValueError(
+            f"capacity_blocks {capacity_blocks} cannot hold the trace's largest request "
+            f"({largest.num_prompt_tokens} prompt + {largest.num_output_tokens} output tokens: "
+            f"{num_needed} blocks of {block_tokens})"
+        )
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """What one policy did with the trace."""
+
+    policy: str
+    rate_scale: float
+    worker_ids: list[str]  # the worker chosen for each request, in arrival order
+    ttfts_s: list[float]
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens hit in the chosen worker's cache on admission
+    worker_busy_s: list[float]
+    worker_prefill_tokens: list[int]  # prompt tokens each worker computed
+    makespan_s: float  # from the first arrival to the end of the last step
+    num_preempted: int
+
+    @property
+    def utilization(self) -> float:
+        """Mean over workers of the time spent in steps over the makespan."""
+        return sum(self.worker_busy_s) / len(self.worker_busy_s) / self.makespan_s
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    policy: str,
+    rate_scale: float,
+    *,
+    check: bool = False,
+) -> PolicyRun:
+    """Replay ``requests`` with their arrivals ``rate_scale`` times as fast, through ``policy``.
+    ``check``: verify every worker's accounting at every arrival (slow; for tests)."""
+    return asyncio.run(_simulate(requests, config, policy, rate_scale, check))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class _SimDirectory(WorkerDirectory):
+    """The simulated workers as the router's directory: always live, never dialled."""
+
+    def __init__(self, index: MemoryIndex, handles: list[WorkerHandle]) -> None:
+        super().__init__(index)
+        self._sim_handles = handles
+
+    def routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerHandle]:
+        return [h for h in self._sim_handles if h.worker_id not in exclude]
+
+
+async def _simulate(
+    requests: Sequence[SimRequest], config: SimConfig, policy: str, rate_scale: float, check: bool
+) -> PolicyRun:
+    profile = get_profile(config.profile)
+    clock = _Clock()
+    index = MemoryIndex(clock)
+    width = len(str(config.workers - 1))  # w00 ... w15: ids sort as numbers do
+    workers: list[SimWorker] = []
+    for k in range(config.workers):
+        info = WorkerInfo(
+            f"w{k:0{width}d}",
+            f"sim:{k}",
+            TRACE_NAMESPACE,
+            config.block_tokens,
+            num_blocks=config.capacity_blocks,
+        )
+        await index.register(info, ttl_s=math.inf)
+        # NOTE: no channel: a simulated worker is not behind gRPC.
+        handle = WorkerHandle(info, channel=None, stub=None)  # type: ignore[arg-type]
+        workers.append(
+            SimWorker(
+                handle, profile, config.capacity_blocks, config.block_tokens, config.load_poll_s
+            )
+        )
+    by_id = {w.handle.worker_id: w for w in workers}
+    seqs = dict.fromkeys(by_id, 0)
+    router = Router(
+        index,
+        _SimDirectory(index, [w.handle for w in workers]),
+        None,
+        policy=policy,
+        namespace=TRACE_NAMESPACE,
+    )
+    # NOTE: set here, not passed: Router(pending=...) takes an empty PendingBlocks (falsy, as it
+    # has a length) for none and makes its own, on the wall clock.
+    router.pending = PendingBlocks(config.pending_ttl_s, clock)
+    router.default_policy = make_policy(policy, rng=random.Random(config.seed))
+
+    jobs: list[Job] = []
+    worker_ids: list[str] = []
+    start_s = requests[0].request.arrival_s
+    for sim_request in requests:
+        request = sim_request.request
+        now_s = (request.arrival_s - start_s) / rate_scale
+        clock.now_s = now_s
+        for worker in workers:
+            if worker.next_change_s <= now_s:
+                worker.advance_to(now_s)
+                events = worker.take_events()
+                if events:
+                    worker_id = worker.handle.worker_id
+                    seqs[worker_id] += 1
+                    await index.apply(worker_id, seqs[worker_id], events)
+            worker.poll(now_s)
+            if check:
+                worker.check()
+        plan = sim_request.plan
+        decision, handle = await router.choose(plan)
+        router.routed(plan, decision)
+        num_uncached = router.num_uncached_tokens(plan, decision)
+        # The router's count of the request on its worker; the worker counts it down.
+        router.directory.begin(handle, num_uncached, request.num_output_tokens)
+        job = Job(
+            now_s,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            plan.block_hashes,
+            num_uncached,
+        )
+        by_id[decision.worker_id].add(job, now_s)
+        jobs.append(job)
+        worker_ids.append(decision.worker_id)
+    for worker in workers:
+        worker.advance_to(math.inf)
+        handle = worker.handle
+        if (handle.num_in_flight, handle.num_prefill_tokens, handle.num_output_tokens) != (0, 0, 0):
+            raise RuntimeError(f"{handle.worker_id}: requests left over at the end")  # a bug
+    return PolicyRun(
+        policy=policy,
+        rate_scale=rate_scale,
+        worker_ids=worker_ids,
+        ttfts_s=[job.first_token_s - job.arrival_s for job in jobs],
+        num_prompt_tokens=sum(job.num_prompt_tokens for job in jobs),
+        num_cached_tokens=sum(job.num_cached_tokens for job in jobs),
+        worker_busy_s=[w.busy_s for w in workers],
+        worker_prefill_tokens=[w.num_prefill_tokens for w in workers],
+        makespan_s=max(w.end_s for w in workers),
+        num_preempted=sum(w.num_preempted for w in workers),
+    )

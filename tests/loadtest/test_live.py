@@ -1,0 +1,98 @@
+"""``kvswitch loadtest`` against a live router and two CPU workers over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from kvswitch.app.cli import main
+from kvswitch.client import AsyncClient
+from kvswitch.loadtest import live
+from kvswitch.loadtest.runner import PhasePlan, run_phase
+from kvswitch.loadtest.workloads import MultiTurnChat
+from tests.router.harness import BLOCK_SIZE, BackgroundCluster
+
+CHAT = MultiTurnChat(conversations=3, turns=3, system_len=40, message_len=20, output_len=4)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[BackgroundCluster]:
+    cluster = BackgroundCluster(num_workers=2)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _phase(address: str, salt: str, policy: str = "cost"):
+    async def go():
+        async with AsyncClient(address, max_retries=0) as client:
+            plan = PhasePlan(policy, salt, concurrency=1)  # one session after another
+            return await run_phase(client, CHAT.sessions(256, 0), plan)
+
+    records, _, _ = asyncio.run(go())
+    return records
+
+
+def test_a_chat_turn_reuses_the_conversation_so_far_and_salts_keep_phases_apart(cluster) -> None:
+    first = _phase(cluster.address, "salt-a")
+    assert [(r.session, r.turn) for r in first] == [(s, t) for s in range(3) for t in range(3)]
+    assert all(r.ok and r.num_output_tokens == 4 for r in first)
+    prompt_lens = [r.num_prompt_tokens for r in first]
+    # Each turn is the last prompt, its 4-token answer and a 20-token message.
+    assert prompt_lens[:3] == [60, 84, 108]
+    assert first[0].num_cached_tokens == 0
+    for before, after in itertools.pairwise(first):
+        if after.turn:  # the conversation so far is cached on the worker it was routed to
+            assert after.worker_id == before.worker_id
+            assert after.num_cached_tokens >= before.num_prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    # The same salt again finds the first prompt cached; another salt finds nothing.
+    again = _phase(cluster.address, "salt-a")[0]
+    assert again.num_cached_tokens == (60 - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert _phase(cluster.address, "salt-b")[0].num_cached_tokens == 0
+
+
+def test_loadtest_command_reports_every_policy_and_draws_its_plots(cluster, tmp_path) -> None:
+    out, plots = tmp_path / "report.json", tmp_path / "plots"
+    args = ["loadtest", "--target", cluster.address, "--workload", "multi_turn_chat"]
+    args += ["--workload-args", "conversations=3,turns=3,system_len=40,message_len=20"]
+    args += ["--policies", "cost,round_robin", "--warmup", "1", "--rate", "20", "--num-workers"]
+    args += ["3", "--slo-ttft-ms", "60000", "--plots", str(plots), "--no-progress"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["policies"]) == ["cost", "round_robin"]
+    assert report["workload"]["conversations"] == 3 and report["num_sessions"] == 3
+    for figures in report["policies"].values():
+        assert (figures["completed"], figures["failed"]) == (6, 0)  # 2 sessions x 3 turns
+        assert figures["goodput"] == pytest.approx(figures["request_throughput"])
+        workers = figures["per_worker"]
+        assert sum(w["requests"] for w in workers.values()) == 6
+        assert len(workers) == 3 and workers["(idle 0)"]["requests"] == 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(figures[key]) == {"mean", "median", "p90", "p99"}
+            assert figures[key]["mean"] > 0
+    # Cost keeps each conversation where its cache is; nothing was cached under another salt.
+    assert report["policies"]["cost"]["token_hit_rate"] > 0.5
+    for name in ("ttft_cdf.png", "hit_rate.png", "worker_load.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loadtest_refuses_what_it_cannot_run(capsys) -> None:
+    with pytest.raises(SystemExit, match="unknown workload 'chat'"):
+        main(["loadtest", "--workload", "chat", "--no-progress"])
+    with pytest.raises(SystemExit):
+        main(["loadtest", "--policies", "cost,fastest"])
+    assert "unknown policies ['fastest']" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"no-such\.jsonl"):
+        main(["loadtest", "--workload", "trace", "--workload-args", "path=no-such.jsonl"])
+
+
+def test_config_refuses_bad_numbers() -> None:
+    with pytest.raises(ValueError, match="rate must be positive"):
+        live.LoadTestConfig(rate=0)
+    with pytest.raises(ValueError, match="an SLO must be"):
+        live.LoadTestConfig(slo_ttft_ms=-1)
