@@ -4,10 +4,18 @@ Pure logic, no I/O, so that it is tested directly and any caller can run it. Eve
 ``Decision`` that says why, so that the reason can travel back to the client.
 
 The default, ``cost``, estimates the work a request adds to each worker and the work already
-waiting there, in tokens, and picks the cheapest::
+waiting there, in prefill-token units, and picks the cheapest::
 
-    cost(worker) = uncached prompt tokens x prefill_weight + the worker's outstanding tokens
-                   (prompt tokens past the worker's cached prefix)
+    cost(worker) = uncached prompt tokens x prefill_weight     (past the worker's cached prefix)
+                 + prompt tokens queued there to prefill
+                 + output tokens still to decode there x decode_weight
+
+A decode token costs a device several prefill tokens' time (it reads the whole context to make
+one token), and a worker's decodes stay for as long as its conversations do: ``decode_weight`` 6
+is what the fleet simulator found to keep hot prefixes from piling onto one worker while giving
+up the fewest hits (docs/ROUTING.md). A match shorter than ``min_match`` of the prompt counts as
+none: a short shared system prompt must not pull every new document onto the one worker that
+happens to hold it, leaving the others' caches empty.
 
 When nobody holds any of the prompt, every worker pays the same prefill, so the choice falls to
 load, then free cache space, then a rotation: misses spread instead of piling onto one worker.
@@ -144,14 +152,17 @@ class PrefixPolicy(_Ranked):
 
 
 class CostPolicy(_Ranked):
+    """The module docstring's cost; ``temperature`` > 0 samples near-ties instead."""
+
     name = "cost"
-    weight_names = ("prefill_weight", "temperature", "decode_weight")
+    weight_names = ("prefill_weight", "temperature", "decode_weight", "min_match")
 
     def __init__(
         self,
         prefill_weight: float = 1.0,
         temperature: float = 0.0,
-        decode_weight: float = 1.0,
+        decode_weight: float = 6.0,
+        min_match: float = 0.1,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__()
@@ -159,16 +170,21 @@ class CostPolicy(_Ranked):
             ("prefill_weight", prefill_weight),
             ("temperature", temperature),
             ("decode_weight", decode_weight),
+            ("min_match", min_match),
         ):
             if not value >= 0 or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         self.prefill_weight = prefill_weight
         self.temperature = temperature
         self.decode_weight = decode_weight
+        self.min_match = min_match
         self._rng = rng or random.Random()
 
     def cost(self, request: RouteRequest, worker: WorkerState) -> float:
-        uncached = request.num_uncached_tokens(worker.num_matched_blocks)
+        matched = worker.num_matched_blocks
+        if matched * request.block_size < self.min_match * request.num_prompt_tokens:
+            matched = 0
+        uncached = request.num_uncached_tokens(matched)
         num_output_tokens = worker.num_outstanding_tokens - worker.num_prefill_tokens
         return (
             uncached * self.prefill_weight

@@ -52,6 +52,8 @@ class RouterConfig:
     policy: str = "cost"
     prefill_weight: float = 1.0  # cost: what one uncached prompt token costs, in queued tokens
     temperature: float = 0.0  # cost: 0 = always the cheapest; > 0 samples near-ties
+    decode_weight: float = 6.0  # cost: what one output token still to decode costs
+    min_match: float = 0.1  # cost: a match below this fraction of the prompt counts as none
     max_failovers: int = 3  # other workers tried after a worker fails a request
     wait_for_worker_s: float = 30.0  # a request finding no worker waits this long (or its deadline)
     pending_ttl_s: float = 2.0  # how long an unconfirmed "will hold these blocks" guess lives
@@ -82,7 +84,12 @@ class RouterConfig:
     def policy_weights(self) -> dict[str, float]:
         if self.policy != "cost":
             return {}
-        return {"prefill_weight": self.prefill_weight, "temperature": self.temperature}
+        return {
+            "prefill_weight": self.prefill_weight,
+            "temperature": self.temperature,
+            "decode_weight": self.decode_weight,
+            "min_match": self.min_match,
+        }
 
     def directory_config(self) -> DirectoryConfig:
         return DirectoryConfig(refresh_s=self.refresh_s, load_poll_s=self.load_poll_s)

@@ -215,6 +215,10 @@ ROUTER_HELP = {
     "another router's rule for comparison: sglang_like, dynamo_like or llmd_like (docs/ROUTER.md)",
     "prefill_weight": "cost policy: what one uncached prompt token costs, in tokens of queued work",
     "temperature": "cost policy: 0 = always the cheapest worker; > 0 = sample near-ties, in tokens",
+    "decode_weight": "cost policy: what one output token still to decode on a worker costs, in "
+    "prompt tokens (docs/ROUTING.md)",
+    "min_match": "cost policy: a cached prefix shorter than this fraction of the prompt counts as "
+    "none, so a short shared system prompt does not pull new prompts onto one worker",
     "max_failovers": "other workers to try when a worker fails a request",
     "wait_for_worker_s": "seconds a request that finds no routable worker waits for one (never "
     "past its deadline) before it fails with UNAVAILABLE",
@@ -309,6 +313,20 @@ LOADTEST_HELP = {
     "seed": "random seed of the prompts and arrivals",
     "plots": "folder to write ttft_cdf.png, hit_rate.png and worker_load.png into; empty = none",
     "progress": "show a progress bar on stderr",
+}
+ROUTING_STUDY_HELP = {
+    "fleet_sizes": "comma-separated worker counts, each with a generated trace of its own",
+    "num_requests": "requests in each generated trace",
+    "trace": "also replay this trace (Mooncake format); empty = none",
+    "trace_workers": "workers that replay --trace",
+    "capacity_fraction": "the fleet's caches together hold this fraction of a trace's distinct "
+    "blocks",
+    "target_utilization": "arrivals scaled so that round_robin keeps workers this busy",
+    "profile": "worker step costs: gpu or cpu (docs/SIMULATOR.md)",
+    "hit_goal": "goal: token hit rate at least this fraction of the global cache's",
+    "imbalance_goal": "goal: load imbalance at most this",
+    "ttft_goal": "goal: mean TTFT at least this many times lower than round_robin's",
+    "plots": "folder for one PNG per fleet (hits against balance, TTFT); empty = none",
 }
 GENERATE_HELP = {
     "target": "the router, HOST:PORT",
@@ -663,6 +681,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import serve as serve_bench
     from kvswitch.benchmarks import step as step_bench
+    from kvswitch.loadtest import study as routing_study
 
     bench = commands.add_parser(
         name,
@@ -743,6 +762,13 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             admission_bench.AdmissionBenchConfig,
             ADMISSION_HELP,
             "what a 128K-token prompt's arrival costs the requests decoding on a worker",
+        ),
+        (
+            "routing",
+            routing_study.run,
+            routing_study.RoutingStudyConfig,
+            ROUTING_STUDY_HELP,
+            "every routing policy on the fleet simulator at several fleet sizes, against goals",
         ),
         (
             "hash",

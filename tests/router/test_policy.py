@@ -22,8 +22,9 @@ REQUEST = RouteRequest(num_prompt_tokens=4096, block_size=16)
 
 
 def fleet(*specs: tuple[int, int]) -> list[WorkerState]:
-    """Workers w0, w1, ... with (matched blocks, outstanding tokens) and equal free space."""
-    return [WorkerState(f"w{i}", m, o, 100, 100) for i, (m, o) in enumerate(specs)]
+    """Workers w0, w1, ... with (matched blocks, outstanding prompt tokens to prefill) and equal
+    free space."""
+    return [WorkerState(f"w{i}", m, o, 100, 100, 0, o) for i, (m, o) in enumerate(specs)]
 
 
 def test_cost_prefers_the_cached_worker_until_its_queue_outweighs_the_hit() -> None:
@@ -39,6 +40,15 @@ def test_cost_prefers_the_cached_worker_until_its_queue_outweighs_the_hit() -> N
     assert (
         CostPolicy(prefill_weight=0.1).choose(REQUEST, fleet((0, 0), (240, 1000))).worker_id == "w0"
     )
+
+
+def test_cost_weighs_output_still_to_decode_by_decode_weight() -> None:
+    # w1 holds the whole prompt but has 1,000 output tokens to decode: 6,000 at the default.
+    workers = [WorkerState("w0", 0, 0, 100, 100), WorkerState("w1", 256, 1000, 100, 100)]
+    decision = CostPolicy().choose(REQUEST, workers)
+    assert (decision.worker_id, decision.score) == ("w0", 4096)
+    decision = CostPolicy(decode_weight=1).choose(REQUEST, workers)
+    assert (decision.worker_id, decision.score) == ("w1", 1 + 1000)
 
 
 def test_a_full_hit_still_computes_the_last_token() -> None:
@@ -156,3 +166,17 @@ def test_make_policy_checks_each_policys_weights() -> None:
         make_policy("llmd_like", {"cache": 1})
     with pytest.raises(ValueError, match="the round_robin policy takes no weights"):
         make_policy("round_robin", {"x": 1})
+
+
+def test_a_short_shared_prefix_does_not_pull_new_documents_onto_one_worker() -> None:
+    # Six new documents of 2,000 tokens after a 96-token system prompt that only w0 holds so far
+    # (each document is asked one after another: nothing is queued anywhere).
+    request = RouteRequest(num_prompt_tokens=2000, block_size=16)
+    policy = CostPolicy()
+    picks = [policy.choose(request, fleet((6, 0), (0, 0))).worker_id for _ in range(6)]
+    assert sorted(Counter(picks).values()) == [3, 3]
+    # A follow-up question that matches its whole document stays with it.
+    assert policy.choose(request, fleet((6, 0), (120, 0))).worker_id == "w1"
+    # Without the threshold the 96-token hit wins every time.
+    herding = CostPolicy(min_match=0)
+    assert {herding.choose(request, fleet((6, 0), (0, 0))).worker_id for _ in range(6)} == {"w0"}
