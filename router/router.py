@@ -71,6 +71,7 @@ class Router:
         self.namespace = namespace  # empty: the one namespace the live workers serve
         self.pending = pending if pending is not None else PendingBlocks()
         self.default_policy = make_policy(policy, weights)
+        self._default_weights = dict(weights or {})  # what a request's weights are laid over
         self._policies: dict[tuple, Policy] = {}
         self.last_lookup_s = 0.0  # how long the last index match took
         self.num_lookup_errors = 0  # lookups the index failed; those requests routed on load
@@ -175,7 +176,11 @@ class Router:
     def _policy(self, name: str, weights: Mapping[str, float] | None) -> Policy:
         if not name and not weights:
             return self.default_policy
-        key = (name or self.default_policy.name, tuple(sorted((weights or {}).items())))
+        name = name or self.default_policy.name
+        if name == self.default_policy.name:
+            # A request's weights override the router's own one by one; the rest keep its.
+            weights = {**self._default_weights, **(weights or {})}
+        key = (name, tuple(sorted((weights or {}).items())))
         found = self._policies.get(key)
         if found is None:
             found = make_policy(key[0], dict(key[1]))

@@ -121,9 +121,11 @@ class KVCacheManager:
             return None
         request_id = request.request_id
         if req_blocks is None:
-            # NOTE: counted on admission, not lookup, so a refused and retried request counts once.
-            self.stats.num_query_tokens += request.num_tokens
-            self.stats.num_hit_tokens += len(computed_blocks) * self.block_size
+            # NOTE: counted on admission, not lookup, so a refused and retried request counts
+            # once; a preempted one readmitted (often hitting its own blocks) is not counted again.
+            if request.num_preemptions == 0:
+                self.stats.num_query_tokens += request.num_tokens
+                self.stats.num_hit_tokens += len(computed_blocks) * self.block_size
             req_blocks = self._req_to_blocks[request_id] = []
             self._req_to_num_cached_blocks[request_id] = 0
         if computed_blocks:

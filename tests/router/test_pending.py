@@ -123,14 +123,3 @@ def test_the_one_walk_agrees_with_comparing_every_guess() -> None:
         assert len(pending) == len(guesses)
         num_lookups += 1
     assert num_lookups > 1000 and pending.num_confirmed > 100 and pending.num_expired > 100
-
-
-def test_the_router_keeps_the_guesses_it_is_given_even_while_they_are_empty() -> None:
-    from kvswitch.cache_index.memory_index import MemoryIndex
-    from kvswitch.router.router import Router
-    from kvswitch.router.workers import WorkerDirectory
-
-    index = MemoryIndex()
-    pending = PendingBlocks(ttl_s=7.5)  # empty, so falsy: it must not be swapped for a default
-    router = Router(index, WorkerDirectory(index), None, pending=pending)
-    assert router.pending is pending and router.pending.ttl_s == 7.5

@@ -561,6 +561,19 @@ def test_stats_hit_rate() -> None:
     assert manager.stats.hit_rate == pytest.approx(3 * B / (6 * B + 1))
 
 
+def test_stats_count_a_preempted_request_once() -> None:
+    manager = KVCacheManager(num_blocks=10, block_size=B)
+    request = Request("r", toks(2 * B + 1), HASHER)
+    admit(manager, request)
+    assert (manager.stats.num_query_tokens, manager.stats.num_hit_tokens) == (2 * B + 1, 0)
+    # Preempted as the scheduler does it, then admitted again: it hits its own two blocks.
+    manager.free(request)
+    request.num_computed_tokens, request.num_preemptions = 0, 1
+    admit(manager, request)
+    assert manager.get_block_ids("r")
+    assert (manager.stats.num_query_tokens, manager.stats.num_hit_tokens) == (2 * B + 1, 0)
+
+
 def test_stats_count_a_refused_request_once() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=B)
     big = Request("big", toks(4 * B + 1), HASHER)
