@@ -7,10 +7,10 @@ serve`` does:
 - E2EL: from sending the request to its last message.
 - goodput: completed requests per second that met every SLO given.
 
-Each latency is summarised as mean, median, p90 and p99, in milliseconds. Besides those:
-token hit rate (prompt tokens served from a worker's prefix cache over prompt tokens), and per
-worker the requests and prefill tokens (prompt tokens it computed) it got; ``load_imbalance`` is
-the busiest worker's prefill tokens over the mean of all workers.
+Each latency is summarised as mean, median, p90 and p99, in milliseconds. Besides those: token
+hit rate (prompt tokens served from a worker's prefix cache over prompt tokens); per worker the
+requests and prefill tokens (prompt tokens it computed) it got, and per router the requests sent
+through it; ``load_imbalance``, the busiest worker's prefill tokens over the mean of all workers.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class RequestRecord:
     num_cached_tokens: int = 0
     worker_id: str = ""
     error: str | None = None
+    router: str = ""  # the router it went through
 
     @property
     def ok(self) -> bool:
@@ -115,6 +116,9 @@ def figures(
     num_output = sum(r.num_output_tokens for r in done)
     tpots = [t for t in (r.tpot_s for r in done) if t is not None]
     itls = [b - a for r in done for a, b in itertools.pairwise(r.chunk_times_s)]
+    per_router: dict[str, int] = {}
+    for r in measured:
+        per_router[r.router] = per_router.get(r.router, 0) + 1
     errors: dict[str, int] = {}
     for r in measured:
         if r.error is not None:
@@ -136,6 +140,7 @@ def figures(
         "itl_ms": summary_ms(itls),
         "e2el_ms": summary_ms([r.e2el_s for r in done]),
         "per_worker": dict(sorted(per_worker.items())),
+        "per_router": dict(sorted(per_router.items())),  # measured requests sent through each
         "load_imbalance": load_imbalance([w["prefill_tokens"] for w in per_worker.values()]),
     }
 

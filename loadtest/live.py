@@ -9,6 +9,7 @@ The report holds each phase's figures (``figures.py``) under ``policies``, in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
 import sys
@@ -28,7 +29,7 @@ DEFAULT_POLICY = "default"  # the router's own default policy
 
 @dataclass(frozen=True)
 class LoadTestConfig:
-    target: str = "127.0.0.1:50051"
+    target: str = "127.0.0.1:50051"  # a router, or several (comma-separated) serving one fleet
     workload: str = "shared_prefix"
     workload_args: str = ""  # "key=value,..." over the workload's defaults
     policies: str = "cost,round_robin"  # comma-separated, "all", or "default"
@@ -59,7 +60,12 @@ class LoadTestConfig:
             raise ValueError("an SLO must be a number of milliseconds >= 0 (0: not checked)")
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size must be at least 2, got {self.vocab_size}")
+        if not self.targets():
+            raise ValueError("target must name a router, HOST:PORT (several: comma-separated)")
         self.policy_names()  # refuses unknown names now, not after a phase has run
+
+    def targets(self) -> list[str]:
+        return [target.strip() for target in self.target.split(",") if target.strip()]
 
     def policy_names(self) -> list[str]:
         if self.policies == "all":
@@ -101,7 +107,11 @@ async def _run(config: LoadTestConfig, workload: Any, sessions: list[Session]) -
         "policies": {},
     }
     all_records, origins = {}, {}
-    async with AsyncClient(config.target, max_retries=0) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(AsyncClient(target, max_retries=0))
+            for target in config.targets()
+        ]
         for policy in policies:
             plan = PhasePlan(
                 policy=None if policy == DEFAULT_POLICY else policy,
@@ -116,7 +126,7 @@ async def _run(config: LoadTestConfig, workload: Any, sessions: list[Session]) -
             if progress is not None:
                 progress.set_description(policy)
             records, start_s, end_s = await run_phase(
-                client, sessions, plan, lambda _: progress.update() if progress else None
+                clients, sessions, plan, lambda _: progress.update() if progress else None
             )
             measured = [r for r in records if not r.warmup]
             first_s = min((r.start_s for r in measured), default=start_s)

@@ -1,7 +1,8 @@
 """Drives sessions against a live router through the project's ``AsyncClient`` and records what
 every request saw (``RequestRecord``).
 
-One phase runs one policy over every session: sessions start at their open-loop times (or, with
+One phase runs one policy over every session, session ``i`` through router ``i`` mod the number
+of routers (several routers may serve one fleet): sessions start at their open-loop times (or, with
 ``concurrency``, whenever fewer than that many are running: a closed loop), each session's turns
 one after another. The first ``num_warmup`` sessions are sent like the others but marked as
 warm-up, so the figures leave them out. Issuing stops at ``max_requests`` requests or after
@@ -53,7 +54,7 @@ class _Budget:
 
 
 async def run_phase(
-    client: AsyncClient,
+    clients: Sequence[AsyncClient],
     sessions: Sequence[Session],
     plan: PhasePlan,
     on_request_done: Callable[[RequestRecord], None] = lambda record: None,
@@ -71,8 +72,10 @@ async def run_phase(
             if not budget.take():
                 return
             prompt = message if history is None else np.concatenate([history, message])
+            client = clients[index % len(clients)]
             record, output = await _send(client, plan, prompt, session.max_tokens[turn])
             record.session, record.turn, record.warmup = index, turn, index < plan.num_warmup
+            record.router = client.target
             records.append(record)
             on_request_done(record)
             if not record.ok:

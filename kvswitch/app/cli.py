@@ -289,7 +289,8 @@ SIM_HELP = {
     "seed": "random seed of the policies that sample",
 }
 LOADTEST_HELP = {
-    "target": "the router, HOST:PORT",
+    "target": "the router, HOST:PORT; several routers of one fleet comma-separated (session i "
+    "goes through router i mod their number)",
     "workload": "shared_prefix, long_document_qa, multi_turn_chat, no_sharing or trace",
     "workload_args": "the workload's parameters over its defaults, 'key=value,...' (e.g. "
     "'groups=4,users=8' or 'path=trace.jsonl,block_len=16'); a wrong key lists the known ones",

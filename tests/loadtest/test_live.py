@@ -32,7 +32,7 @@ def _phase(address: str, salt: str, policy: str = "cost"):
     async def go():
         async with AsyncClient(address, max_retries=0) as client:
             plan = PhasePlan(policy, salt, concurrency=1)  # one session after another
-            return await run_phase(client, CHAT.sessions(256, 0), plan)
+            return await run_phase([client], CHAT.sessions(256, 0), plan)
 
     records, _, _ = asyncio.run(go())
     return records
@@ -100,3 +100,25 @@ def test_config_refuses_bad_numbers() -> None:
         live.LoadTestConfig(rate=0)
     with pytest.raises(ValueError, match="an SLO must be"):
         live.LoadTestConfig(slo_ttft_ms=-1)
+
+
+def test_two_routers_on_one_redis_index_serve_one_fleet_with_its_hits() -> None:
+    from kvswitch.deploy.local import ClusterConfig, running
+
+    with running(ClusterConfig(workers=2, port=0, redis="local", grace_s=1.0)) as cluster:
+        first, second = cluster.address, cluster.add_router()
+        cluster.wait_for_registration()
+        config = live.LoadTestConfig(
+            target=f"{first},{second}",
+            workload="long_document_qa",
+            workload_args="documents=3,document_len=256,questions=4,output_len=8",
+            policies="cost",
+            concurrency=1,  # one question after another: the blocks reach the index meanwhile
+            progress=False,
+        )
+        figures = live.run(config)["policies"]["cost"]
+    assert (figures["completed"], figures["failed"]) == (12, 0)
+    assert figures["per_router"] == {first: 6, second: 6}
+    # Each document is computed once, wherever its first question went; every later question,
+    # through either router, hits its 256 tokens: 9 of 12 prompts of 288 tokens.
+    assert figures["token_hit_rate"] == pytest.approx(9 * 256 / (12 * 288))
