@@ -6,9 +6,10 @@ For each request, in arrival order, on a simulated clock::
       its cache events go to an embedded index      (cache_index/memory_index.py)
       the router sees its last polled load report
     Router.choose(plan)                             (router/router.py: index match + pending
-                                                     guesses -> WorkerState per worker -> the
-                                                     policy, by name from make_policy)
-    Router.routed(plan, decision)                   (the guess that its blocks will be there)
+                                                     guesses + hot prefixes -> WorkerState per
+                                                     worker -> the policy, by name)
+    Router.routed(plan, decision)                   (the guess that its blocks will be there,
+                                                     the prefix's traffic counted)
     the chosen worker queues it; the router counts its uncached prompt and output tokens there
 
 What is not modelled: the network and the router's own time (a decision takes no simulated time),
@@ -30,6 +31,7 @@ from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.loadtest.profiles import PROFILES, get_profile
 from kvswitch.loadtest.sim_worker import Job, SimWorker
 from kvswitch.loadtest.trace import TRACE_NAMESPACE, TraceRequest, block_hashes
+from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, make_policy
 from kvswitch.router.router import RoutePlan, Router
@@ -216,10 +218,9 @@ async def _simulate(
         None,
         policy=policy,
         namespace=TRACE_NAMESPACE,
+        pending=PendingBlocks(config.pending_ttl_s, clock),
+        heat=PrefixHeat(clock=clock),
     )
-    # NOTE: set here, not passed: Router(pending=...) takes an empty PendingBlocks (falsy, as it
-    # has a length) for none and makes its own, on the wall clock.
-    router.pending = PendingBlocks(config.pending_ttl_s, clock)
     router.default_policy = make_policy(policy, rng=random.Random(config.seed))
 
     jobs: list[Job] = []

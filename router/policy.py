@@ -15,7 +15,9 @@ one token), and a worker's decodes stay for as long as its conversations do: ``d
 is what the fleet simulator found to keep hot prefixes from piling onto one worker while giving
 up the fewest hits (docs/ROUTING.md). A match shorter than ``min_match`` of the prompt counts as
 none: a short shared system prompt must not pull every new document onto the one worker that
-happens to hold it, leaving the others' caches empty.
+happens to hold it, leaving the others' caches empty. A prefix the router finds hot (for a while
+now a larger share of the traffic than of the workers holding it, router/heat.py) counts as held
+by every worker, so that it spreads to more workers instead of queueing on its holders.
 
 When nobody holds any of the prompt, every worker pays the same prefill, so the choice falls to
 load, then free cache space, then a rotation: misses spread instead of piling onto one worker.
@@ -48,6 +50,9 @@ class WorkerState:
 class RouteRequest:
     num_prompt_tokens: int
     block_size: int
+    # Leading blocks whose prefix has long carried so much of the traffic that the router wants
+    # it on more workers (router/heat.py): a policy may count them as cached on every worker.
+    num_hot_blocks: int = 0
 
     def num_uncached_tokens(self, num_matched_blocks: int) -> int:
         """Prompt tokens a worker holding ``num_matched_blocks`` leading blocks must compute."""
@@ -181,7 +186,9 @@ class CostPolicy(_Ranked):
         self._rng = rng or random.Random()
 
     def cost(self, request: RouteRequest, worker: WorkerState) -> float:
-        matched = worker.num_matched_blocks
+        # NOTE: a hot prefix counts as held everywhere: a worker without it pays its prefill once
+        # and holds it from then on, while the holders' queues no longer decide alone.
+        matched = max(worker.num_matched_blocks, request.num_hot_blocks)
         if matched * request.block_size < self.min_match * request.num_prompt_tokens:
             matched = 0
         uncached = request.num_uncached_tokens(matched)

@@ -21,6 +21,7 @@ import numpy as np
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.cache_index.index import BlockIndex
 from kvswitch.logs import Throttled
+from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import Decision, Policy, RouteRequest, make_policy
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
@@ -63,6 +64,7 @@ class Router:
         weights: Mapping[str, float] | None = None,
         namespace: str = "",
         pending: PendingBlocks | None = None,
+        heat: PrefixHeat | None = None,
     ) -> None:
         self.index = index
         self.directory = directory
@@ -70,6 +72,7 @@ class Router:
         self.no_tokenizer_reason = no_tokenizer_reason
         self.namespace = namespace  # empty: the one namespace the live workers serve
         self.pending = pending if pending is not None else PendingBlocks()
+        self.heat = heat if heat is not None else PrefixHeat()
         self.default_policy = make_policy(policy, weights)
         self._default_weights = dict(weights or {})  # what a request's weights are laid over
         self._policies: dict[tuple, Policy] = {}
@@ -151,7 +154,8 @@ class Router:
             index_matches = {}
         self.last_lookup_s = time.perf_counter() - started_s
         matches = self.pending.match(plan.block_hashes, index_matches)
-        request = RouteRequest(len(plan.token_ids), plan.block_size)
+        num_hot_blocks = self.heat.hot_blocks(plan.block_hashes, matches, len(handles))
+        request = RouteRequest(len(plan.token_ids), plan.block_size, num_hot_blocks)
         # NOTE: blocks matched by a guess alone are still being prefilled there for an earlier
         # request; that prefill is in the worker's outstanding work and serves this one too.
         states = [
@@ -168,6 +172,7 @@ class Router:
     def routed(self, plan: RoutePlan, decision: Decision) -> None:
         """The request went to ``decision.worker_id``: guess that its blocks will be there."""
         self.pending.add(decision.worker_id, plan.block_hashes)
+        self.heat.record(plan.block_hashes)
 
     def num_uncached_tokens(self, plan: RoutePlan, decision: Decision) -> int:
         request = RouteRequest(len(plan.token_ids), plan.block_size)

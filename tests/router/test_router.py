@@ -7,6 +7,7 @@ from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.router import Router
 from kvswitch.router.workers import WorkerDirectory
+from tests.router.test_pending import Clock
 
 
 def test_the_router_keeps_the_guesses_it_is_given_even_while_they_are_empty() -> None:
@@ -25,3 +26,58 @@ def test_a_requests_weights_keep_the_routers_own_for_the_rest() -> None:
     assert (policy.prefill_weight, policy.decode_weight, policy.temperature) == (3.0, 2, 5.0)
     assert router._policy("cost", {"prefill_weight": 1.0}).prefill_weight == 1.0
     assert router._policy("llmd_like", {"queue_weight": 1.0}).prefix_weight == 3.0  # its own
+
+
+class _Fleet(WorkerDirectory):
+    """Workers that are always routable and never dialled."""
+
+    def __init__(self, index: MemoryIndex, handles: list) -> None:
+        super().__init__(index)
+        self._fleet = handles
+
+    def routable(self, exclude=frozenset()):
+        return [h for h in self._fleet if h.worker_id not in exclude]
+
+
+def test_the_router_spreads_a_prefix_that_has_long_been_hot() -> None:
+    import asyncio
+    import math
+
+    from kvswitch.cache_index.hashing import BlockHasher
+    from kvswitch.cache_index.index import WorkerInfo
+    from kvswitch.router.heat import PrefixHeat
+    from kvswitch.router.router import RoutePlan
+    from kvswitch.router.workers import WorkerHandle
+
+    clock = Clock()
+    index = MemoryIndex(clock)
+    hasher = BlockHasher("m", 16)
+    system = list(range(1, 1025))  # 64 blocks every request opens with
+
+    def plan(user: int) -> RoutePlan:
+        tokens = system + [200 + user] * 32
+        return RoutePlan(tokens, "m", 16, hasher.hash_blocks(tokens))
+
+    async def go() -> list[str]:
+        handles = []
+        for k in range(4):
+            info = WorkerInfo(f"w{k}", f"x:{k}", "m", 16, num_blocks=1000)
+            await index.register(info, ttl_s=math.inf)
+            handles.append(WorkerHandle(info, channel=None, stub=None))
+        router = Router(index, _Fleet(index, handles), None, heat=PrefixHeat(clock=clock))
+        picks = []
+        for user in range(12):
+            clock.now_s = 2.0 * user  # one request every 2 s: hot after 10 s
+            decision, handle = await router.choose(plan(user))
+            router.routed(plan(user), decision)
+            handle.num_prefill_tokens += 300  # each request leaves work queued where it went
+            picks.append(decision.worker_id)
+        return picks
+
+    picks = asyncio.run(go())
+    # The first requests follow the prefix to w0 (1,024 tokens of prefill outweigh its queue);
+    # once it has been asked for over 10 s it counts as held everywhere, and it spreads until
+    # three of the four workers hold it (all of the traffic, against 1.5 x 3/4 of the workers).
+    # Without the heat, w0 takes seven and one other worker the rest.
+    assert picks[:5] == ["w0"] * 5
+    assert len(set(picks)) == 3 and max(picks.count(w) for w in set(picks)) <= 5, picks
