@@ -45,6 +45,7 @@ examples:
                                       the same prompts under two routing policies: TTFT, hit rate
   kvswitch sim --trace trace.jsonl --workers 16 --capacity-blocks 4096 --target-utilization 0.8
                                       replay a trace through every policy on a simulated fleet
+  kvswitch bench routing              every policy on simulated fleets of 4, 8, 16 workers, goals
 
 run 'kvswitch COMMAND --help' for the options of a command.
 """
