@@ -17,8 +17,14 @@ from kvswitch.loadtest.sim import SimRequest
 
 
 def infinite_cache_hit_rate(requests: Sequence[SimRequest], block_tokens: int) -> float:
+    num_tokens = sum(r.request.num_prompt_tokens for r in requests)
+    return sum(infinite_cache_hits(requests, block_tokens)) / num_tokens
+
+
+def infinite_cache_hits(requests: Sequence[SimRequest], block_tokens: int) -> list[int]:
+    """Each request's prompt tokens that a cache holding every earlier request's blocks serves."""
     seen: set[bytes] = set()
-    num_hit = num_tokens = 0
+    hits = []
     for sim_request in requests:
         num_prompt = sim_request.request.num_prompt_tokens
         num_blocks = 0
@@ -26,10 +32,9 @@ def infinite_cache_hit_rate(requests: Sequence[SimRequest], block_tokens: int) -
             if block_hash not in seen:
                 break
             num_blocks += 1
-        num_hit += num_blocks * block_tokens
-        num_tokens += num_prompt
+        hits.append(num_blocks * block_tokens)
         seen.update(sim_request.block_hashes)
-    return num_hit / num_tokens
+    return hits
 
 
 def global_cache_hit_rate(

@@ -119,12 +119,18 @@ def prepare(requests: Sequence[TraceRequest], block_tokens: int) -> list[SimRequ
     ]
 
 
+def blocks_needed(request: TraceRequest, block_tokens: int) -> int:
+    """Blocks a worker holds for the request at its end (the last output token's KV is never
+    computed)."""
+    return -(-(request.num_prompt_tokens + request.num_output_tokens - 1) // block_tokens)
+
+
 def check_capacity(
     requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int
 ) -> None:
     """ValueError if a request could not fit in an empty worker (the worker would fail it)."""
     largest = max(requests, key=lambda r: r.num_prompt_tokens + r.num_output_tokens)
-    num_needed = -(-(largest.num_prompt_tokens + largest.num_output_tokens - 1) // block_tokens)
+    num_needed = blocks_needed(largest, block_tokens)
     if num_needed > capacity_blocks:
         raise ValueError(
             f"capacity_blocks {capacity_blocks} cannot hold the trace's largest request "

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvswitch.loadtest.cache_bounds import global_cache_hit_rate, infinite_cache_hit_rate
+from kvswitch.loadtest.figures import load_imbalance
 from kvswitch.loadtest.rate_search import find_rate_scale
 from kvswitch.loadtest.sim import PolicyRun, SimConfig, check_capacity, prepare, simulate
 from kvswitch.loadtest.trace import read_trace
@@ -35,7 +36,7 @@ def policy_figures(run: PolicyRun) -> dict[str, float]:
         "ttft_mean_s": float(ttfts.mean()),
         "ttft_p50_s": float(p50),
         "ttft_p99_s": float(p99),
-        "load_imbalance": max(prefill) * len(prefill) / sum(prefill),
+        "load_imbalance": load_imbalance(prefill),
         "utilization": run.utilization,
     }
 

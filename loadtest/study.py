@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvswitch.loadtest.cache_bounds import infinite_cache_hits
 from kvswitch.loadtest.profiles import get_profile
-from kvswitch.loadtest.sim import SimConfig
+from kvswitch.loadtest.sim import SimConfig, blocks_needed, prepare
 from kvswitch.loadtest.sim_report import run as run_sim
 from kvswitch.loadtest.trace import (
     DEFAULT_BLOCK_TOKENS,
@@ -107,7 +108,7 @@ def run(config: RoutingStudyConfig) -> dict[str, Any]:
 def _fleet(config: RoutingStudyConfig, name: str, path: Path, workers: int) -> dict[str, Any]:
     trace = read_trace(path)
     unique = len({i for r in trace for i in r.hash_ids[: r.num_full_blocks(BLOCK)]})
-    largest = max(-(-(r.num_prompt_tokens + r.num_output_tokens - 1) // BLOCK) for r in trace)
+    largest = max(blocks_needed(r, BLOCK) for r in trace)
     capacity = max(int(unique * config.capacity_fraction) // workers, largest)
     sim = SimConfig(
         trace=str(path),
@@ -152,14 +153,7 @@ def ttft_floor_s(trace: list[TraceRequest], profile_name: str) -> float:
     """Mean TTFT of the trace's requests each alone on an idle worker that holds every block
     seen before: no queueing, every possible hit."""
     profile = get_profile(profile_name)
-    seen: set[int] = set()
-    ttfts = []
-    for request in trace:
-        full = request.hash_ids[: request.num_full_blocks(BLOCK)]
-        hit = 0
-        while hit < len(full) and full[hit] in seen:
-            hit += 1
-        seen.update(full)
-        cached = min(hit * BLOCK, request.num_prompt_tokens - 1)
-        ttfts.append(profile.prefill_time_s(request.num_prompt_tokens, cached))
-    return statistics.fmean(ttfts)
+    hits = infinite_cache_hits(prepare(trace, BLOCK), BLOCK)
+    return statistics.fmean(
+        profile.prefill_time_s(r.num_prompt_tokens, hit) for r, hit in zip(trace, hits, strict=True)
+    )
