@@ -52,9 +52,11 @@ class SimConfig:
     profile: str = "gpu"
     load_poll_s: float = 0.1
     pending_ttl_s: float = 2.0
+    cost_weights: str = ""  # "key=value,..." for the cost policy; empty: its defaults
     seed: int = 0
 
     def __post_init__(self) -> None:
+        make_policy("cost", self.weights())  # refuses an unknown weight or a bad value now
         if not self.trace:
             raise ValueError("give the trace to replay: --trace FILE (JSON lines)")
         if not 1 <= self.workers <= MAX_WORKERS:
@@ -88,6 +90,23 @@ class SimConfig:
     @property
     def policies(self) -> tuple[str, ...]:
         return POLICIES if self.policy == "all" else (self.policy,)
+
+    def weights(self) -> dict[str, float]:
+        return parse_cost_weights(self.cost_weights)
+
+
+def parse_cost_weights(text: str) -> dict[str, float]:
+    """The weights of "key=value,..." as numbers; ValueError names a part that is not one."""
+    weights = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            weights[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"cost_weights: {part!r} is not key=number") from None
+    return weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +246,8 @@ async def _simulate(
         pending=PendingBlocks(config.pending_ttl_s, clock),
         heat=PrefixHeat(clock=clock),
     )
-    router.default_policy = make_policy(policy, rng=random.Random(config.seed))
+    weights = config.weights() if policy == "cost" else None
+    router.default_policy = make_policy(policy, weights, rng=random.Random(config.seed))
 
     jobs: list[Job] = []
     worker_ids: list[str] = []

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvswitch.loadtest.cache_bounds import infinite_cache_hits
 from kvswitch.loadtest.profiles import get_profile
-from kvswitch.loadtest.sim import SimConfig, blocks_needed, prepare
+from kvswitch.loadtest.sim import SimConfig, blocks_needed, parse_cost_weights, prepare
 from kvswitch.loadtest.sim_report import run as run_sim
 from kvswitch.loadtest.trace import (
     DEFAULT_BLOCK_TOKENS,
@@ -38,6 +38,7 @@ from kvswitch.loadtest.trace import (
     read_trace,
     write_trace,
 )
+from kvswitch.router.policy import make_policy
 
 BLOCK = DEFAULT_BLOCK_TOKENS  # one trace block id stands for this many tokens
 
@@ -51,6 +52,7 @@ class RoutingStudyConfig:
     capacity_fraction: float = 0.5
     target_utilization: float = 0.8
     profile: str = "gpu"
+    cost_weights: str = ""  # "key=value,..." for the cost policy; empty: its defaults
     hit_goal: float = 0.95
     imbalance_goal: float = 1.3
     ttft_goal: float = 5.0
@@ -61,6 +63,7 @@ class RoutingStudyConfig:
             raise ValueError("fleet_sizes must name at least one worker count")
         if not 0 < self.capacity_fraction <= 1:
             raise ValueError(f"capacity_fraction must be in (0, 1], got {self.capacity_fraction}")
+        make_policy("cost", parse_cost_weights(self.cost_weights))  # refuses bad weights now
         if self.num_requests < 1 or self.trace_workers < 1:
             raise ValueError("num_requests and trace_workers must be at least 1")
 
@@ -116,6 +119,7 @@ def _fleet(config: RoutingStudyConfig, name: str, path: Path, workers: int) -> d
         capacity_blocks=capacity,
         target_utilization=config.target_utilization,
         profile=config.profile,
+        cost_weights=config.cost_weights,
     )
     result = run_sim(sim, quiet=True)
     global_hit = result["global_cache"]["token_hit_rate"]

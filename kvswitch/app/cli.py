@@ -287,6 +287,8 @@ SIM_HELP = {
     "the router sees each worker's load as it is",
     "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the index "
     "confirms it",
+    "cost_weights": "the cost policy's weights, 'key=value,...' (prefill_weight, decode_weight, "
+    "min_match, temperature); empty = its defaults",
     "seed": "random seed of the policies that sample",
 }
 LOADTEST_HELP = {
@@ -325,6 +327,7 @@ ROUTING_STUDY_HELP = {
     "blocks",
     "target_utilization": "arrivals scaled so that round_robin keeps workers this busy",
     "profile": "worker step costs: gpu or cpu (docs/SIMULATOR.md)",
+    "cost_weights": "the cost policy's weights, 'key=value,...'; empty = its defaults",
     "hit_goal": "goal: token hit rate at least this fraction of the global cache's",
     "imbalance_goal": "goal: load imbalance at most this",
     "ttft_goal": "goal: mean TTFT at least this many times lower than round_robin's",

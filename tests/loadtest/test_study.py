@@ -37,3 +37,18 @@ def test_the_study_refuses_bad_fleets() -> None:
         RoutingStudyConfig(fleet_sizes="four")
     with pytest.raises(ValueError, match="capacity_fraction must be in"):
         RoutingStudyConfig(capacity_fraction=0)
+
+
+def test_the_cost_weights_reach_the_simulated_router() -> None:
+    default, blind_run = (
+        run(RoutingStudyConfig(fleet_sizes="3", num_requests=150, cost_weights=weights))
+        for weights in ("", "prefill_weight=0")
+    )
+    # A hit worth nothing: cost routes on load alone, and its hits fall to round robin's.
+    cost, blind = default["fleets"][0]["policies"], blind_run["fleets"][0]["policies"]
+    assert cost["cost"]["token_hit_rate"] > 1.1 * blind["cost"]["token_hit_rate"]
+    assert blind["cost"]["token_hit_rate"] < 1.1 * blind["round_robin"]["token_hit_rate"]
+    with pytest.raises(ValueError, match="unknown cost weights"):
+        RoutingStudyConfig(cost_weights="speed=1")
+    with pytest.raises(ValueError, match="'prefill_weight' is not key=number"):
+        RoutingStudyConfig(cost_weights="prefill_weight")
