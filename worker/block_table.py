@@ -25,6 +25,9 @@ class BlockTables:
         self.num_blocks = np.zeros(num_rows, dtype=np.int32)
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))  # lowest row first
+        # Bumped whenever a row is handed out or given back: while it stays the same, every
+        # request keeps the row it had (``rows`` answers may be reused).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._row_of)
@@ -45,6 +48,7 @@ class BlockTables:
             if not self._free_rows:
                 self._grow(rows=2 * self.table.shape[0])
             row = self._row_of[request_id] = self._free_rows.pop()
+            self.version += 1
         if not block_ids:
             return
         start = int(self.num_blocks[row])
@@ -60,6 +64,7 @@ class BlockTables:
         if row is not None:
             self.num_blocks[row] = 0
             self._free_rows.append(row)
+            self.version += 1
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's table as a list (empty if it holds no blocks)."""

@@ -21,6 +21,10 @@ Core to serving process::
     [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
     [STOPPED]                          last
 
+A STEP's outputs are columns (``StepOutputs``): [request_ids, token_ids, first, finished],
+``first`` holding [request_id, num_prompt_tokens, num_cached_tokens, ttft_s] and ``finished``
+[request_id, finish reason] for the few requests they concern.
+
 Only ids, token ids, hashes and numbers travel; a prompt travels as one byte string.
 """
 
@@ -35,7 +39,7 @@ import numpy as np
 import zmq
 
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
+from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, StepOutputs
 
 # Serving process -> core.
 ADD, ABORT, SNAPSHOT, STOP = range(4)
@@ -159,28 +163,23 @@ def events_from_wire(fields: list[list[Any]]) -> list[CacheEvent]:
 _FINISH_REASONS = list(FinishReason)
 
 
-def output_to_wire(output: RequestOutput) -> list[Any]:
-    reason = output.finish_reason
+def outputs_to_wire(outputs: StepOutputs) -> list[Any]:
+    """Columns as they are: the ids and tokens of a step of decodes pack as two lists."""
     return [
-        output.request_id,
-        output.new_token_ids,
-        None if reason is None else _FINISH_REASONS.index(reason),
-        output.num_prompt_tokens,
-        output.num_cached_tokens,
-        output.ttft_s,
+        outputs.request_ids,
+        outputs.token_ids,
+        [[r, f.num_prompt_tokens, f.num_cached_tokens, f.ttft_s] for r, f in outputs.first.items()],
+        [[r, _FINISH_REASONS.index(reason)] for r, reason in outputs.finished.items()],
     ]
 
 
-def output_from_wire(fields: list[Any]) -> RequestOutput:
-    request_id, token_ids, reason, num_prompt_tokens, num_cached_tokens, ttft_s = fields
-    return RequestOutput(
-        request_id,
+def outputs_from_wire(fields: list[Any]) -> StepOutputs:
+    request_ids, token_ids, first, finished = fields
+    return StepOutputs(
+        request_ids,
         token_ids,
-        finished=reason is not None,
-        finish_reason=None if reason is None else _FINISH_REASONS[reason],
-        num_prompt_tokens=num_prompt_tokens,
-        num_cached_tokens=num_cached_tokens,
-        ttft_s=ttft_s,
+        {r: FirstToken(*figures) for r, *figures in first},
+        {r: _FINISH_REASONS[reason] for r, reason in finished},
     )
 
 

@@ -4,7 +4,7 @@
 
     scheduled = scheduler.schedule()        # who computes how many tokens
     logits = runner.execute_batch(batch)    # one forward pass over the packed batch
-    outputs = postprocess(scheduled, logits)   # sample, stop, free finished requests
+    outputs = postprocess(scheduled, logits)   # sample, stop, free finished requests: StepOutputs
 
 The engine is synchronous and single-threaded; the gRPC server drives it from its own thread.
 
@@ -30,10 +30,11 @@ from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
 from kvswitch.worker.request import (
     FinishReason,
+    FirstToken,
     Request,
-    RequestOutput,
     SamplingParams,
     StepFailed,
+    StepOutputs,
     check_prompt,
 )
 from kvswitch.worker.sampler import Sampler, make_generator, seed_for_position
@@ -101,6 +102,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        # The rows of the latest step's requests, with the block tables' version they held in.
+        self._last_rows: tuple[int, list[Request], np.ndarray] = (-1, [], np.empty(0, np.int64))
 
     @functools.cached_property
     def max_model_len(self) -> int:
@@ -187,8 +190,9 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; raises ``StepFailed`` (see there) if any part of it raises."""
+    def step(self) -> StepOutputs:
+        """Run one step and say what it produced; raises ``StepFailed`` (see there) if any part
+        of it raises."""
         try:
             scheduled = self.scheduler.schedule()
         except Exception as e:
@@ -196,7 +200,7 @@ class LLMEngine:
             raise self._fail_step(list(self.requests), e) from e
         self.stats.num_preemptions += len(scheduled.preempted)
         if not scheduled.requests:
-            return []
+            return StepOutputs()
         try:
             logits = self.runner.execute_batch(self._batch(scheduled))
         except Exception as e:
@@ -215,7 +219,6 @@ class LLMEngine:
         manager keeps up to date, in one gather."""
         requests = scheduled.requests
         num_seqs = len(requests)
-        tables = self.kv_cache.block_tables
         if scheduled.num_tokens == num_seqs:
             # One token each, nearly always a decode, whose input is the last token.
             input_ids = np.array(
@@ -230,15 +233,24 @@ class LLMEngine:
         else:
             input_ids = np.concatenate(
                 [
-                    r.token_ids[r.num_computed_tokens : r.num_computed_tokens + num_new]
-                    for r, num_new in zip(requests, scheduled.num_new_tokens, strict=True)
+                    r.token_ids[start : start + num_new]
+                    for r, start, num_new in zip(
+                        requests, scheduled.start_pos, scheduled.num_new_tokens, strict=True
+                    )
                 ]
             )
+        tables = self.kv_cache.block_tables
+        # NOTE: decode after decode runs the same requests in the same order: while no row has
+        # changed hands, their rows are the last step's (looking them up touches every id).
+        last_version, last_requests, rows = self._last_rows
+        if last_version != tables.version or last_requests != requests:
+            rows = tables.rows([r.request_id for r in requests])
+            self._last_rows = (tables.version, requests, rows)
         return StepBatch(
             input_ids=input_ids,
-            start_pos=np.array([r.num_computed_tokens for r in requests], np.int64),
+            start_pos=np.array(scheduled.start_pos, np.int64),
             num_new=np.array(scheduled.num_new_tokens, np.int64),
-            block_tables=tables.gather(tables.rows([r.request_id for r in requests])),
+            block_tables=tables.gather(rows),
         )
 
     def _fail_step(self, request_ids: list[str], cause: Exception) -> StepFailed:
@@ -250,11 +262,15 @@ class LLMEngine:
             self.abort(request_id)
         return StepFailed(failed, cause)
 
-    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> StepOutputs:
         # Only requests whose whole context is now computed produce a token; a prefill chunk
         # that stops short of the end throws its logits away.
+        # NOTE: a step of decodes runs both loops once per request: they keep to local names
+        # and build columns, not an object per request.
         requests = scheduled.requests
         sampling: list[Request] = []
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
         sampling_rows = []
         for row, (request, num_new) in enumerate(
             zip(requests, scheduled.num_new_tokens, strict=True)
@@ -263,48 +279,40 @@ class LLMEngine:
             if num_computed == request.num_tokens:
                 sampling_rows.append(row)
                 sampling.append(request)
-                if request.generator is not None and request.params.seed is not None:
+                params.append(request.params)
+                generator = request.generator  # only seeded sampled requests have one
+                if generator is not None:
                     position = request.num_resumed_tokens + request.num_output_tokens
-                    request.generator.manual_seed(seed_for_position(request.params.seed, position))
+                    generator.manual_seed(seed_for_position(request.params.seed, position))
+                generators.append(generator)
+        outputs = StepOutputs([r.request_id for r in sampling])
         if not sampling:
-            return []
+            return outputs
         if len(sampling) < len(requests):
             logits = logits[sampling_rows]
-        token_ids = self.sampler.sample(
-            logits, [r.params for r in sampling], [r.generator for r in sampling]
-        ).tolist()
+        outputs.token_ids = token_ids = self.sampler.sample(logits, params, generators).tolist()
         now = time.monotonic()
         # A request ends on a stop token or EOS (STOP), or at max_tokens or the context length
         # (LENGTH), both folded into ``stop_token_ids`` and ``max_num_tokens`` on admission.
-        outputs = []
+        first, finished = outputs.first, outputs.finished
         for request, token_id in zip(sampling, token_ids, strict=True):
-            ttft_s = None
             if request.first_token_s is None:
                 request.first_token_s = now
-                ttft_s = now - request.arrival_s
+                first[request.request_id] = FirstToken(
+                    request.num_prompt_tokens, request.num_cached_tokens, now - request.arrival_s
+                )
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
                 self.stats.num_cached_tokens += request.num_cached_tokens
             request.append_token(token_id)
-            reason = None
             if token_id in request.stop_token_ids:
                 reason = FinishReason.STOP
             elif request.num_tokens >= request.max_num_tokens:
                 reason = FinishReason.LENGTH
-            if reason is not None:
-                request.finish_reason = reason
-                self.scheduler.remove(request)
-                del self.requests[request.request_id]
-            outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    [token_id],
-                    reason is not None,
-                    reason,
-                    request.num_prompt_tokens,
-                    request.num_cached_tokens,
-                    ttft_s,
-                )
-            )
+            else:
+                continue
+            request.finish_reason = finished[request.request_id] = reason
+            self.scheduler.remove(request)
+            del self.requests[request.request_id]
         return outputs
 
     # -- convenience ----------------------------------------------------------------------------
@@ -319,6 +327,7 @@ class LLMEngine:
         for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(request_id, prompt, p)
         while self.has_unfinished():
-            for output in self.step():
-                outputs[output.request_id].extend(output.new_token_ids)
+            step = self.step()
+            for request_id, token_id in zip(step.request_ids, step.token_ids, strict=True):
+                outputs[request_id].append(token_id)
         return [outputs[request_id] for request_id in ids]

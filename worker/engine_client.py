@@ -46,7 +46,7 @@ from kvswitch.logs import JsonFormatter, Throttled
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, StepGap
 from kvswitch.worker.engine_core import build_and_run, core_process_main
-from kvswitch.worker.request import RequestOutput, SamplingParams, check_prompt
+from kvswitch.worker.request import RequestOutput, SamplingParams, StepOutputs, check_prompt
 
 if TYPE_CHECKING:
     from kvswitch.worker.engine_config import EngineConfig
@@ -443,7 +443,7 @@ class EngineClient:
             for request_id, why, text in failed:
                 self._fail(request_id, _FAILURES[wire.Failure(why)](text))
             if outputs:
-                self._deliver([wire.output_from_wire(o) for o in outputs])
+                self._deliver(wire.outputs_from_wire(outputs))
         elif kind == wire.SNAPSHOT_TAKEN:
             with self._lock:
                 future = self._snapshots.pop(message[1], None)
@@ -452,7 +452,7 @@ class EngineClient:
         else:
             logger.error("unexpected message %r from the engine core: ignored", kind)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: StepOutputs) -> None:
         # One wake-up per event loop per step, not one per request.
         loop_to_items: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:

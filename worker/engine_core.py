@@ -32,7 +32,7 @@ import zmq
 
 from kvswitch.logs import configure_logging
 from kvswitch.worker import core_protocol as wire
-from kvswitch.worker.request import Request, StepFailed
+from kvswitch.worker.request import Request, StepFailed, StepOutputs
 
 if TYPE_CHECKING:
     from kvswitch.worker.engine import LLMEngine
@@ -68,7 +68,7 @@ class EngineCore:
         self._input = threading.Thread(target=self._read, name="engine-core-input", daemon=True)
         engine.max_model_len  # noqa: B018  (computed once here, read by the input thread)
         self._num_failed_steps = 0
-        self._outputs: list[list[Any]] = []
+        self._outputs = StepOutputs()
         self._failed: list[list[Any]] = []
         # From the end of a step that left work behind to the start of the next one: what
         # receiving and admitting requests, and sending outputs, cost the running requests.
@@ -235,7 +235,7 @@ class EngineCore:
             self._num_failed_steps += 1
             self._fail_all(wire.Failure.STEP_FAILED, "the engine failed while running this request")
             return
-        self._outputs += [wire.output_to_wire(o) for o in outputs]
+        self._outputs.extend(outputs)
 
     def _fail_all(self, why: wire.Failure, message: str) -> None:
         for request_id in list(self.engine.requests):
@@ -259,8 +259,9 @@ class EngineCore:
         counters = [engine.stats.num_steps, engine.stats.num_preemptions, self._num_failed_steps]
         events = wire.events_to_wire(engine.take_events())
         gap = [self._step_gap_s, self._commands_s]
-        self._send([wire.STEP, self._outputs, self._failed, events, load, counters, gap])
-        self._outputs, self._failed = [], []
+        outputs = wire.outputs_to_wire(self._outputs)
+        self._send([wire.STEP, outputs, self._failed, events, load, counters, gap])
+        self._outputs, self._failed = StepOutputs(), []
         self._step_gap_s = self._commands_s = 0.0
 
     def _send(self, message: list[Any]) -> None:

@@ -101,27 +101,31 @@ class ModelRunner:
         num_seqs = len(num_new)
         if num_seqs == 0:
             raise ValueError("nothing to run")
-        seq_lens = start_pos + num_new
-        cu_q_lens = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(num_new, out=cu_q_lens[1:])
-        num_tokens = int(cu_q_lens[-1])
-        max_q_len = int(num_new.max())
-        if max_q_len == 1:  # all decodes: one token per sequence, at its start position
-            token_seq, positions = np.arange(num_seqs), start_pos
+        num_tokens = len(batch.input_ids)
+        if num_tokens == num_seqs:  # all decodes: one token per sequence, at its start position
+            # NOTE: the steady state; every numpy call here costs the step a few microseconds.
+            token_seq = logit_rows = np.arange(num_seqs)
+            positions = start_pos
+            cu_q_lens = np.arange(num_seqs + 1, dtype=np.int32)
+            max_q_len = 1
         else:
+            cu_q_lens = np.zeros(num_seqs + 1, np.int64)
+            np.cumsum(num_new, out=cu_q_lens[1:])
             token_seq = np.repeat(np.arange(num_seqs), num_new)
             positions = np.arange(num_tokens) + np.repeat(start_pos - cu_q_lens[:-1], num_new)
-        block_size = self.block_size
-        pages = positions // block_size
-        slots = batch.block_tables[token_seq, pages].astype(np.int64) * block_size
-        slots += positions - pages * block_size
-        logit_rows = np.arange(num_tokens) if every_token else cu_q_lens[1:] - 1
+            logit_rows = cu_q_lens[1:] - 1
+            max_q_len = int(num_new.max())
+        if every_token:
+            logit_rows = np.arange(num_tokens)
+        seq_lens = start_pos + num_new
+        pages, offsets = np.divmod(positions, self.block_size)
+        slots = batch.block_tables[token_seq, pages] * self.block_size + offsets
 
         to_device = self._to_device
         meta = AttentionMetadata(
             slot_mapping=to_device(slots.astype(np.int32)),
             block_tables=to_device(np.ascontiguousarray(batch.block_tables, np.int32)),
-            cu_q_lens=to_device(cu_q_lens.astype(np.int32)),
+            cu_q_lens=to_device(cu_q_lens.astype(np.int32, copy=False)),
             seq_lens=to_device(seq_lens.astype(np.int32)),
             max_q_len=max_q_len,
             max_seq_len=int(seq_lens.max()),

@@ -1,6 +1,7 @@
 """A request: its token stream, the hashes of its full blocks, and where it is in its life; what
-it asks for (``SamplingParams``), what it produces (``RequestOutput``), and the checks that admit
-it. Nothing here imports torch: the serving process admits requests without loading it.
+it asks for (``SamplingParams``), what it produces (``StepOutputs``, ``RequestOutput``), and the
+checks that admit it. Nothing here imports torch: the serving process admits requests without
+loading it.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -224,7 +225,8 @@ def check_prompt(
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one request produced in one step."""
+    """What one request produced in one step. ``ttft_s``, ``num_prompt_tokens`` and
+    ``num_cached_tokens`` are set on the output that carries its first token only."""
 
     request_id: str
     new_token_ids: list[int]
@@ -233,6 +235,59 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     ttft_s: float | None = None  # set on the step that produced the first token
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """A request's figures as of its first token."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache on admission
+    ttft_s: float
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """What one or more steps produced, in columns: ``request_ids[i]`` produced ``token_ids[i]``.
+
+    The few requests that produced their first token (``first``) or finished (``finished``) are
+    listed apart, so a step of decodes builds no object per request. A request may appear more
+    than once when the outputs of several steps are joined (``extend``). Iterating gives one
+    ``RequestOutput`` per entry, in order.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    first: dict[str, FirstToken] = field(default_factory=dict)
+    finished: dict[str, FinishReason] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        first, finished = self.first, self.finished
+        # A request's figures go with its first entry, its finish with its last.
+        last = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        seen: set[str] = set()
+        for i, (request_id, token_id) in enumerate(
+            zip(self.request_ids, self.token_ids, strict=True)
+        ):
+            reason = finished.get(request_id) if last[request_id] == i else None
+            output = RequestOutput(request_id, [token_id], reason is not None, reason)
+            figures = first.get(request_id)
+            if figures is not None and request_id not in seen:
+                output.num_prompt_tokens = figures.num_prompt_tokens
+                output.num_cached_tokens = figures.num_cached_tokens
+                output.ttft_s = figures.ttft_s
+            seen.add(request_id)
+            yield output
+
+    def extend(self, other: StepOutputs) -> None:
+        """Append a later step's outputs."""
+        self.request_ids += other.request_ids
+        self.token_ids += other.token_ids
+        self.first.update(other.first)
+        self.finished.update(other.finished)
 
 
 class StepFailed(RuntimeError):

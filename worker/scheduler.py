@@ -34,17 +34,19 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The step's work, in batch order: ``requests[i]`` computes ``num_new_tokens[i]`` tokens,
-    ``num_tokens`` in all."""
+    """The step's work, in batch order: ``requests[i]`` computes ``num_new_tokens[i]`` tokens
+    from position ``start_pos[i]`` (the tokens it had computed), ``num_tokens`` in all."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    start_pos: list[int] = field(default_factory=list)
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
+        self.start_pos.append(request.num_computed_tokens)
         self.num_tokens += num_new_tokens
 
 
@@ -86,11 +88,12 @@ class Scheduler:
         # NOTE: the steady state runs this loop once per decoding request per step, so it keeps
         # to local names and appends to the output's lists directly.
         running, allocate_slots = self.running, kv_cache.allocate_slots
-        requests, num_new_tokens = out.requests, out.num_new_tokens
+        requests, num_new_tokens, start_pos = out.requests, out.num_new_tokens, out.start_pos
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_computed = request.num_computed_tokens
+            num_new = request.num_tokens - num_computed
             if num_new > budget:
                 num_new = budget
             while allocate_slots(request, num_new) is None:
@@ -102,6 +105,7 @@ class Scheduler:
             else:
                 requests.append(request)
                 num_new_tokens.append(num_new)
+                start_pos.append(num_computed)
                 budget -= num_new
                 i += 1
                 continue

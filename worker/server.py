@@ -231,9 +231,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     text = decoder.push(token_ids) + (decoder.flush() if done else "")
                 stats.num_output_tokens += len(token_ids)
                 for output in outputs:
-                    if output.ttft_s is not None:
+                    if output.ttft_s is not None:  # the first token's output has the figures
                         stats.ttft_s = ttft_s = output.ttft_s
-                    stats.num_cached_tokens = max(output.num_cached_tokens, 0)
+                        stats.num_cached_tokens = max(output.num_cached_tokens, 0)
                 chunk = common_pb2.TokenChunk(token_ids=token_ids, text=text)
                 await context.write(worker_pb2.WorkerGenerateResponse(chunk=chunk))
             assert last.finish_reason is not None

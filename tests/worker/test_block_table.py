@@ -13,6 +13,22 @@ from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, StepBatch
 
 
+def test_the_version_moves_exactly_when_a_row_changes_hands() -> None:
+    tables = BlockTables(num_rows=2, num_columns=2)
+    versions = [tables.version]
+    tables.append("a", [1])  # a row handed out
+    versions.append(tables.version)
+    tables.append("a", [2, 3])  # the same row, longer (and wider): rows unchanged
+    assert tables.version == versions[-1]
+    tables.release("a")  # given back
+    versions.append(tables.version)
+    tables.release("a")  # nothing to give back
+    assert tables.version == versions[-1]
+    tables.append("b", [4])  # takes the row "a" had
+    versions.append(tables.version)
+    assert len(set(versions)) == 4
+
+
 def test_rows_grow_in_place_and_are_reused() -> None:
     tables = BlockTables(num_rows=2, num_columns=2)
     tables.append("a", [7, 8])

@@ -123,12 +123,12 @@ def test_first_output_reports_cache_and_ttft() -> None:
     engine = make_engine()
     engine.generate([prompts()[0]], GREEDY)
     engine.add_request("r", prompts()[1], GREEDY)
-    first = engine.step()[0]
+    [first] = engine.step()
     assert first.ttft_s is not None and first.ttft_s > 0
     assert first.num_prompt_tokens == len(prompts()[1])
     shared = len(DOC) + 1  # BOS + document
     assert first.num_cached_tokens == shared // 16 * 16
-    second = engine.step()[0]
+    [second] = engine.step()
     assert second.ttft_s is None
 
 

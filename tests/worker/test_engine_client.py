@@ -28,13 +28,17 @@ PROMPTS = [[256, *b"The engine core runs apart. " * 3], [256, *b"A second, short
 
 
 async def collect(queue: asyncio.Queue) -> tuple[list[int], RequestOutput]:
+    """The request's tokens, and its last output with the first token's figures copied in."""
     tokens: list[int] = []
+    first = None
     while True:
         item = await queue.get()
         if isinstance(item, Exception):
             raise item
+        first = first or item
         tokens += item.new_token_ids
         if item.finished:
+            item.num_prompt_tokens, item.ttft_s = first.num_prompt_tokens, first.ttft_s
             return tokens, item
 
 
@@ -63,6 +67,7 @@ def test_the_core_produces_what_the_engine_does(
         assert [tokens for tokens, _ in results] == expected
         assert all(last.finish_reason.value == "length" for _, last in results)
         assert results[0][1].num_prompt_tokens == len(PROMPTS[0])
+        assert all(last.ttft_s > 0 for _, last in results)
         load = engine.load
         assert load.num_running_requests == load.num_waiting_requests == 0
         assert load.num_free_blocks == load.num_total_blocks == engine.facts.num_blocks
