@@ -226,11 +226,14 @@ class EngineClient:
                 name="kvswitch-engine-core",
                 daemon=True,
             )
+        started = False
         try:
             core.start()
+            started = True
             facts = _wait_until_ready(outbox, core)
         except BaseException:
-            _stop_core(core, timeout_s=0)
+            if started:  # else there is nothing to stop, and joining it would raise instead
+                _stop_core(core, timeout_s=0)
             inbox.close()
             outbox.close()
             context.term()

@@ -149,6 +149,28 @@ def test_a_core_whose_model_cannot_load_says_why() -> None:
         EngineClient.start(EngineConfig(model="/nonexistent/checkpoint"))
 
 
+# A script that starts an engine without a main guard: its spawned core runs the script again,
+# and that second start fails, as multiprocessing says it must.
+UNGUARDED_SCRIPT = """
+from kvswitch.worker.engine_client import EngineClient
+from kvswitch.worker.engine_config import EngineConfig
+
+EngineClient.start(EngineConfig())
+"""
+
+
+def test_a_core_that_cannot_start_reports_why_not_a_cleanup_error(tmp_path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "bootstrapping phase" in done.stderr  # the core's own cause, as it printed it
+    assert "can only join a started process" not in done.stderr
+    assert "EngineStartError" in done.stderr
+
+
 # A serving process whose core is busy decoding when the process is killed.
 ORPHAN_SCRIPT = """
 import asyncio, time
