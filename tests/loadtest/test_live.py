@@ -79,8 +79,10 @@ def test_loadtest_command_reports_every_policy_and_draws_its_plots(cluster, tmp_
             assert set(figures[key]) == {"mean", "median", "p90", "p99"}
             assert figures[key]["mean"] > 0
     # Cost keeps each conversation where its cache is; nothing was cached under another salt.
-    # At best a session hits 160 + 240 + 320 of its 240 + 324 + 408 prompt tokens: 0.74.
-    assert report["policies"]["cost"]["token_hit_rate"] > 0.7
+    # A session hits 240 + 320 of its 240 + 324 + 408 prompt tokens (0.576) from its own turns,
+    # and 160 more (0.74) where its first turn joins the worker holding the shared system
+    # prompt; on a loaded machine that worker may be busy enough for an idle one to win.
+    assert report["policies"]["cost"]["token_hit_rate"] > 0.57
     for name in ("ttft_cdf.png", "hit_rate.png", "worker_load.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
