@@ -2,8 +2,8 @@
 
 A worker's engine core (in its own process, as ``kvswitch worker`` runs it) decodes
 ``num_decodes`` requests. Then a prompt of ``prompt_len`` tokens arrives through the same path a
-gRPC request takes: the token-id field converted to an array, checked, hashed into its block
-chain, and sent to the core. Figures:
+gRPC request takes: the token-id bytes taken as an array (a view, no copy), checked, hashed into
+its block chain, and sent to the core. Figures:
 
 - ``max_step_gap_ms``: the longest the core went between two steps while the long prompt
   arrived and began its prefill (receiving it, admitting it, sending outputs), against
@@ -56,10 +56,12 @@ def run(config: AdmissionBenchConfig) -> dict:
 
 
 async def _run(config: AdmissionBenchConfig) -> dict:
+    from kvswitch.cache_index.hashing import tokens_to_bytes
     from kvswitch.v1 import worker_pb2
     from kvswitch.worker.engine_client import EngineClient
     from kvswitch.worker.engine_config import EngineConfig
     from kvswitch.worker.request import SamplingParams
+    from kvswitch.worker.server import prompt_from_proto
 
     block_size = 16
     kv_bytes_per_token = 2 * 2 * 2 * 64 * 4  # tiny-long: 2 layers, K and V, 2 heads of 64, fp32
@@ -87,13 +89,13 @@ async def _run(config: AdmissionBenchConfig) -> dict:
         engine.take_max_step_gap()
         gaps_before = await _steps(engine, config.steps_before)
 
-        # The long prompt, as the worker's servicer receives it.
+        # The long prompt, as the worker's servicer receives it from the router.
         message = worker_pb2.WorkerGenerateRequest(
-            prompt_token_ids=rng.integers(0, vocab, config.prompt_len).tolist()
+            prompt_token_ids_u32le=tokens_to_bytes(rng.integers(0, vocab, config.prompt_len))
         )
         print(f"  a {config.prompt_len:,}-token prompt arrives ...", file=sys.stderr)
         start = time.perf_counter()
-        prompt = np.array(message.prompt_token_ids, np.int64)
+        prompt = prompt_from_proto(message)
         await engine.submit("long", prompt, SamplingParams(max_tokens=1))
         admit_s = time.perf_counter() - start
         gaps_after = await _steps(engine, config.steps_after)

@@ -5,7 +5,8 @@ stubs in this process: they register and publish a cached prefix like real worke
 ``Generate`` at once with one token, so that only the router's own work is measured: reading the
 request, hashing the prompt's blocks, the index lookup, scoring, and the extra gRPC hop.
 
-- overhead: for an 8,192-token prompt (token ids), one request straight to a stub worker and one
+- overhead: for an 8,192-token prompt (token ids, as little-endian uint32 bytes: what the client
+  SDK sends the router and the router the worker), one request straight to a stub worker and one
   through the router, in alternation; overhead = routed minus direct latency (to the final
   message), p50 and p99 over the pairs.
 - decisions_per_s: the router's decision path alone, in this process (hash the prompt, match it
@@ -30,7 +31,7 @@ import numpy as np
 
 from kvswitch.benchmarks.timing import machine_info
 from kvswitch.cache_index.connect import connect_index
-from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.cache_index.hashing import BlockHasher, tokens_from_bytes, tokens_to_bytes
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.router import Router
@@ -45,6 +46,7 @@ from kvswitch.v1 import (
     worker_pb2_grpc,
 )
 from kvswitch.worker.publisher import EventPublisher
+from kvswitch.worker.server import prompt_from_proto
 
 NAMESPACE = "stub-model"
 
@@ -79,7 +81,7 @@ class StubWorker(worker_pb2_grpc.WorkerServicer):
         yield worker_pb2.WorkerGenerateResponse(chunk=common_pb2.TokenChunk(token_ids=[0]))
         stats = common_pb2.RequestStats(
             worker_id=self.worker_id,
-            num_prompt_tokens=len(request.prompt_token_ids),
+            num_prompt_tokens=len(prompt_from_proto(request)),
             num_output_tokens=1,
         )
         final = worker_pb2.WorkerGenerateFinal(
@@ -189,10 +191,13 @@ def run(config: RouterBenchConfig) -> dict[str, object]:
     rng = np.random.default_rng(config.seed)
     prompt = rng.integers(0, 32000, config.num_prompt_tokens).tolist()
     sampling = common_pb2.SamplingParams(max_tokens=1)
+    prompt_bytes = tokens_to_bytes(prompt)
     routed_request = router_pb2.GenerateRequest(
-        token_ids=router_pb2.TokenIds(ids=prompt), sampling=sampling
+        token_ids=router_pb2.TokenIds(ids_u32le=prompt_bytes), sampling=sampling
     )
-    direct_request = worker_pb2.WorkerGenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+    direct_request = worker_pb2.WorkerGenerateRequest(
+        prompt_token_ids_u32le=prompt_bytes, sampling=sampling
+    )
 
     print("starting a router and stub workers ...", file=sys.stderr)
     router, router_address = _start_router()
@@ -289,7 +294,7 @@ async def _decisions_per_s(config: RouterBenchConfig, prompt: list[int]) -> floa
     directory = WorkerDirectory(index)
     await directory.refresh()
     router = Router(index, directory, ByteTokenizer())
-    ids = router_pb2.TokenIds(ids=prompt).ids  # as the servicer gets them
+    ids = tokens_from_bytes(tokens_to_bytes(prompt))  # as the servicer gets them
     count = 0
     started = time.perf_counter()
     deadline = started + config.duration_s

@@ -88,6 +88,16 @@ def tokens_to_bytes(tokens: TokenIds) -> bytes:
         raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
 
 
+def tokens_from_bytes(data: bytes) -> np.ndarray:
+    """The token ids ``tokens_to_bytes`` wrote: a read-only uint32 view of ``data``, no copy.
+    ValueError if ``data`` is not a whole number of 4-byte ids."""
+    if len(data) % 4:
+        raise ValueError(
+            f"token ids as little-endian uint32 take 4 bytes each; got {len(data)} bytes"
+        )
+    return np.frombuffer(data, "<u4")
+
+
 def _check_token_array(tokens: np.ndarray) -> None:
     """Rejects arrays that are not 1-D integer arrays, whatever their length."""
     if tokens.ndim != 1:

@@ -10,10 +10,11 @@ wrong: the request may have failed, or its blocks were evicted at once).
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, eq=False)
@@ -24,15 +25,60 @@ class _Guess:
     live: bool = True
 
 
+@dataclass(slots=True, eq=False)
+class _WorkerGuesses:
+    """One worker's live guesses, and how many of them hold each block.
+
+    A block is held while more of the guesses holding it were added than dropped. Both counts
+    take a whole chain at once (``Counter.update`` counts in C, not a Python step a block); the
+    dropped counts are folded away once they outweigh the live ones, so that they never hold
+    more entries than the live guesses do.
+    """
+
+    by_end: dict[bytes, _Guess] = field(default_factory=dict)  # by the chain's last hash
+    _num_added: Counter[bytes] = field(default_factory=Counter)
+    _num_dropped: Counter[bytes] = field(default_factory=Counter)
+    _num_live_entries: int = 0  # blocks over the live guesses
+    _num_dropped_entries: int = 0  # blocks over the guesses dropped since the last fold
+
+    def holds(self, block_hash: bytes) -> bool:
+        return self._num_added.get(block_hash, 0) > self._num_dropped.get(block_hash, 0)
+
+    def num_leading(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain ``block_hashes`` some guess holds."""
+        if not block_hashes or not self.holds(block_hashes[0]):
+            return 0  # the common case for a worker: none of this prompt
+        # NOTE: a guess holding block i holds blocks 0..i too (a chained hash names its whole
+        # prefix), so the held blocks lead the chain and a binary search finds where they end.
+        return bisect.bisect_left(block_hashes, True, key=lambda h: not self.holds(h))
+
+    def add(self, guess: _Guess) -> None:
+        self.by_end[guess.block_hashes[-1]] = guess
+        self._num_added.update(guess.block_hashes)
+        self._num_live_entries += len(guess.block_hashes)
+
+    def drop(self, guess: _Guess) -> None:
+        del self.by_end[guess.block_hashes[-1]]
+        self._num_live_entries -= len(guess.block_hashes)
+        self._num_dropped_entries += len(guess.block_hashes)
+        if self._num_dropped_entries <= self._num_live_entries:
+            self._num_dropped.update(guess.block_hashes)
+            return
+        # NOTE: recounting the live guesses costs no more than the drops since the last time.
+        self._num_added = Counter()
+        for live in self.by_end.values():
+            self._num_added.update(live.block_hashes)
+        self._num_dropped.clear()
+        self._num_dropped_entries = 0
+
+
 class PendingBlocks:
     """Guesses per worker, each one a chain prefix with a deadline. No I/O.
 
     A chained hash names its whole prefix, so a guess that holds block ``i`` of a lookup holds
-    blocks ``0..i`` too: the workers guessed to hold block ``i + 1`` are a subset of those for
-    block ``i``. An inverted map from block hash to the workers guessed to hold it (with a count
-    of their guesses) therefore answers a lookup in one walk down its chain, however many guesses
-    are live. Every guess has the same lifetime, so a queue in arrival order is also a queue in
-    deadline order.
+    blocks ``0..i`` too: the blocks of a lookup a worker is guessed to hold lead its chain, and a
+    binary search over the chain finds how many, however many guesses are live. Every guess has
+    the same lifetime, so a queue in arrival order is also a queue in deadline order.
     """
 
     def __init__(self, ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -40,8 +86,7 @@ class PendingBlocks:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.ttl_s = ttl_s
         self._clock = clock
-        self._hash_to_workers: dict[bytes, dict[str, int]] = {}  # -> live guesses holding it
-        self._chain_end_to_guesses: dict[bytes, dict[str, _Guess]] = {}  # by worker id
+        self._workers: dict[str, _WorkerGuesses] = {}  # those with a live guess
         self._by_deadline: deque[_Guess] = deque()
         self._num_live = 0
         self.num_confirmed = 0
@@ -56,18 +101,15 @@ class PendingBlocks:
             return
         # NOTE: the last hash names the whole chain; a repeated guess replaces the old one, so a
         # burst on one document keeps one guess per worker, with the latest deadline.
-        old = self._chain_end_to_guesses.get(block_hashes[-1], {}).get(worker_id)
+        guesses = self._workers.get(worker_id)
+        old = guesses.by_end.get(block_hashes[-1]) if guesses is not None else None
         if old is not None:
             self._drop(old)
+        guesses = self._workers.get(worker_id)
+        if guesses is None:
+            guesses = self._workers[worker_id] = _WorkerGuesses()
         guess = _Guess(worker_id, tuple(block_hashes), self._clock() + self.ttl_s)
-        hash_to_workers = self._hash_to_workers
-        for block_hash in guess.block_hashes:
-            workers = hash_to_workers.get(block_hash)
-            if workers is None:
-                hash_to_workers[block_hash] = {worker_id: 1}
-            else:
-                workers[worker_id] = workers.get(worker_id, 0) + 1
-        self._chain_end_to_guesses.setdefault(block_hashes[-1], {})[worker_id] = guess
+        guesses.add(guess)
         self._by_deadline.append(guess)
         self._num_live += 1
 
@@ -80,23 +122,16 @@ class PendingBlocks:
         self._expire()
         matches = dict(index_matches)
         confirmed: list[_Guess] = []
-        get_workers = self._hash_to_workers.get
-        get_ends = self._chain_end_to_guesses.get
-        workers: dict[str, int] = {}  # guessed to hold every block so far
-        num_walked = 0
-        for block_hash in block_hashes:
-            holders = get_workers(block_hash)
-            if holders is None:
-                break
-            if len(holders) < len(workers):
-                # The set only shrinks down the chain: those that left it stop here.
-                self._raise(matches, (w for w in workers if w not in holders), num_walked)
-            workers = holders
-            num_walked += 1
-            ends = get_ends(block_hash)
-            if ends:
-                confirmed += (g for w, g in ends.items() if index_matches.get(w, 0) >= num_walked)
-        self._raise(matches, workers, num_walked)
+        for worker_id, guesses in self._workers.items():
+            num_guessed = guesses.num_leading(block_hashes)
+            if num_guessed > matches.get(worker_id, 0):
+                matches[worker_id] = num_guessed
+            # A guess that ends within both the guessed run and what the index reports is a
+            # prefix of this chain the index now holds: confirmed.
+            num_confirmed = min(num_guessed, index_matches.get(worker_id, 0))
+            if num_confirmed:
+                ends = guesses.by_end.keys() & block_hashes[:num_confirmed]  # in C
+                confirmed += (guesses.by_end[end] for end in ends)
         for guess in confirmed:
             self.num_confirmed += 1
             self._drop(guess)
@@ -104,15 +139,12 @@ class PendingBlocks:
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every guess about a worker (it failed or left)."""
-        for guess in list(self._by_deadline):
-            if guess.worker_id == worker_id and guess.live:
-                self._drop(guess)
-
-    @staticmethod
-    def _raise(matches: dict[str, int], worker_ids: Iterable[str], num_blocks: int) -> None:
-        for worker_id in worker_ids:
-            if num_blocks > matches.get(worker_id, 0):
-                matches[worker_id] = num_blocks
+        guesses = self._workers.pop(worker_id, None)
+        if guesses is None:
+            return
+        for guess in guesses.by_end.values():
+            guess.live = False
+        self._num_live -= len(guesses.by_end)
 
     def _expire(self) -> None:
         now = self._clock()
@@ -126,19 +158,7 @@ class PendingBlocks:
         # NOTE: the deadline queue keeps dropped guesses until their deadline; `live` tells.
         guess.live = False
         self._num_live -= 1
-        worker_id = guess.worker_id
-        end = guess.block_hashes[-1]
-        ends = self._chain_end_to_guesses[end]
-        if ends.get(worker_id) is guess:
-            del ends[worker_id]
-            if not ends:
-                del self._chain_end_to_guesses[end]
-        hash_to_workers = self._hash_to_workers
-        for block_hash in guess.block_hashes:
-            workers = hash_to_workers[block_hash]
-            if workers[worker_id] == 1:
-                del workers[worker_id]
-                if not workers:
-                    del hash_to_workers[block_hash]
-            else:
-                workers[worker_id] -= 1
+        guesses = self._workers[guess.worker_id]
+        guesses.drop(guess)
+        if not guesses.by_end:
+            del self._workers[guess.worker_id]

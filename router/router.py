@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.cache_index.hashing import BlockHasher, TokenIds
 from kvswitch.cache_index.index import BlockIndex
 from kvswitch.logs import Throttled
 from kvswitch.router.heat import PrefixHeat
@@ -44,7 +44,8 @@ class NoWorkerError(Exception):
 class RoutePlan:
     """A request as the router routes it."""
 
-    token_ids: Sequence[int]  # a list, or the request's own protobuf field (no copy)
+    # uint32, from ``plan``; the simulator passes a range (the router reads only its length).
+    token_ids: TokenIds
     namespace: str
     block_size: int
     block_hashes: list[bytes]  # one per full block of token_ids
@@ -86,7 +87,7 @@ class Router:
         self,
         *,
         text: str | None = None,
-        token_ids: Sequence[int] | None = None,
+        token_ids: TokenIds | None = None,
         lora: str | None = None,
         cache_salt: str | None = None,
     ) -> RoutePlan:
@@ -95,13 +96,14 @@ class Router:
         say which model is served."""
         if (text is None) == (token_ids is None):
             raise ValueError("give the prompt as text or as token ids, not both or neither")
-        ids = self.tokenize(text) if text is not None else token_ids
-        if not ids:
+        # NOTE: an array, so that hashing reads its bytes at once and the worker's request
+        # takes them in one copy; a list would be packed id by id, twice.
+        ids = np.asarray(self.tokenize(text) if text is not None else token_ids, np.uint32)
+        if not len(ids):
             raise ValueError("the prompt is empty")
         namespace, block_size = self._served_model()
         hasher = BlockHasher(namespace, block_size, lora=lora, cache_salt=cache_salt)
-        # NOTE: hashing reads an array's bytes at once; a list would be packed id by id.
-        block_hashes = hasher.hash_blocks(np.asarray(ids, dtype=np.uint32))
+        block_hashes = hasher.hash_blocks(ids)
         return RoutePlan(ids, namespace, block_size, block_hashes, lora, cache_salt)
 
     def tokenize(self, text: str) -> list[int]:
@@ -115,7 +117,7 @@ class Router:
         stream on another worker)."""
         if not token_ids:
             return plan
-        ids = [*plan.token_ids, *token_ids]
+        ids = np.concatenate((plan.token_ids, np.asarray(token_ids, np.uint32)))
         hasher = BlockHasher(
             plan.namespace, plan.block_size, lora=plan.lora, cache_salt=plan.cache_salt
         )

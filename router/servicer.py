@@ -17,11 +17,13 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+import numpy as np
 
+from kvswitch.cache_index.hashing import TokenIds, tokens_from_bytes, tokens_to_bytes
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.policy import Decision
 from kvswitch.router.router import NoTokenizerError, NoWorkerError, RoutePlan, Router
@@ -251,7 +253,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
             worker_request = worker_pb2.WorkerGenerateRequest(
                 request_id=request_id,
-                prompt_token_ids=resumed.token_ids,
+                # NOTE: bytes, not the repeated field: one copy where 8K ids would be 8K varints.
+                prompt_token_ids_u32le=tokens_to_bytes(resumed.token_ids),
                 sampling=_remaining_sampling(request.sampling, max_tokens, len(sent)),
                 lora=request.lora,
                 cache_salt=request.cache_salt,
@@ -353,17 +356,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             call.cancel()
 
-    async def _token_ids(self, request: router_pb2.GenerateRequest) -> Sequence[int]:
+    async def _token_ids(self, request: router_pb2.GenerateRequest) -> TokenIds:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise ValueError("the request has no prompt: set text or token_ids")
         if kind == "token_ids":
-            return request.token_ids.ids
+            return token_ids_from_proto(request.token_ids)
         if len(request.text) <= _INLINE_TOKENIZE_CHARS:
             return self._router.tokenize(request.text)
         # NOTE: a long prompt would stall every stream this loop relays (about 2.5 us a token
         # with a BPE tokenizer); the tokenizers library lets go of the GIL while it encodes.
         return await asyncio.to_thread(self._router.tokenize, request.text)
+
+
+def token_ids_from_proto(token_ids: router_pb2.TokenIds) -> np.ndarray:
+    """The prompt, from whichever of ``ids`` and ``ids_u32le`` carries it; ValueError if both
+    do, or neither."""
+    packed = token_ids.ids_u32le
+    if packed and token_ids.ids:
+        raise ValueError("token_ids sets both ids and ids_u32le; set one")
+    if packed:
+        return tokens_from_bytes(packed)
+    if not token_ids.ids:
+        raise ValueError("the prompt is empty: token_ids sets neither ids nor ids_u32le")
+    return np.array(token_ids.ids, np.uint32)
 
 
 def _remaining_sampling(

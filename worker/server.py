@@ -23,6 +23,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.hashing import tokens_from_bytes
 from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
@@ -146,6 +147,26 @@ def sampling_params_from_proto(sampling: common_pb2.SamplingParams) -> SamplingP
     )
 
 
+def prompt_from_proto(request: worker_pb2.WorkerGenerateRequest) -> np.ndarray:
+    """The prompt's token ids, from whichever of ``prompt_token_ids_u32le`` (what the router
+    sends: a view of its bytes, no copy) and ``prompt_token_ids`` carries them; ValueError if
+    both do, or neither."""
+    packed = request.prompt_token_ids_u32le
+    if packed and request.prompt_token_ids:
+        raise ValueError(
+            "the request sets both prompt_token_ids and prompt_token_ids_u32le; set one"
+        )
+    if packed:
+        return tokens_from_bytes(packed)
+    if not request.prompt_token_ids:
+        raise ValueError(
+            "the prompt is empty: the request sets neither prompt_token_ids nor "
+            "prompt_token_ids_u32le"
+        )
+    # NOTE: the repeated field converts to an array in one copy, not one Python int a token.
+    return np.array(request.prompt_token_ids, np.uint32)
+
+
 def load_to_proto(load: LoadReport, worker_id: str) -> worker_pb2.WorkerLoad:
     return worker_pb2.WorkerLoad(
         worker_id=worker_id,
@@ -188,9 +209,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # raises CancelledError inside this coroutine and the `finally` below always runs.
         request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
         log_extra = {"request_id": request_id}
-        # NOTE: the repeated field converts to an array in one copy, not one Python int a token.
-        prompt_token_ids = np.array(request.prompt_token_ids, np.uint32)
         try:
+            prompt_token_ids = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
             queue = await self._engine.submit(
                 request_id,

@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenIds(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "ids_u32le")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    IDS_U32LE_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ids_u32le: bytes
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., ids_u32le: _Optional[bytes] = ...) -> None: ...
 
 class RoutingOverrides(_message.Message):
     __slots__ = ("policy", "weights")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvswitch.v1 import common_pb2 as kvswitch_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/worker.proto\x12\x0bkvswitch.v1\x1a\x18kvswitch/v1/common.proto\"\xb2\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvswitch.v1.SamplingParams\x12\x0c\n\x04lora\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x06 \x01(\r\"q\n\x13WorkerGenerateFinal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.kvswitch.v1.FinishReason\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.kvswitch.v1.RequestStats\"}\n\x16WorkerGenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvswitch.v1.TokenChunkH\x00\x12\x31\n\x05\x66inal\x18\x02 \x01(\x0b\x32 .kvswitch.v1.WorkerGenerateFinalH\x00\x42\x06\n\x04kind\"\x10\n\x0eGetLoadRequest\"\xc5\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\"/\n\x0fSnapshotRequest\x12\x1c\n\x14max_hashes_per_chunk\x18\x01 \x01(\r\"n\n\rSnapshotChunk\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tevent_seq\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\">\n\x12\x46\x65tchBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"j\n\x0bKVBlockData\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\r\x12\x0b\n\x03key\x18\x05 \x01(\x0c\x12\r\n\x05value\x18\x06 \x01(\x0c\x32\xb4\x02\n\x06Worker\x12U\n\x08Generate\x12\".kvswitch.v1.WorkerGenerateRequest\x1a#.kvswitch.v1.WorkerGenerateResponse0\x01\x12?\n\x07GetLoad\x12\x1b.kvswitch.v1.GetLoadRequest\x1a\x17.kvswitch.v1.WorkerLoad\x12\x46\n\x08Snapshot\x12\x1c.kvswitch.v1.SnapshotRequest\x1a\x1a.kvswitch.v1.SnapshotChunk0\x01\x12J\n\x0b\x46\x65tchBlocks\x12\x1f.kvswitch.v1.FetchBlocksRequest\x1a\x18.kvswitch.v1.KVBlockData0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/worker.proto\x12\x0bkvswitch.v1\x1a\x18kvswitch/v1/common.proto\"\xd2\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvswitch.v1.SamplingParams\x12\x0c\n\x04lora\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x06 \x01(\r\x12\x1e\n\x16prompt_token_ids_u32le\x18\x07 \x01(\x0c\"q\n\x13WorkerGenerateFinal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.kvswitch.v1.FinishReason\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.kvswitch.v1.RequestStats\"}\n\x16WorkerGenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvswitch.v1.TokenChunkH\x00\x12\x31\n\x05\x66inal\x18\x02 \x01(\x0b\x32 .kvswitch.v1.WorkerGenerateFinalH\x00\x42\x06\n\x04kind\"\x10\n\x0eGetLoadRequest\"\xc5\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\"/\n\x0fSnapshotRequest\x12\x1c\n\x14max_hashes_per_chunk\x18\x01 \x01(\r\"n\n\rSnapshotChunk\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tevent_seq\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\">\n\x12\x46\x65tchBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"j\n\x0bKVBlockData\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\r\x12\x0b\n\x03key\x18\x05 \x01(\x0c\x12\r\n\x05value\x18\x06 \x01(\x0c\x32\xb4\x02\n\x06Worker\x12U\n\x08Generate\x12\".kvswitch.v1.WorkerGenerateRequest\x1a#.kvswitch.v1.WorkerGenerateResponse0\x01\x12?\n\x07GetLoad\x12\x1b.kvswitch.v1.GetLoadRequest\x1a\x17.kvswitch.v1.WorkerLoad\x12\x46\n\x08Snapshot\x12\x1c.kvswitch.v1.SnapshotRequest\x1a\x1a.kvswitch.v1.SnapshotChunk0\x01\x12J\n\x0b\x46\x65tchBlocks\x12\x1f.kvswitch.v1.FetchBlocksRequest\x1a\x18.kvswitch.v1.KVBlockData0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvswitch.v1.worker_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERGENERATEREQUEST']._serialized_start=68
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=246
-  _globals['_WORKERGENERATEFINAL']._serialized_start=248
-  _globals['_WORKERGENERATEFINAL']._serialized_end=361
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=363
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=488
-  _globals['_GETLOADREQUEST']._serialized_start=490
-  _globals['_GETLOADREQUEST']._serialized_end=506
-  _globals['_WORKERLOAD']._serialized_start=509
-  _globals['_WORKERLOAD']._serialized_end=706
-  _globals['_SNAPSHOTREQUEST']._serialized_start=708
-  _globals['_SNAPSHOTREQUEST']._serialized_end=755
-  _globals['_SNAPSHOTCHUNK']._serialized_start=757
-  _globals['_SNAPSHOTCHUNK']._serialized_end=867
-  _globals['_FETCHBLOCKSREQUEST']._serialized_start=869
-  _globals['_FETCHBLOCKSREQUEST']._serialized_end=931
-  _globals['_KVBLOCKDATA']._serialized_start=933
-  _globals['_KVBLOCKDATA']._serialized_end=1039
-  _globals['_WORKER']._serialized_start=1042
-  _globals['_WORKER']._serialized_end=1350
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=278
+  _globals['_WORKERGENERATEFINAL']._serialized_start=280
+  _globals['_WORKERGENERATEFINAL']._serialized_end=393
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=395
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=520
+  _globals['_GETLOADREQUEST']._serialized_start=522
+  _globals['_GETLOADREQUEST']._serialized_end=538
+  _globals['_WORKERLOAD']._serialized_start=541
+  _globals['_WORKERLOAD']._serialized_end=738
+  _globals['_SNAPSHOTREQUEST']._serialized_start=740
+  _globals['_SNAPSHOTREQUEST']._serialized_end=787
+  _globals['_SNAPSHOTCHUNK']._serialized_start=789
+  _globals['_SNAPSHOTCHUNK']._serialized_end=899
+  _globals['_FETCHBLOCKSREQUEST']._serialized_start=901
+  _globals['_FETCHBLOCKSREQUEST']._serialized_end=963
+  _globals['_KVBLOCKDATA']._serialized_start=965
+  _globals['_KVBLOCKDATA']._serialized_end=1071
+  _globals['_WORKER']._serialized_start=1074
+  _globals['_WORKER']._serialized_end=1382
 # @@protoc_insertion_point(module_scope)

@@ -18,6 +18,7 @@ from kvswitch.cache_index.hashing import (
     hash_block_tokens,
     hash_prompt_blocks,
     root_hash,
+    tokens_from_bytes,
     tokens_to_bytes,
 )
 
@@ -221,6 +222,23 @@ def test_bad_arrays_are_rejected(array: np.ndarray) -> None:
         hash_prompt_blocks(array, 4, "m")
     with pytest.raises(ValueError):
         tokens_to_bytes(array)
+
+
+def test_token_bytes_read_back_as_the_same_ids_without_a_copy() -> None:
+    ids = [0, 1, 256, 0xFFFF_FFFF]
+    data = tokens_to_bytes(ids)
+    assert data == struct.pack("<4I", *ids)
+    tokens = tokens_from_bytes(data)
+    assert tokens.tolist() == ids and tokens.dtype == np.dtype("<u4")
+    assert not tokens.flags.owndata and not tokens.flags.writeable  # a view of `data`
+    assert hash_prompt_blocks(tokens, 2, "m") == hash_prompt_blocks(ids, 2, "m")
+    assert tokens_from_bytes(b"").tolist() == []
+
+
+@pytest.mark.parametrize("num_bytes", [1, 3, 5, 4097])
+def test_bytes_that_are_not_whole_ids_are_rejected(num_bytes: int) -> None:
+    with pytest.raises(ValueError, match=f"4 bytes each; got {num_bytes} bytes"):
+        tokens_from_bytes(b"\x01" * num_bytes)
 
 
 def test_non_integer_list_items_are_rejected() -> None:

@@ -83,7 +83,8 @@ def test_defaults_become_the_protocols_empty_values() -> None:
     request = GenerateParams(prompt_token_ids=[5, 6], request_id="r").to_request()
     assert request == router_pb2.GenerateRequest(
         request_id="r",
-        token_ids=router_pb2.TokenIds(ids=[5, 6]),
+        # The ids as little-endian uint32 bytes, which the router hands on to the worker.
+        token_ids=router_pb2.TokenIds(ids_u32le=b"\x05\x00\x00\x00\x06\x00\x00\x00"),
         sampling=common_pb2.SamplingParams(max_tokens=16, top_p=1.0),
         routing=router_pb2.RoutingOverrides(),
     )

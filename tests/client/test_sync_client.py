@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_every_argument_reaches_the_router(router: ScriptedRouter) -> None:
     [call] = router.calls
     assert call.request == router_pb2.GenerateRequest(
         request_id="req-2",
-        token_ids=router_pb2.TokenIds(ids=[256, 81, 58]),
+        token_ids=router_pb2.TokenIds(ids_u32le=struct.pack("<3I", 256, 81, 58)),
         sampling=common_pb2.SamplingParams(
             max_tokens=4, temperature=0.5, top_p=0.75, seed=7, stop_token_ids=[10]
         ),

@@ -77,6 +77,21 @@ def test_forgetting_a_worker_drops_its_guesses() -> None:
     assert pending.match(QUESTION, {}) == {"w2": 10}
 
 
+def test_the_counts_of_dropped_guesses_do_not_pile_up() -> None:
+    """A document asked for again and again is guessed, then confirmed, each time, while a longer
+    guess on it stays live: what the dropped guesses held is folded away, not kept."""
+    pending = PendingBlocks(clock=Clock())
+    pending.add("w1", QUESTION)
+    for _ in range(100):
+        pending.add("w1", DOC)
+        assert pending.match(DOC, {"w1": 8}) == {"w1": 8}  # confirms DOC, not QUESTION
+    assert (pending.num_confirmed, len(pending)) == (100, 1)
+    assert pending.match(QUESTION, {}) == {"w1": 10}
+    guesses = pending._workers["w1"]
+    assert len(guesses._num_dropped) <= len(QUESTION)
+    assert sum(guesses._num_added.values()) <= 2 * len(QUESTION)
+
+
 def test_ttl_must_be_positive() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         PendingBlocks(ttl_s=0)

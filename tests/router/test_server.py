@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import re
 import socket
+import struct
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from kvswitch.router import servicer as servicer_module
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.server import RouterConfig, RouterStartError, start_router
 from kvswitch.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from kvswitch.v1 import common_pb2, router_pb2
+from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.request import SamplingParams
 from kvswitch.worker.server import WorkerServer
@@ -151,6 +152,39 @@ def test_policy_override_and_bad_policy(client: Client) -> None:
         client.generate("x", policy="cheapest")
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown routing policy" in error.value.details
+
+
+def test_token_ids_as_the_repeated_field_still_route(
+    cluster: BackgroundCluster, reference: LLMEngine
+) -> None:
+    """An older sender's ``TokenIds.ids`` run as the SDK's ``ids_u32le`` do; a request that
+    sets both, or neither, or a length that is not whole ids, is refused with what is wrong."""
+    prompt = [256, *b"the old field"]
+    sampling = common_pb2.SamplingParams(max_tokens=3)
+    with grpc.insecure_channel(cluster.address) as channel:
+        generate = router_pb2_grpc.RouterStub(channel).Generate
+
+        def final(token_ids: router_pb2.TokenIds) -> router_pb2.GenerateFinal:
+            request = router_pb2.GenerateRequest(token_ids=token_ids, sampling=sampling)
+            responses = list(generate(request, timeout=30))
+            received = [t for r in responses[:-1] for t in r.chunk.token_ids]
+            assert received == expected(reference, prompt, max_tokens=3)
+            return responses[-1].final
+
+        old = final(router_pb2.TokenIds(ids=prompt))
+        new = final(router_pb2.TokenIds(ids_u32le=struct.pack(f"<{len(prompt)}I", *prompt)))
+        assert old.stats.num_prompt_tokens == new.stats.num_prompt_tokens == len(prompt)
+
+        for token_ids, message in [
+            (router_pb2.TokenIds(ids=prompt, ids_u32le=b"\x00" * 4), "sets both ids and ids_u32le"),
+            (router_pb2.TokenIds(), "the prompt is empty: token_ids sets neither"),
+            (router_pb2.TokenIds(ids_u32le=b"\x00" * 6), "4 bytes each; got 6 bytes"),
+        ]:
+            request = router_pb2.GenerateRequest(token_ids=token_ids, sampling=sampling)
+            with pytest.raises(grpc.RpcError) as error:
+                list(generate(request, timeout=30))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in error.value.details()
 
 
 def test_worker_rejections_reach_the_client(client: Client) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -120,6 +121,45 @@ def test_bad_requests_are_invalid_argument(
     # The worker keeps serving.
     tokens, _, final = worker.generate(PROMPT, max_tokens=2)
     assert len(tokens) == 2 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_the_prompt_as_bytes_runs_as_the_repeated_field_does(
+    worker: BackgroundWorker, reference: LLMEngine
+) -> None:
+    """What the router sends (``prompt_token_ids_u32le``) and what older senders do."""
+    [expected] = reference.generate([PROMPT], SamplingParams(max_tokens=4))
+    packed = struct.pack(f"<{len(PROMPT)}I", *PROMPT)
+    for request in [
+        worker_pb2.WorkerGenerateRequest(prompt_token_ids_u32le=packed),
+        worker_pb2.WorkerGenerateRequest(prompt_token_ids=PROMPT),
+    ]:
+        request.sampling.max_tokens = 4
+        responses = list(worker.stub.Generate(request, timeout=30))
+        assert [t for r in responses[:-1] for t in r.chunk.token_ids] == expected
+        assert responses[-1].final.stats.num_prompt_tokens == len(PROMPT)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        ({}, "the prompt is empty: the request sets neither"),
+        (
+            {"prompt_token_ids": PROMPT, "prompt_token_ids_u32le": b"\x00" * 4},
+            "the request sets both prompt_token_ids and prompt_token_ids_u32le",
+        ),
+        ({"prompt_token_ids_u32le": b"\x00" * 7}, "4 bytes each; got 7 bytes"),
+    ],
+    ids=["neither", "both", "partial-id"],
+)
+def test_a_prompt_in_neither_or_both_fields_is_invalid_argument(
+    worker: BackgroundWorker, request_fields: dict, message: str
+) -> None:
+    request = worker_pb2.WorkerGenerateRequest(request_id="bad", **request_fields)
+    with pytest.raises(grpc.RpcError) as error:
+        list(worker.stub.Generate(request, timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = error.value.details()
+    assert details.startswith("request bad: ") and message in details
 
 
 def test_load_and_snapshot(fresh_worker: BackgroundWorker, reference: LLMEngine) -> None:
