@@ -27,6 +27,7 @@ from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.kv_cache_manager import KVCacheManager
+from kvswitch.worker.kv_transfer import KVLayout, read_blocks, write_blocks
 from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
 from kvswitch.worker.request import (
     FinishReason,
@@ -187,6 +188,62 @@ class LLMEngine:
 
     def take_events(self) -> list[CacheEvent]:
         return self.kv_cache.take_events()
+
+    # -- cached blocks in and out ---------------------------------------------------------------
+
+    @functools.cached_property
+    def kv_layout(self) -> KVLayout:
+        """How this engine's blocks travel as bytes (``kv_transfer``)."""
+        return KVLayout.of(self.runner.kv_caches)
+
+    def read_cached_blocks(self, block_hashes: Sequence[bytes]) -> tuple[int, bytes]:
+        """How many leading blocks of ``block_hashes`` this engine holds cached, and their KV as
+        bytes (``kv_transfer``'s layout). Changes nothing: not even the blocks' eviction order."""
+        block_ids = []
+        for block_hash in block_hashes:
+            block = self.kv_cache.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            block_ids.append(block.block_id)
+        return len(block_ids), read_blocks(self.runner.kv_caches, block_ids)
+
+    def write_cached_blocks(self, block_hashes: Sequence[bytes], data: bytes) -> int:
+        """Put blocks computed elsewhere into the prefix cache, as a request that computed and
+        then freed them would have left them (evictable, the end of the chain first), and say
+        so in cache events. ``data`` is their KV from ``read_cached_blocks`` of an engine with
+        the same layout. Hashes cached here already are skipped; when fewer blocks are free than
+        are new, the leading ones are written. Returns how many blocks were new."""
+        if not self.kv_cache.enable_caching:
+            raise ValueError("prefix caching is off on this worker: it cannot take cached blocks")
+        size = self.kv_layout.bytes_per_block
+        if len(data) != len(block_hashes) * size:
+            raise ValueError(
+                f"{len(data):,} bytes for {len(block_hashes)} blocks of {size:,} bytes each"
+            )
+        pool = self.kv_cache.pool
+        held = [b for b in map(pool.get_cached_block, block_hashes) if b is not None]
+        new = [i for i, h in enumerate(block_hashes) if pool.get_cached_block(h) is None]
+        # NOTE: held while new blocks are taken, so that taking them cannot evict these.
+        pool.touch(held)
+        try:
+            new = new[: pool.num_free_blocks]
+            blocks = pool.get_new_blocks(len(new))
+            try:
+                view = memoryview(data)
+                chunk = (
+                    data
+                    if len(new) == len(block_hashes)
+                    else b"".join(view[i * size : (i + 1) * size] for i in new)
+                )
+                write_blocks(self.runner.kv_caches, [b.block_id for b in blocks], chunk)
+            except BaseException:
+                pool.free_blocks(blocks)  # uncached: nothing names their half-written KV
+                raise
+            pool.cache_full_blocks(blocks, [block_hashes[i] for i in new])
+            pool.free_blocks(reversed(blocks))
+        finally:
+            pool.free_blocks(reversed(held))
+        return len(new)
 
     # -- the loop --------------------------------------------------------------------------------
 
