@@ -10,6 +10,8 @@ Serving process to core::
      num_resumed_tokens]
     [ABORT, request_id]
     [SNAPSHOT, call_id]
+    [READ_BLOCKS, call_id, block_hashes, with_data]
+    [WRITE_BLOCKS, call_id, block_hashes, data]
     [STOP]
 
 Core to serving process::
@@ -19,13 +21,16 @@ Core to serving process::
     [STEP, outputs, failed, events, load, counters, [step_gap_s, commands_s]]
                                        after every round of commands and step
     [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
+    [REPLY, call_id, ok, value]        to READ_BLOCKS ([num_blocks, data]) and WRITE_BLOCKS
+                                       (num_new); when not ok, value is the error's message
     [STOPPED]                          last
 
 A STEP's outputs are columns (``StepOutputs``): [request_ids, token_ids, first, finished],
 ``first`` holding [request_id, num_prompt_tokens, num_cached_tokens, ttft_s] and ``finished``
 [request_id, finish reason] for the few requests they concern.
 
-Only ids, token ids, hashes and numbers travel; a prompt travels as one byte string.
+Only ids, token ids, hashes and numbers travel; a prompt travels as one byte string, and so do
+the KV blocks a worker sends or takes (``kv_transfer``'s layout).
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ import numpy as np
 import zmq
 
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, StepOutputs
 
 # Serving process -> core.
-ADD, ABORT, SNAPSHOT, STOP = range(4)
+ADD, ABORT, SNAPSHOT, STOP, READ_BLOCKS, WRITE_BLOCKS = range(6)
 # Core -> serving process.
-READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED = range(10, 15)
+READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED, REPLY = range(10, 16)
 
 
 class Failure(enum.IntEnum):
@@ -64,6 +70,7 @@ class CoreFacts:
     num_blocks: int
     vocab_size: int
     max_model_len: int
+    kv_layout: KVLayout  # how its blocks travel as bytes
 
 
 @dataclass(frozen=True, slots=True)

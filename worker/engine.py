@@ -27,7 +27,8 @@ from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.kv_cache_manager import KVCacheManager
-from kvswitch.worker.kv_transfer import KVLayout, read_blocks, write_blocks
+from kvswitch.worker.kv_layout import KVLayout
+from kvswitch.worker.kv_transfer import layout_of, read_blocks, write_blocks
 from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
 from kvswitch.worker.request import (
     FinishReason,
@@ -194,17 +195,22 @@ class LLMEngine:
     @functools.cached_property
     def kv_layout(self) -> KVLayout:
         """How this engine's blocks travel as bytes (``kv_transfer``)."""
-        return KVLayout.of(self.runner.kv_caches)
+        return layout_of(self.runner.kv_caches)
 
-    def read_cached_blocks(self, block_hashes: Sequence[bytes]) -> tuple[int, bytes]:
+    def read_cached_blocks(
+        self, block_hashes: Sequence[bytes], with_data: bool = True
+    ) -> tuple[int, bytes]:
         """How many leading blocks of ``block_hashes`` this engine holds cached, and their KV as
-        bytes (``kv_transfer``'s layout). Changes nothing: not even the blocks' eviction order."""
+        bytes (``kv_transfer``'s layout; empty without ``with_data``). Changes nothing: not even
+        the blocks' eviction order."""
         block_ids = []
         for block_hash in block_hashes:
             block = self.kv_cache.pool.get_cached_block(block_hash)
             if block is None:
                 break
             block_ids.append(block.block_id)
+        if not with_data:
+            return len(block_ids), b""
         return len(block_ids), read_blocks(self.runner.kv_caches, block_ids)
 
     def write_cached_blocks(self, block_hashes: Sequence[bytes], data: bytes) -> int:

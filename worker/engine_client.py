@@ -6,7 +6,8 @@ Who touches what::
     event loop thread(s)                   receiver thread              engine core process
     --------------------                   ---------------              -------------------
     submit(): check, hash, send ADD  ------------------------------------> step loop
-    abort(), snapshot(): send ------------------------------------------>
+    abort(), snapshot(),
+    read_blocks(), write_blocks(): send -------------------------------->   between steps
     per-request asyncio.Queue  <--call_soon_threadsafe-- STEP  <---------- outputs, events, load
     load, counters (read)      <------------------------ STEP
     take_cache_events() (lock) <------------------------ STEP's events, numbered in order
@@ -46,6 +47,7 @@ from kvswitch.logs import JsonFormatter, Throttled
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, StepGap
 from kvswitch.worker.engine_core import build_and_run, core_process_main
+from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import RequestOutput, SamplingParams, StepOutputs, check_prompt
 
 if TYPE_CHECKING:
@@ -156,7 +158,7 @@ class EngineClient:
         self._socket_dir = socket_dir
         self._lock = threading.Lock()  # guards everything below, and sends on the inbox
         self._streams: dict[str, _Stream] = {}
-        self._snapshots: dict[int, Future[tuple[int, list[bytes]]]] = {}
+        self._calls: dict[int, Future[Any]] = {}  # waiting for the core's answer, by call id
         self._call_ids = itertools.count()
         self._stopping = False
         self._ended: EngineStopped | None = None  # set once the core has stopped or died
@@ -350,12 +352,27 @@ class EngineClient:
 
     def snapshot(self) -> Future[tuple[int, list[bytes]]]:
         """``(event_seq, every cached block hash)``, consistent with each other."""
-        future: Future[tuple[int, list[bytes]]] = Future()
+        return self._call([wire.SNAPSHOT])
+
+    def read_blocks(
+        self, block_hashes: list[bytes], *, with_data: bool = True
+    ) -> Future[tuple[int, bytes]]:
+        """How many leading blocks of ``block_hashes`` the core holds cached, and their KV as
+        bytes (``LLMEngine.read_cached_blocks``), read between two steps."""
+        return self._call([wire.READ_BLOCKS], block_hashes, with_data)
+
+    def write_blocks(self, block_hashes: list[bytes], data: bytes) -> Future[int]:
+        """Put blocks read from a worker of the same layout into the core's prefix cache
+        (``LLMEngine.write_cached_blocks``); how many were new. ValueError: refused."""
+        return self._call([wire.WRITE_BLOCKS], block_hashes, data)
+
+    def _call(self, kind: list[Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
         with self._lock:
             self._check_running()
             call_id = next(self._call_ids)
-            self._send(wire.pack([wire.SNAPSHOT, call_id]))
-            self._snapshots[call_id] = future
+            self._send(wire.pack([*kind, call_id, *args]))
+            self._calls[call_id] = future
         return future
 
     def _send(self, message: bytes) -> None:
@@ -449,9 +466,18 @@ class EngineClient:
                 self._deliver(wire.outputs_from_wire(outputs))
         elif kind == wire.SNAPSHOT_TAKEN:
             with self._lock:
-                future = self._snapshots.pop(message[1], None)
+                future = self._calls.pop(message[1], None)
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_result((self.event_seq, message[2]))
+        elif kind == wire.REPLY:
+            _, call_id, ok, value = message
+            with self._lock:
+                future = self._calls.pop(call_id, None)
+            if future is not None and future.set_running_or_notify_cancel():
+                if not ok:
+                    future.set_exception(ValueError(value))
+                else:
+                    future.set_result(tuple(value) if isinstance(value, list) else value)
         else:
             logger.error("unexpected message %r from the engine core: ignored", kind)
 
@@ -485,11 +511,11 @@ class EngineClient:
 
     def _end(self, error: EngineStopped, on_ended: list[Callable[[str], None]] = ()) -> None:
         """The core is gone: refuse new work, run ``on_ended``, then fail every stream and
-        snapshot still waiting on it."""
+        call still waiting on it."""
         with self._lock:
             self._ended = error
             request_ids = list(self._streams)
-            snapshots, self._snapshots = self._snapshots, {}
+            calls, self._calls = self._calls, {}
         for callback in on_ended:
             # First, so that the worker reports NOT_SERVING before its streams fail over.
             try:
@@ -498,7 +524,7 @@ class EngineClient:
                 logger.exception("an engine-death callback failed")
         for request_id in request_ids:
             self._fail(request_id, error)
-        for future in snapshots.values():
+        for future in calls.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
 
@@ -529,7 +555,7 @@ def _wait_until_ready(
     if kind == wire.START_FAILED:
         raise EngineStartError(payload)
     assert kind == wire.READY, kind
-    return CoreFacts(**payload)
+    return CoreFacts(**{**payload, "kv_layout": KVLayout(**payload["kv_layout"])})
 
 
 def _stop_core(

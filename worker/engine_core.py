@@ -26,6 +26,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -84,6 +85,7 @@ class EngineCore:
             num_blocks=engine.kv_cache.pool.num_blocks,
             vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len,
+            kv_layout=engine.kv_layout,
         )
 
     def run(self, parent_pid: int | None = None) -> None:
@@ -196,6 +198,10 @@ class EngineCore:
                 self._send_step()
                 hashes = self.engine.kv_cache.pool.cached_block_hashes()
                 self._send([wire.SNAPSHOT_TAKEN, message[1], hashes])
+            elif kind == wire.READ_BLOCKS:
+                self._reply(message[1], self.engine.read_cached_blocks, *message[2:])
+            elif kind == wire.WRITE_BLOCKS:
+                self._reply(message[1], self.engine.write_cached_blocks, *message[2:])
             elif kind == wire.STOP:
                 return False
             elif kind == _INPUT_FAILED:
@@ -203,6 +209,18 @@ class EngineCore:
             else:
                 logger.error("unknown command %r: ignored", kind)
         return True
+
+    def _reply(self, call_id: int, call: Callable[..., Any], *args: Any) -> None:
+        """Run a call between steps and send its value, or why it failed, back."""
+        try:
+            value = call(*args)
+        except ValueError as e:
+            self._send([wire.REPLY, call_id, False, str(e)])
+        except Exception as e:
+            logger.exception("call %d failed", call_id)
+            self._send([wire.REPLY, call_id, False, f"{type(e).__name__}: {e}"])
+        else:
+            self._send([wire.REPLY, call_id, True, value])
 
     def _add(self, request: Request | tuple[str, str]) -> None:
         if isinstance(request, tuple):

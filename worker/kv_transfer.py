@@ -6,54 +6,27 @@ value block, each ``[block_size, num_kv_heads, head_dim]`` in C order, in the ca
     block 0: | layer 0 key | layer 0 value | layer 1 key | ... | layer L-1 value |
     block 1: | ...
 
-``KVLayout`` names that shape; two engines exchange blocks only when their layouts are equal
-(same model, block size and dtype), which the receiver checks before it writes anything.
+``KVLayout`` (``kv_layout``) names that shape; two engines exchange blocks only when their
+layouts are equal (same model, block size and dtype), which the receiver checks before it writes
+anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
+
+from kvswitch.worker.kv_layout import KVLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value [blocks, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # a torch dtype's name: "float32", "bfloat16", ...
-
-    @classmethod
-    def of(cls, kv_caches: KVCaches) -> KVLayout:
-        key = kv_caches[0][0]
-        _, block_size, num_kv_heads, head_dim = key.shape
-        dtype = str(key.dtype).removeprefix("torch.")
-        return cls(len(kv_caches), block_size, num_kv_heads, head_dim, dtype)
-
-    @property
-    def bytes_per_block(self) -> int:
-        element_size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        per_tensor = self.block_size * self.num_kv_heads * self.head_dim * element_size
-        return 2 * self.num_layers * per_tensor
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def check_same(self, other: KVLayout) -> None:
-        """ValueError, naming the difference, unless ``other`` is this layout."""
-        if other != self:
-            diff = {
-                name: (value, getattr(self, name))
-                for name, value in asdict(other).items()
-                if value != getattr(self, name)
-            }
-            raise ValueError(f"KV blocks of another layout (theirs, ours): {diff}")
+def layout_of(kv_caches: KVCaches) -> KVLayout:
+    key = kv_caches[0][0]
+    _, block_size, num_kv_heads, head_dim = key.shape
+    dtype = str(key.dtype).removeprefix("torch.")
+    return KVLayout(len(kv_caches), block_size, num_kv_heads, head_dim, dtype)
 
 
 def read_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> bytes:
@@ -71,7 +44,7 @@ def read_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> bytes:
 
 def write_blocks(kv_caches: KVCaches, block_ids: Sequence[int], data: bytes) -> None:
     """Write bytes from ``read_blocks`` (of the same layout) into ``block_ids``."""
-    layout = KVLayout.of(kv_caches)
+    layout = layout_of(kv_caches)
     if len(data) != len(block_ids) * layout.bytes_per_block:
         raise ValueError(
             f"{len(data):,} bytes for {len(block_ids)} blocks of {layout.bytes_per_block:,} bytes"

@@ -44,6 +44,7 @@ from kvswitch.worker.engine_client import (
     check_engine_modules,
 )
 from kvswitch.worker.engine_config import EngineConfig
+from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.publisher import EventPublisher
 from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
@@ -66,6 +67,11 @@ SERVICE_NAME = "kvswitch.v1.Worker"  # its health-check name
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this
 # 64K hashes of 16 bytes make a 1 MiB message, well under gRPC's default 4 MiB limit.
 MAX_HASHES_PER_CHUNK = 65536
+# KV block transfer (FetchBlocks): chunks of whole blocks, this large unless asked otherwise, and
+# never larger than what a peer's channel takes in one message.
+DEFAULT_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 32 << 20
+_TRANSFER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20))]
 
 _FINISH_REASON_TO_PROTO = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -195,8 +201,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         tokenizer: Tokenizer | None,
         metrics: WorkerMetrics,
         max_hashes_per_chunk: int = 4096,
+        peers: PeerChannels | None = None,
     ) -> None:
         self._engine = engine
+        self._peers = peers if peers is not None else PeerChannels()
         self._worker_id = worker_id
         self._tokenizer = tokenizer  # None: chunks carry no text
         self._metrics = metrics
@@ -311,11 +319,115 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def FetchBlocks(
         self, request: worker_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "FetchBlocks is not implemented yet: KV block transfer comes with disaggregated "
-            "prefill",
+        layout = self._engine.facts.kv_layout
+        chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        per_chunk = max(chunk_bytes // layout.bytes_per_block, 1)
+        layout_proto = worker_pb2.KVLayout(**dataclasses.asdict(layout))
+        hashes = list(request.block_hashes)
+        # NOTE: one chunk read at a time, each between two of the core's steps: a long chain
+        # delays no step by more than one chunk's copy.
+        for start in range(0, len(hashes), per_chunk):
+            wanted = hashes[start : start + per_chunk]
+            try:
+                num_found, data = await asyncio.wrap_future(self._engine.read_blocks(wanted))
+            except EngineStopped as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
+            if num_found:
+                await context.write(
+                    worker_pb2.KVBlockChunk(
+                        layout=layout_proto, first_block=start, num_blocks=num_found, data=data
+                    )
+                )
+            if num_found < len(wanted):
+                return  # the chain's cached part ends here
+
+    async def PullBlocks(
+        self, request: worker_pb2.PullBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PullBlocksResponse:
+        hashes = list(request.block_hashes)
+        if not request.peer_address or not hashes:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "PullBlocks needs a peer_address and block_hashes"
+            )
+        log_extra = {"request_id": request.request_id}
+        try:
+            num_held = await self._num_cached(hashes)
+            wanted = hashes[num_held:]  # what is held here already does not move
+            num_blocks = num_bytes = 0
+            if wanted:
+                fetch = self._peers.stub(request.peer_address).FetchBlocks(
+                    worker_pb2.FetchBlocksRequest(
+                        request_id=request.request_id, block_hashes=wanted
+                    ),
+                    timeout=context.time_remaining(),
+                )
+                ours = self._engine.facts.kv_layout
+                async for chunk in fetch:
+                    ours.check_same(_layout_from_proto(chunk.layout))
+                    if chunk.first_block != num_blocks:
+                        raise ValueError(
+                            f"the peer sent block {chunk.first_block} after {num_blocks} blocks"
+                        )
+                    written = wanted[num_blocks : num_blocks + chunk.num_blocks]
+                    await asyncio.wrap_future(self._engine.write_blocks(written, chunk.data))
+                    num_blocks += chunk.num_blocks
+                    num_bytes += len(chunk.data)
+            num_cached = await self._num_cached(hashes)
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
+        except grpc.aio.AioRpcError as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"peer {request.peer_address}: {e.code().name}: {e.details()}",
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.peer_address}: {e}")
+        logger.info(
+            "pulled %d blocks (%d bytes) from %s; %d of %d cached here",
+            num_blocks,
+            num_bytes,
+            request.peer_address,
+            num_cached,
+            len(hashes),
+            extra=log_extra,
         )
+        return worker_pb2.PullBlocksResponse(
+            num_cached_blocks=num_cached,
+            num_transferred_blocks=num_blocks,
+            num_transferred_bytes=num_bytes,
+        )
+
+    async def _num_cached(self, block_hashes: list[bytes]) -> int:
+        num_found, _ = await asyncio.wrap_future(
+            self._engine.read_blocks(block_hashes, with_data=False)
+        )
+        return num_found
+
+
+class PeerChannels:
+    """One channel to each peer worker, opened on first use and kept: a connection is set up
+    once per peer, not once per transfer."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=_TRANSFER_CHANNEL_OPTIONS
+            )
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+
+def _layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
+    m = message
+    return KVLayout(m.num_layers, m.block_size, m.num_kv_heads, m.head_dim, m.dtype)
 
 
 async def _next_outputs(
@@ -359,6 +471,7 @@ class WorkerServer:
     metrics: WorkerMetrics
     publisher: EventPublisher | None = None
     metrics_server: MetricsServer | None = None
+    peers: PeerChannels | None = None  # channels to the workers this one pulls blocks from
     # Set, with the reason, once the engine core has died: the worker can serve nothing more.
     engine_died: asyncio.Future[str] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -377,6 +490,8 @@ class WorkerServer:
             await self.publisher.index.close()
         await self.health_servicer.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.peers is not None:
+            await self.peers.close()
         await asyncio.to_thread(self.engine.stop)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
@@ -450,12 +565,14 @@ async def _serve_engine(
             raise WorkerStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
+    peers = PeerChannels()
     servicer = WorkerServicer(
         engine,
         worker_id=worker_id,
         tokenizer=tokenizer,
         metrics=metrics,
         max_hashes_per_chunk=config.max_hashes_per_chunk,
+        peers=peers,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -489,6 +606,7 @@ async def _serve_engine(
         metrics,
         publisher=publisher,
         metrics_server=metrics_server,
+        peers=peers,
     )
     loop = asyncio.get_running_loop()
     engine.on_death(

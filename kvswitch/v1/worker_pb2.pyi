@@ -84,25 +84,57 @@ class SnapshotChunk(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., event_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes")
+    __slots__ = ("request_id", "block_hashes", "max_chunk_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    max_chunk_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
-class KVBlockData(_message.Message):
-    __slots__ = ("block_hash", "layer", "dtype", "shape", "key", "value")
-    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
-    LAYER_FIELD_NUMBER: _ClassVar[int]
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    KEY_FIELD_NUMBER: _ClassVar[int]
-    VALUE_FIELD_NUMBER: _ClassVar[int]
-    block_hash: bytes
-    layer: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
     dtype: str
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    key: bytes
-    value: bytes
-    def __init__(self, block_hash: _Optional[bytes] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KVBlockChunk(_message.Message):
+    __slots__ = ("layout", "first_block", "num_blocks", "data")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    first_block: int
+    num_blocks: int
+    data: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "peer_address", "block_hashes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    peer_address: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PullBlocksResponse(_message.Message):
+    __slots__ = ("num_cached_blocks", "num_transferred_blocks", "num_transferred_bytes")
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_cached_blocks: int
+    num_transferred_blocks: int
+    num_transferred_bytes: int
+    def __init__(self, num_cached_blocks: _Optional[int] = ..., num_transferred_blocks: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ...) -> None: ...

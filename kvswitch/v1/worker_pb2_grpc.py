@@ -53,7 +53,12 @@ class WorkerStub:
         self.FetchBlocks = channel.unary_stream(
                 '/kvswitch.v1.Worker/FetchBlocks',
                 request_serializer=kvswitch_dot_v1_dot_worker__pb2.FetchBlocksRequest.SerializeToString,
-                response_deserializer=kvswitch_dot_v1_dot_worker__pb2.KVBlockData.FromString,
+                response_deserializer=kvswitch_dot_v1_dot_worker__pb2.KVBlockChunk.FromString,
+                _registered_method=True)
+        self.PullBlocks = channel.unary_unary(
+                '/kvswitch.v1.Worker/PullBlocks',
+                request_serializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksResponse.FromString,
                 _registered_method=True)
 
 
@@ -85,8 +90,17 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchBlocks(self, request, context):
-        """Streams the KV data of the requested blocks (disaggregated prefill: a
-        decode worker pulls blocks computed by a prefill worker).
+        """Streams the KV data of the leading blocks of a chain that this worker holds
+        cached, in chunks of whole blocks: what a peer asks for to take a prefix
+        instead of computing it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBlocks(self, request, context):
+        """Takes the leading blocks of a chain from a peer worker (its FetchBlocks)
+        into this worker's prefix cache, skipping those cached here already.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,7 +127,12 @@ def add_WorkerServicer_to_server(servicer, server):
             'FetchBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchBlocks,
                     request_deserializer=kvswitch_dot_v1_dot_worker__pb2.FetchBlocksRequest.FromString,
-                    response_serializer=kvswitch_dot_v1_dot_worker__pb2.KVBlockData.SerializeToString,
+                    response_serializer=kvswitch_dot_v1_dot_worker__pb2.KVBlockChunk.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksRequest.FromString,
+                    response_serializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,7 +243,34 @@ class Worker:
             target,
             '/kvswitch.v1.Worker/FetchBlocks',
             kvswitch_dot_v1_dot_worker__pb2.FetchBlocksRequest.SerializeToString,
-            kvswitch_dot_v1_dot_worker__pb2.KVBlockData.FromString,
+            kvswitch_dot_v1_dot_worker__pb2.KVBlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvswitch.v1.Worker/PullBlocks',
+            kvswitch_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+            kvswitch_dot_v1_dot_worker__pb2.PullBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

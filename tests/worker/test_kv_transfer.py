@@ -3,12 +3,15 @@ prompt from its cache, token for token as the first did, and its pool stays cons
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
 from kvswitch.cache_index.events import BlockStored
 from kvswitch.worker.engine import EngineConfig, LLMEngine
-from kvswitch.worker.kv_transfer import KVLayout
+from kvswitch.worker.engine_client import EngineClient
+from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import SamplingParams
 
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
@@ -114,3 +117,27 @@ def test_layouts_name_their_difference() -> None:
     fp32.check_same(KVLayout(2, 16, 4, 64, "float32"))
     with pytest.raises(ValueError, match=r"'dtype': \('bfloat16', 'float32'\)"):
         fp32.check_same(KVLayout(2, 16, 4, 64, "bfloat16"))
+
+
+def test_engine_cores_in_their_own_processes_move_blocks_between_steps() -> None:
+    source, target = EngineClient.start(EngineConfig()), EngineClient.start(EngineConfig())
+    try:
+
+        async def run_prompt() -> None:
+            queue = await source.submit("r", np.array(PROMPT), GREEDY)
+            while not (await queue.get()).finished:
+                pass
+
+        asyncio.run(run_prompt())
+        chain = hashes(engine())
+        num_found, data = source.read_blocks(chain).result(timeout=30)
+        assert (num_found, len(data)) == (18, 18 * BLOCK_BYTES)
+        assert target.write_blocks(chain, data).result(timeout=30) == 18
+        assert target.read_blocks(chain).result(timeout=30) == (18, data)
+        with pytest.raises(ValueError, match="bytes for 18 blocks"):
+            target.write_blocks(chain, data[:100]).result(timeout=30)
+        _, cached = target.snapshot().result(timeout=30)
+        assert set(chain) <= set(cached)
+    finally:
+        source.stop()
+        target.stop()

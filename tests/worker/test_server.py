@@ -250,13 +250,6 @@ def test_event_buffer_keeps_the_newest_batches() -> None:
     assert engine.take_cache_events() == []
 
 
-def test_fetch_blocks_is_unimplemented(worker: BackgroundWorker) -> None:
-    with pytest.raises(grpc.RpcError) as error:
-        list(worker.stub.FetchBlocks(worker_pb2.FetchBlocksRequest(request_id="f")))
-    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "disaggregated prefill" in error.value.details()
-
-
 def test_a_taken_port_fails_to_start(worker: BackgroundWorker) -> None:
     port = int(worker.server.address.rsplit(":", 1)[1])
     with pytest.raises(WorkerStartError, match=f"cannot listen on 127.0.0.1:{port}"):
