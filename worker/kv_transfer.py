@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvswitch.worker.kv_layout import KVLayout
@@ -33,13 +34,20 @@ def read_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> bytes:
     """The KV of ``block_ids``, in that order, as bytes (layout above)."""
     if not block_ids:
         return b""
-    device = kv_caches[0][0].device
-    index = torch.tensor(block_ids, device=device)
+    key = kv_caches[0][0]
+    if key.device.type == "cpu":
+        # NOTE: numpy, on the raw bits: torch's CPU indexing runs on its thread pool, which on a
+        # busy machine took 8 ms where a plain gather of the same rows takes 0.03 ms.
+        ids = np.asarray(block_ids)
+        blocks = np.empty((len(ids), len(kv_caches), 2, *key.shape[1:]), _bits(key))
+        for layer, (key_cache, value_cache) in enumerate(kv_caches):
+            blocks[:, layer, 0] = _raw(key_cache)[ids]
+            blocks[:, layer, 1] = _raw(value_cache)[ids]
+        return blocks.tobytes()
+    index = torch.tensor(block_ids, device=key.device)
     # [blocks, layers, 2, block_size, heads, dim], gathered on the device, then one copy out.
-    blocks = torch.stack(
-        [torch.stack((key[index], value[index]), dim=1) for key, value in kv_caches], dim=1
-    )
-    return blocks.cpu().view(torch.uint8).numpy().tobytes()
+    on_device = torch.stack([torch.stack((k[index], v[index]), dim=1) for k, v in kv_caches], dim=1)
+    return on_device.cpu().view(torch.uint8).numpy().tobytes()
 
 
 def write_blocks(kv_caches: KVCaches, block_ids: Sequence[int], data: bytes) -> None:
@@ -53,10 +61,32 @@ def write_blocks(kv_caches: KVCaches, block_ids: Sequence[int], data: bytes) -> 
         return
     key = kv_caches[0][0]
     shape = (len(block_ids), layout.num_layers, 2, *key.shape[1:])
+    if key.device.type == "cpu":
+        ids = np.asarray(block_ids)
+        blocks = np.frombuffer(data, _bits(key)).reshape(shape)
+        for layer, (key_cache, value_cache) in enumerate(kv_caches):
+            _raw(key_cache)[ids] = blocks[:, layer, 0]
+            _raw(value_cache)[ids] = blocks[:, layer, 1]
+        return
     # NOTE: bytearray, so that torch gets a writable buffer it may view without a copy.
-    blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(key.dtype).view(shape)
-    blocks = blocks.to(key.device)
+    host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(key.dtype).view(shape)
+    on_device = host.to(key.device)
     index = torch.tensor(block_ids, device=key.device)
     for layer, (key_cache, value_cache) in enumerate(kv_caches):
-        key_cache.index_copy_(0, index, blocks[:, layer, 0])
-        value_cache.index_copy_(0, index, blocks[:, layer, 1])
+        key_cache.index_copy_(0, index, on_device[:, layer, 0])
+        value_cache.index_copy_(0, index, on_device[:, layer, 1])
+
+
+# The unsigned integer type of each element size: a cache's bits, whatever its float type
+# (numpy has no bfloat16).
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _bits(tensor: torch.Tensor) -> type[np.unsignedinteger]:
+    return _BITS[tensor.element_size()]
+
+
+def _raw(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as an array of same-size integers (shared, not copied)."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.view(as_int[tensor.element_size()]).numpy().view(_bits(tensor))

@@ -69,7 +69,7 @@ DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this
 MAX_HASHES_PER_CHUNK = 65536
 # KV block transfer (FetchBlocks): chunks of whole blocks, this large unless asked otherwise, and
 # never larger than what a peer's channel takes in one message.
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 32 << 20
 _TRANSFER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20))]
 

@@ -271,6 +271,11 @@ STEP_HELP = {
     "num_steps": "timed steps (the median is reported)",
     "seed": "random seed of the prompts",
 }
+TRANSFER_HELP = {
+    "num_prompts": "prompts the holder computes; the taker pulls each one's blocks in one call",
+    "prompt_tokens": "tokens per prompt (16 a block)",
+    "seed": "random seed of the prompts",
+}
 SIM_HELP = {
     "trace": "JSON-lines trace to replay (Mooncake format: timestamp ms, input_length, "
     "output_length, hash_ids)",
@@ -686,6 +691,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import serve as serve_bench
     from kvswitch.benchmarks import step as step_bench
+    from kvswitch.benchmarks import transfer as transfer_bench
     from kvswitch.loadtest import study as routing_study
 
     bench = commands.add_parser(
@@ -767,6 +773,13 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             admission_bench.AdmissionBenchConfig,
             ADMISSION_HELP,
             "what a 128K-token prompt's arrival costs the requests decoding on a worker",
+        ),
+        (
+            "transfer",
+            transfer_bench.run,
+            transfer_bench.TransferBenchConfig,
+            TRANSFER_HELP,
+            "cached KV blocks pulled from one worker process into another, GB/s over gRPC",
         ),
         (
             "routing",
