@@ -11,7 +11,7 @@ Serving process to core::
     [ABORT, request_id]
     [SNAPSHOT, call_id]
     [READ_BLOCKS, call_id, block_hashes, with_data]
-    [WRITE_BLOCKS, call_id, block_hashes, data]
+    [WRITE_BLOCKS, call_id, block_hashes]  + the blocks' bytes as a second frame
     [STOP]
 
 Core to serving process::
@@ -21,8 +21,9 @@ Core to serving process::
     [STEP, outputs, failed, events, load, counters, [step_gap_s, commands_s]]
                                        after every round of commands and step
     [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
-    [REPLY, call_id, ok, value]        to READ_BLOCKS ([num_blocks, data]) and WRITE_BLOCKS
-                                       (num_new); when not ok, value is the error's message
+    [REPLY, call_id, ok, value]        to READ_BLOCKS (num_blocks, + their bytes as a second
+                                       frame) and WRITE_BLOCKS (num_new); when not ok, value is
+                                       the error's message
     [STOPPED]                          last
 
 A STEP's outputs are columns (``StepOutputs``): [request_ids, token_ids, first, finished],
@@ -122,8 +123,24 @@ def pack(message: list[Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def unpack(data: bytes) -> list[Any]:
+def unpack(data: bytes | memoryview) -> list[Any]:
     return msgpack.unpackb(data, raw=False, use_list=True)
+
+
+def send(socket: zmq.Socket, message: list[Any], payload: Any = None, flags: int = 0) -> None:
+    """Send a message, and ``payload`` (bytes-like) after it as a frame of its own: large
+    bytes travel without being copied into the message and out again."""
+    if payload is None:
+        socket.send(pack(message), flags, copy=False)
+    else:
+        socket.send_multipart([pack(message), payload], flags, copy=False)
+
+
+def receive(socket: zmq.Socket, flags: int = 0) -> tuple[list[Any], memoryview | None]:
+    """The next message, and its payload frame if it has one (a view of the received frame)."""
+    frames = socket.recv_multipart(flags, copy=False)
+    payload = frames[1].buffer if len(frames) > 1 else None
+    return unpack(frames[0].buffer), payload
 
 
 # -- pieces of messages ----------------------------------------------------------------------------

@@ -361,26 +361,31 @@ class EngineClient:
         bytes (``LLMEngine.read_cached_blocks``), read between two steps."""
         return self._call([wire.READ_BLOCKS], block_hashes, with_data)
 
-    def write_blocks(self, block_hashes: list[bytes], data: bytes) -> Future[int]:
+    def write_blocks(self, block_hashes: list[bytes], data: bytes | memoryview) -> Future[int]:
         """Put blocks read from a worker of the same layout into the core's prefix cache
         (``LLMEngine.write_cached_blocks``); how many were new. ValueError: refused."""
-        return self._call([wire.WRITE_BLOCKS], block_hashes, data)
+        return self._call([wire.WRITE_BLOCKS], block_hashes, payload=data)
 
-    def _call(self, kind: list[Any], *args: Any) -> Future[Any]:
+    def _call(
+        self, kind: list[Any], *args: Any, payload: bytes | memoryview | None = None
+    ) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
             self._check_running()
             call_id = next(self._call_ids)
-            self._send(wire.pack([*kind, call_id, *args]))
+            self._send(wire.pack([*kind, call_id, *args]), payload)
             self._calls[call_id] = future
         return future
 
-    def _send(self, message: bytes) -> None:
+    def _send(self, message: bytes, payload: bytes | memoryview | None = None) -> None:
         """Send a command (holding ``_lock``); ``EngineStopped`` if the core cannot take it."""
         try:
             # NOTE: never blocks: the pipe has no queue limit, so only a core that is gone (and
             # not yet seen to be) makes it fail.
-            self._inbox.send(message, zmq.NOBLOCK, copy=False)
+            if payload is None:
+                self._inbox.send(message, zmq.NOBLOCK, copy=False)
+            else:
+                self._inbox.send_multipart([message, payload], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise EngineStopped("the engine core is not reachable") from None
 
@@ -436,18 +441,18 @@ class EngineClient:
             if self._outbox in ready:
                 while True:
                     try:
-                        message = wire.unpack(self._outbox.recv(zmq.NOBLOCK))
+                        message, payload = wire.receive(self._outbox, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     if message[0] == wire.STOPPED:
                         self._end(EngineStopped("the engine is shutting down"))
                         return
-                    self._handle(message)
+                    self._handle(message, payload)
             elif sentinel in ready or not self._core.is_alive():
                 self._died()
                 return
 
-    def _handle(self, message: list[Any]) -> None:
+    def _handle(self, message: list[Any], payload: memoryview | None = None) -> None:
         kind = message[0]
         if kind == wire.STEP:
             _, outputs, failed, events, load, counters, (gap_s, commands_s) = message
@@ -477,7 +482,7 @@ class EngineClient:
                 if not ok:
                     future.set_exception(ValueError(value))
                 else:
-                    future.set_result(tuple(value) if isinstance(value, list) else value)
+                    future.set_result(value if payload is None else (value, payload))
         else:
             logger.error("unexpected message %r from the engine core: ignored", kind)
 

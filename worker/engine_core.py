@@ -139,7 +139,9 @@ class EngineCore:
             while not self._input_stop.is_set():
                 if not self._inbox.poll(100):
                     continue
-                message = wire.unpack(self._inbox.recv())
+                message, payload = wire.receive(self._inbox)
+                if payload is not None:
+                    message.append(payload)  # the blocks' bytes of a WRITE_BLOCKS
                 if message[0] == wire.ADD:
                     message = [wire.ADD, self._make_request(*message[1:])]
                 self._arrived.put(message)
@@ -211,7 +213,8 @@ class EngineCore:
         return True
 
     def _reply(self, call_id: int, call: Callable[..., Any], *args: Any) -> None:
-        """Run a call between steps and send its value, or why it failed, back."""
+        """Run a call between steps and send its value, or why it failed, back. A call that
+        returns ``(value, bytes)`` (a read of blocks) sends the bytes as a frame of their own."""
         try:
             value = call(*args)
         except ValueError as e:
@@ -220,7 +223,8 @@ class EngineCore:
             logger.exception("call %d failed", call_id)
             self._send([wire.REPLY, call_id, False, f"{type(e).__name__}: {e}"])
         else:
-            self._send([wire.REPLY, call_id, True, value])
+            value, payload = value if isinstance(value, tuple) else (value, None)
+            self._send([wire.REPLY, call_id, True, value], payload)
 
     def _add(self, request: Request | tuple[str, str]) -> None:
         if isinstance(request, tuple):
@@ -282,11 +286,11 @@ class EngineCore:
         self._outputs, self._failed = StepOutputs(), []
         self._step_gap_s = self._commands_s = 0.0
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, message: list[Any], payload: bytes | None = None) -> None:
         try:
             # NOTE: never blocks: the pipe has no queue limit, so only a reader that is gone
             # makes it fail (a blocking send would then wait forever).
-            self._outbox.send(wire.pack(message), zmq.NOBLOCK, copy=False)
+            wire.send(self._outbox, message, payload, zmq.NOBLOCK)
         except zmq.Again:
             raise _ServingProcessGone from None
 

@@ -335,7 +335,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if num_found:
                 await context.write(
                     worker_pb2.KVBlockChunk(
-                        layout=layout_proto, first_block=start, num_blocks=num_found, data=data
+                        layout=layout_proto,
+                        first_block=start,
+                        num_blocks=num_found,
+                        data=bytes(data),  # protobuf takes bytes only: the one copy here
                     )
                 )
             if num_found < len(wanted):
