@@ -17,6 +17,15 @@ prefix as any block of a chain does::
     chain   | b0 | b1 | b2 | b3 | b4 | b5 | b6 | b7 | b8 | ...
     counted |  1 |  2 |    |  4 |    |    |    |  8 |    |       (depth = blocks up to here)
 
+The same counts tell where a prompt's shared part ends. Each keeps the last block and length of
+the longest chain routed with its prefix; a request that does not extend that chain (nor repeat
+it) has gone another way after the prefix, which is then *shared*: several conversations, or
+documents, open with it. A conversation's turns each extend the last, so its own history stays
+on one line and is never shared, however often it is asked for::
+
+    system prompt | turn 1      | turn 2       | ...        one conversation: one line
+                  | other conversation's turns | ...        a branch: the system prompt is shared
+
 No I/O; the router records every routed request and asks before it scores.
 """
 
@@ -33,6 +42,20 @@ class _Count:
     requests: float  # decayed, as of `as_of_s`
     as_of_s: float
     first_s: float  # when the prefix was first counted
+    tip: bytes = b""  # the last block of the longest chain routed with this prefix
+    num_tip_blocks: int = 0  # and its length
+    shared: bool = False  # a routed chain has gone another way than that one
+
+    def follow(self, block_hashes: Sequence[bytes]) -> None:
+        """Another chain with this prefix was routed: the longest one yet, or a branch."""
+        if self.shared:
+            return
+        num_blocks = len(block_hashes)
+        # NOTE: hashes are chained: equal blocks at one depth mean equal chains up to there.
+        if num_blocks < self.num_tip_blocks or block_hashes[self.num_tip_blocks - 1] != self.tip:
+            self.shared = True
+        else:
+            self.tip, self.num_tip_blocks = block_hashes[-1], num_blocks
 
 
 class PrefixHeat:
@@ -67,9 +90,12 @@ class PrefixHeat:
         while depth <= len(block_hashes):
             count = counts.get(block_hashes[depth - 1])
             if count is None:
-                counts[block_hashes[depth - 1]] = _Count(1.0, now, now)
+                counts[block_hashes[depth - 1]] = _Count(
+                    1.0, now, now, block_hashes[-1], len(block_hashes)
+                )
             else:
                 self._bump(count, now)
+                count.follow(block_hashes)
             depth *= 2
         if len(counts) >= self._prune_at:
             self._prune(now)
@@ -94,6 +120,18 @@ class PrefixHeat:
                     self.replicate_share * holders / num_workers * total
                 ):
                     return depth
+            depth //= 2
+        return 0
+
+    def shared_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """The deepest counted prefix of ``block_hashes`` that is shared (routed requests went on
+        from it in different ways); 0 if none is. The blocks past it have been routed on one
+        line only, or never."""
+        depth = 1 << (len(block_hashes).bit_length() - 1) if block_hashes else 0
+        while depth:
+            count = self._counts.get(block_hashes[depth - 1])
+            if count is not None and count.shared:
+                return depth
             depth //= 2
         return 0
 

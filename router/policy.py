@@ -6,7 +6,8 @@ Pure logic, no I/O, so that it is tested directly and any caller can run it. Eve
 The default, ``cost``, estimates the work a request adds to each worker and the work already
 waiting there, in prefill-token units, and picks the cheapest::
 
-    cost(worker) = uncached prompt tokens x prefill_weight     (past the worker's cached prefix)
+    cost(worker) = uncached tokens of a shared prefix x prefill_weight   (past the worker's
+                 + uncached tokens past it x private_weight               cached prefix)
                  + prompt tokens queued there to prefill
                  + output tokens still to decode there x decode_weight
 
@@ -18,6 +19,16 @@ none: a short shared system prompt must not pull every new document onto the one
 happens to hold it, leaving the others' caches empty. A prefix the router finds hot (for a while
 now a larger share of the traffic than of the workers holding it, router/heat.py) counts as held
 by every worker, so that it spreads to more workers instead of queueing on its holders.
+
+A prompt splits where the router has seen requests go different ways (router/heat.py)::
+
+    prompt  | system prompt, document | this conversation's own history | new message |
+            |<-- shared prefix ------>|<-- private: one line of requests so far ------>|
+
+A shared prefix is worth copying to another worker, which then serves its other conversations
+too; a conversation's own history moved elsewhere serves nobody else, and its next turns lose
+their worker. ``private_weight`` 5 values those tokens above a shared prefix's (docs/ROUTING.md).
+Tokens that no worker holds count the same everywhere, so only held ones sway the choice.
 
 When nobody holds any of the prompt, every worker pays the same prefill, so the choice falls to
 load, then free cache space, then a rotation: misses spread instead of piling onto one worker.
@@ -53,6 +64,16 @@ class RouteRequest:
     # Leading blocks whose prefix has long carried so much of the traffic that the router wants
     # it on more workers (router/heat.py): a policy may count them as cached on every worker.
     num_hot_blocks: int = 0
+    # Leading blocks after which routed requests have gone different ways (router/heat.py); the
+    # tokens past them are private to one line of requests. None: not known, every one is shared.
+    num_shared_blocks: int | None = None
+
+    @property
+    def num_private_tokens(self) -> int:
+        """Prompt tokens past the shared prefix."""
+        if self.num_shared_blocks is None:
+            return 0
+        return max(self.num_prompt_tokens - self.num_shared_blocks * self.block_size, 0)
 
     def num_uncached_tokens(self, num_matched_blocks: int) -> int:
         """Prompt tokens a worker holding ``num_matched_blocks`` leading blocks must compute."""
@@ -160,7 +181,7 @@ class CostPolicy(_Ranked):
     """The module docstring's cost; ``temperature`` > 0 samples near-ties instead."""
 
     name = "cost"
-    weight_names = ("prefill_weight", "temperature", "decode_weight", "min_match")
+    weight_names = ("prefill_weight", "temperature", "decode_weight", "min_match", "private_weight")
 
     def __init__(
         self,
@@ -168,6 +189,7 @@ class CostPolicy(_Ranked):
         temperature: float = 0.0,
         decode_weight: float = 6.0,
         min_match: float = 0.1,
+        private_weight: float = 5.0,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__()
@@ -176,6 +198,7 @@ class CostPolicy(_Ranked):
             ("temperature", temperature),
             ("decode_weight", decode_weight),
             ("min_match", min_match),
+            ("private_weight", private_weight),
         ):
             if not value >= 0 or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -183,6 +206,7 @@ class CostPolicy(_Ranked):
         self.temperature = temperature
         self.decode_weight = decode_weight
         self.min_match = min_match
+        self.private_weight = private_weight
         self._rng = rng or random.Random()
 
     def cost(self, request: RouteRequest, worker: WorkerState) -> float:
@@ -192,9 +216,11 @@ class CostPolicy(_Ranked):
         if matched * request.block_size < self.min_match * request.num_prompt_tokens:
             matched = 0
         uncached = request.num_uncached_tokens(matched)
+        num_private = min(uncached, request.num_private_tokens)
         num_output_tokens = worker.num_outstanding_tokens - worker.num_prefill_tokens
         return (
-            uncached * self.prefill_weight
+            (uncached - num_private) * self.prefill_weight
+            + num_private * self.private_weight
             + worker.num_prefill_tokens
             + num_output_tokens * self.decode_weight
         )
@@ -355,8 +381,8 @@ _TUNABLE: dict[str, type[Policy]] = {
 def make_policy(
     name: str, weights: Mapping[str, float] | None = None, *, rng: random.Random | None = None
 ) -> Policy:
-    """The policy called ``name``; ``weights`` tunes those that take parameters (``cost``:
-    ``prefill_weight``, ``temperature``; the anchors their published knobs) and is refused for
+    """The policy called ``name``; ``weights`` tunes those that take parameters (``cost``: its
+    ``CostPolicy.weight_names``; the anchors their published knobs) and is refused for
     the others. ``rng`` is what a policy that samples draws from (a seeded one makes a
     simulation repeat); None: a fresh one. ValueError says what is wrong."""
     weights = dict(weights or {})

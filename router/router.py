@@ -156,8 +156,12 @@ class Router:
             index_matches = {}
         self.last_lookup_s = time.perf_counter() - started_s
         matches = self.pending.match(plan.block_hashes, index_matches)
-        num_hot_blocks = self.heat.hot_blocks(plan.block_hashes, matches, len(handles))
-        request = RouteRequest(len(plan.token_ids), plan.block_size, num_hot_blocks)
+        request = RouteRequest(
+            len(plan.token_ids),
+            plan.block_size,
+            num_hot_blocks=self.heat.hot_blocks(plan.block_hashes, matches, len(handles)),
+            num_shared_blocks=self.heat.shared_blocks(plan.block_hashes),
+        )
         # NOTE: blocks matched by a guess alone are still being prefilled there for an earlier
         # request; that prefill is in the worker's outstanding work and serves this one too.
         states = [

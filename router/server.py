@@ -54,6 +54,7 @@ class RouterConfig:
     temperature: float = 0.0  # cost: 0 = always the cheapest; > 0 samples near-ties
     decode_weight: float = 6.0  # cost: what one output token still to decode costs
     min_match: float = 0.1  # cost: a match below this fraction of the prompt counts as none
+    private_weight: float = 5.0  # cost: one uncached token of a conversation's own history
     max_failovers: int = 3  # other workers tried after a worker fails a request
     wait_for_worker_s: float = 30.0  # a request finding no worker waits this long (or its deadline)
     pending_ttl_s: float = 2.0  # how long an unconfirmed "will hold these blocks" guess lives
@@ -89,6 +90,7 @@ class RouterConfig:
             "temperature": self.temperature,
             "decode_weight": self.decode_weight,
             "min_match": self.min_match,
+            "private_weight": self.private_weight,
         }
 
     def directory_config(self) -> DirectoryConfig:

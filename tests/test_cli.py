@@ -37,6 +37,7 @@ COMMANDS = [
     ["bench", "lookup"],
     ["bench", "step"],
     ["bench", "admission"],
+    ["bench", "transfer"],
     ["bench", "routing"],
     ["index"],
     ["index", "stats"],

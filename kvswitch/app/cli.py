@@ -220,6 +220,8 @@ ROUTER_HELP = {
     "prompt tokens (docs/ROUTING.md)",
     "min_match": "cost policy: a cached prefix shorter than this fraction of the prompt counts as "
     "none, so a short shared system prompt does not pull new prompts onto one worker",
+    "private_weight": "cost policy: what one uncached prompt token past the shared prefix (a "
+    "conversation's own history) costs, in tokens of queued work (docs/ROUTING.md)",
     "max_failovers": "other workers to try when a worker fails a request",
     "wait_for_worker_s": "seconds a request that finds no routable worker waits for one (never "
     "past its deadline) before it fails with UNAVAILABLE",
@@ -293,7 +295,7 @@ SIM_HELP = {
     "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the index "
     "confirms it",
     "cost_weights": "the cost policy's weights, 'key=value,...' (prefill_weight, decode_weight, "
-    "min_match, temperature); empty = its defaults",
+    "min_match, private_weight, temperature); empty = its defaults",
     "seed": "random seed of the policies that sample",
 }
 LOADTEST_HELP = {

@@ -42,7 +42,7 @@ def test_the_study_refuses_bad_fleets() -> None:
 def test_the_cost_weights_reach_the_simulated_router() -> None:
     default, blind_run = (
         run(RoutingStudyConfig(fleet_sizes="3", num_requests=150, cost_weights=weights))
-        for weights in ("", "prefill_weight=0")
+        for weights in ("", "prefill_weight=0,private_weight=0")
     )
     # A hit worth nothing: cost routes on load alone, and its hits fall to round robin's.
     cost, blind = default["fleets"][0]["policies"], blind_run["fleets"][0]["policies"]

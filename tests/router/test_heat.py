@@ -61,6 +61,26 @@ def test_the_counts_are_pruned_once_nobody_asks() -> None:
         PrefixHeat(time_constant_s=0)
 
 
+def test_a_prefix_is_shared_once_routed_requests_go_different_ways_after_it() -> None:
+    heat = PrefixHeat(clock=Clock())
+    system = chain("system", 4)
+    turn_1 = system + chain("a1", 4)  # 8 blocks
+    turn_2 = turn_1 + chain("a2", 8)  # 16 blocks: each turn extends the last
+    turn_3 = turn_2 + chain("a3", 4)
+    for routed in (turn_1, turn_2, turn_2):  # one conversation, its last turn sent twice
+        heat.record(routed)
+    assert heat.shared_blocks(turn_3) == 0  # one line so far: every block its own
+    heat.record(system + chain("b1", 4))  # another conversation on the same system prompt
+    # Depths 1, 2 and 4 branched; 8 and 16 are still the first conversation's alone.
+    assert heat.shared_blocks(turn_3) == 4
+    assert heat.shared_blocks(system + chain("c1", 4)) == 4
+    assert heat.shared_blocks(system[:3]) == 2  # the deepest counted depth in 3 blocks
+    assert heat.shared_blocks(chain("new", 8)) == heat.shared_blocks([]) == 0
+    # A chain shorter than the longest on its line (an earlier turn asked again) is a branch.
+    heat.record(turn_1)
+    assert heat.shared_blocks(turn_3) == 8
+
+
 def test_cost_counts_a_hot_prefix_as_held_by_every_worker() -> None:
     workers = [
         WorkerState("w0", 8, 100, 100, 100, 1, 100),  # holds the 128-token prefix, has a queue

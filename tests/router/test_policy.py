@@ -51,6 +51,25 @@ def test_cost_weighs_output_still_to_decode_by_decode_weight() -> None:
     assert (decision.worker_id, decision.score) == ("w1", 1 + 1000)
 
 
+def test_cost_values_a_conversations_own_history_above_a_shared_prefix() -> None:
+    # 160 tokens: a 64-token shared system prompt (4 blocks), then the request's own tokens.
+    request = RouteRequest(num_prompt_tokens=160, block_size=16, num_shared_blocks=4)
+    # w0 holds the conversation so far (8 blocks) and has 300 tokens queued; w1 the system prompt.
+    # w0: 32 private tokens x 5 + 300; w1: 96 private tokens x 5.
+    decision = CostPolicy().choose(request, fleet((8, 300), (4, 0)))
+    assert (decision.worker_id, decision.score) == ("w0", 32 * 5 + 300)
+    # Valued like a shared prefix, the history would move: 32 + 300 against 96.
+    assert CostPolicy(private_weight=1).choose(request, fleet((8, 300), (4, 0))).worker_id == "w1"
+    # A new conversation: the shared prompt alone is worth no more than a prefill, so it is
+    # copied to the idle worker (64 + 96 x 5 there, against 96 x 5 + 300 on its holder).
+    decision = CostPolicy().choose(request, fleet((4, 300), (0, 0)))
+    assert (decision.worker_id, decision.score) == ("w1", 64 + 96 * 5)
+    unshared = RouteRequest(num_prompt_tokens=160, block_size=16, num_shared_blocks=0)
+    assert CostPolicy().choose(unshared, fleet((4, 300), (0, 0))).worker_id == "w0"
+    assert (request.num_private_tokens, unshared.num_private_tokens) == (96, 160)
+    assert RouteRequest(num_prompt_tokens=160, block_size=16).num_private_tokens == 0
+
+
 def test_a_full_hit_still_computes_the_last_token() -> None:
     request = RouteRequest(num_prompt_tokens=64, block_size=16)
     decision = CostPolicy().choose(request, fleet((4, 0)))

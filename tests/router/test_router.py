@@ -81,3 +81,53 @@ def test_the_router_spreads_a_prefix_that_has_long_been_hot() -> None:
     # Without the heat, w0 takes seven and one other worker the rest.
     assert picks[:5] == ["w0"] * 5
     assert len(set(picks)) == 3 and max(picks.count(w) for w in set(picks)) <= 5, picks
+
+
+def test_a_conversation_stays_with_its_history_while_its_shared_prompt_spreads() -> None:
+    import asyncio
+    import math
+
+    from kvswitch.cache_index.hashing import BlockHasher
+    from kvswitch.cache_index.index import WorkerInfo
+    from kvswitch.router.heat import PrefixHeat
+    from kvswitch.router.router import RoutePlan
+    from kvswitch.router.workers import WorkerHandle
+
+    hasher = BlockHasher("m", 16)
+    system = list(range(1, 65))  # 4 blocks every conversation opens with
+
+    def plan(*parts: list[int]) -> RoutePlan:
+        tokens = system + [t for part in parts for t in part]
+        return RoutePlan(tokens, "m", 16, hasher.hash_blocks(tokens))
+
+    a_1 = [100] * 192  # 12 blocks of conversation A
+    a_2 = [101] * 64
+    requests = [plan(a_1), plan([200] * 64), plan([300] * 64), plan(a_1, a_2)]
+
+    async def go(weights: dict[str, float]) -> list[tuple[str, float]]:
+        clock = Clock()
+        index = MemoryIndex(clock)
+        handles = []
+        for k in range(2):
+            info = WorkerInfo(f"w{k}", f"x:{k}", "m", 16, num_blocks=1000)
+            await index.register(info, ttl_s=math.inf)
+            handles.append(WorkerHandle(info, channel=None, stub=None))
+        fleet = _Fleet(index, handles)
+        router = Router(index, fleet, None, weights=weights, heat=PrefixHeat(clock=clock))
+        picks = []
+        for k, routed in enumerate(requests):
+            if k == 2:
+                handles[0].num_output_tokens = 100  # w0 is decoding A's and B's answers
+            decision, _ = await router.choose(routed)
+            router.routed(routed, decision)
+            picks.append((decision.worker_id, decision.score))
+        return picks
+
+    # A and then B (while the system prompt is still one line) go to w0. Then C, a third
+    # conversation on the now shared system prompt, is copied to the idle w1: 64 + 64 x 5 there,
+    # against 64 x 5 + 100 x 6 on w0. A's next turn stays with its history on w0: 64 x 5 + 600
+    # there, against 256 x 5 on w1.
+    assert asyncio.run(go({})) == [("w0", 1280), ("w0", 320), ("w1", 384), ("w0", 920)]
+    # Valued like a shared prefix, A's history moves: 64 + 600 against 256.
+    picks = asyncio.run(go({"private_weight": 1}))
+    assert [worker_id for worker_id, _ in picks] == ["w0", "w0", "w1", "w1"]

@@ -441,6 +441,9 @@ def test_router_config_is_checked() -> None:
         RouterConfig(policy="best")
     with pytest.raises(ValueError, match="prefill_weight"):
         RouterConfig(prefill_weight=-1)
+    with pytest.raises(ValueError, match="private_weight"):
+        RouterConfig(private_weight=float("nan"))
+    assert RouterConfig(private_weight=2).policy_weights()["private_weight"] == 2
     with pytest.raises(ValueError, match="max_failovers"):
         RouterConfig(max_failovers=-1)
 
