@@ -4,13 +4,19 @@ serves the prompt from its cache token for token as the first did."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 
 from kvswitch.cache_index.hashing import hash_prompt_blocks
-from kvswitch.v1 import worker_pb2
+from kvswitch.serving import READY_MARK
+from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
 
@@ -36,9 +42,13 @@ def cached(worker: BackgroundWorker) -> set[bytes]:
     return {h for c in worker.stub.Snapshot(worker_pb2.SnapshotRequest()) for h in c.block_hashes}
 
 
-def pull(taker: BackgroundWorker, holder: BackgroundWorker, hashes: list[bytes]):
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+def pull(taker: BackgroundWorker, holder: BackgroundWorker | str, hashes: list[bytes]):
+    address = holder if isinstance(holder, str) else holder.server.address
     request = worker_pb2.PullBlocksRequest(
-        request_id="pull", peer_address=holder.server.address, block_hashes=hashes
+        request_id="pull", peer_address=address, block_hashes=hashes
     )
     return taker.stub.PullBlocks(request, timeout=30)
 
@@ -107,3 +117,61 @@ def test_blocks_of_another_layout_are_refused(pair) -> None:
         assert not set(chain(holder)) & cached(other)
     finally:
         other.close()
+
+
+def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order() -> None:
+    """Killed whenever the kill lands (before, during or after the pull), the holder leaves the
+    taker with a leading run of the chain, each block byte for byte the holder's, serving the
+    prompt from its cache; nothing half-written, nothing out of order."""
+    num_blocks = 512
+    prompt = [256, *np.random.default_rng(7).integers(0, 256, num_blocks * BLOCK_SIZE - 1).tolist()]
+    kv_cache_bytes = 600 * BLOCK_BYTES
+    command = ["worker", "--port", "0", "--kv-cache-bytes", str(kv_cache_bytes)]
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch.app.cli", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    taker = BackgroundWorker(dataclasses.replace(CONFIG, kv_cache_bytes=kv_cache_bytes))
+    try:
+        line = holder.stdout.readline()
+        assert READY_MARK in line
+        address = line.split(READY_MARK, 1)[1].strip()
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            holder_stub = worker_pb2_grpc.WorkerStub(channel)
+            request = worker_pb2.WorkerGenerateRequest(
+                prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=4)
+            )
+            responses = list(holder_stub.Generate(request, timeout=120))
+            expected = [t for r in responses[:-1] for t in r.chunk.token_ids]
+            hashes = chain(taker, prompt)
+            fetched = holder_stub.FetchBlocks(
+                worker_pb2.FetchBlocksRequest(block_hashes=hashes), timeout=60
+            )
+            reference = b"".join(c.data for c in fetched)
+        assert len(reference) == num_blocks * BLOCK_BYTES
+
+        with ThreadPoolExecutor(1) as pool:
+            pulling = pool.submit(pull, taker, address, hashes)
+            while not (pulling.done() or set(hashes) & cached(taker)):
+                time.sleep(0.001)
+            holder.kill()
+            try:
+                reply = pulling.result()
+                assert reply.num_cached_blocks == num_blocks
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+        held = set(hashes) & cached(taker)
+        num_held = len(held)
+        assert held == set(hashes[:num_held])  # a leading run of the chain
+        fetched = taker.stub.FetchBlocks(worker_pb2.FetchBlocksRequest(block_hashes=hashes))
+        assert b"".join(c.data for c in fetched) == reference[: num_held * BLOCK_BYTES]
+        tokens, _, final = taker.generate(prompt, max_tokens=4, timeout=120)
+        assert tokens == expected
+        assert final.stats.num_cached_tokens == min(num_held, num_blocks - 1) * BLOCK_SIZE
+    finally:
+        holder.kill()
+        holder.wait()
+        taker.close()
