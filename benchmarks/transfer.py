@@ -1,18 +1,23 @@
-"""``kvswitch bench transfer``: how fast cached KV blocks move between two worker processes.
+"""``kvswitch bench transfer``: how fast cached KV blocks move between worker processes.
 
-Two ``kvswitch worker`` processes run on this machine (built-in model, 16-token blocks of 32 KiB
-in fp32). The holder computes ``num_prompts`` distinct prompts of ``prompt_tokens`` tokens; then,
-for each prompt, the taker is asked to pull the prompt's chain from the holder
-(``Worker.PullBlocks``: the holder streams the blocks over gRPC on loopback in chunks of 4 MiB,
-each read out between two of its engine steps; the taker writes each chunk into its own prefix
-cache as it arrives). Every pull is timed from the call to its answer.
+Three ``kvswitch worker`` processes run on this machine (built-in model, 16-token blocks of 32 KiB
+in fp32). The holder computes ``num_prompts`` distinct prompts of ``prompt_tokens`` tokens; then
+two takers pull every prompt's chain from it (``Worker.PullBlocks``), one over each transport:
 
-- ``grpc_gbps``: bytes moved over all pulls / their summed time, in GB/s (10^9 bytes).
-- ``blocks_per_s``: blocks moved / the same time.
+- ``grpc``: the holder streams the blocks over gRPC on loopback in chunks of 1 MiB, each read out
+  between two of its engine steps; the taker writes each chunk into its prefix cache as it
+  arrives.
+- ``shm``: the taker makes a file in this host's shared memory; the holder's engine core writes
+  the blocks straight into it, chunk by chunk, and the taker's engine core reads them from there;
+  gRPC carries only the chunks' counts.
+
+Every pull is timed from the call to its answer. Figures:
+
+- ``grpc_gbps``, ``shm_gbps``: bytes moved over all pulls of that transport / their summed time,
+  in GB/s (10^9 bytes); ``blocks_per_s``: blocks moved over gRPC / the same time, and
+  ``shm_blocks_per_s`` through shared memory.
 - ``copy_gbps``: this machine's memory-copy bandwidth (one numpy copy of 256 MiB, best of 5),
   the ceiling any transfer on it is measured against.
-
-The same-host shared-memory path is not built yet, so there is no ``shm_gbps``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -51,11 +57,12 @@ def run(config: TransferBenchConfig) -> dict[str, object]:
     # Room for every prompt on both workers, with some to spare.
     num_blocks = config.num_prompts * (config.prompt_tokens // BLOCK_SIZE + 8) + 64
     kv_cache_bytes = num_blocks * (32 << 10)
-    workers = [_start_worker(kv_cache_bytes) for _ in range(2)]
+    workers = [_start_worker(kv_cache_bytes) for _ in range(3)]
     try:
-        (_, holder_address), (_, taker_address) = workers
-        holder = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(holder_address))
-        taker = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(taker_address))
+        holder_address = workers[0][1]
+        holder, *takers = (
+            worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address)) for _, address in workers
+        )
         rng = np.random.default_rng(config.seed)
         prompts = [
             rng.integers(0, 256, config.prompt_tokens, dtype=np.uint32)
@@ -74,43 +81,66 @@ def run(config: TransferBenchConfig) -> dict[str, object]:
             for _ in holder.Generate(request, timeout=600):
                 pass
         namespace = next(iter(holder.Snapshot(worker_pb2.SnapshotRequest()))).model
-        seconds = 0.0
-        num_bytes = num_moved = 0
-        for i, prompt in enumerate(prompts):
-            hashes = hash_prompt_blocks(prompt.tolist(), BLOCK_SIZE, namespace)
-            start = time.perf_counter()
-            reply = taker.PullBlocks(
-                worker_pb2.PullBlocksRequest(
-                    request_id=f"bench-{i}", peer_address=holder_address, block_hashes=hashes
-                ),
-                timeout=600,
-            )
-            seconds += time.perf_counter() - start
-            if reply.num_transferred_blocks != len(hashes):
-                raise RuntimeError(f"pulled {reply.num_transferred_blocks} of {len(hashes)} blocks")
-            num_bytes += reply.num_transferred_bytes
-            num_moved += reply.num_transferred_blocks
+        chains = [hash_prompt_blocks(p.tolist(), BLOCK_SIZE, namespace) for p in prompts]
+        moved = {
+            transport: _pull_all(taker, holder_address, chains, transport)
+            for taker, transport in zip(takers, ("grpc", "shm"), strict=True)
+        }
     finally:
         for popen, _ in workers:
             popen.terminate()
         for popen, _ in workers:
             popen.wait(timeout=30)
+    (grpc_blocks, grpc_bytes, grpc_s), (shm_blocks, shm_bytes, shm_s) = moved["grpc"], moved["shm"]
     result = {
         "machine": machine_info(),
         "num_prompts": config.num_prompts,
         "prompt_tokens": config.prompt_tokens,
-        "num_blocks": num_moved,
-        "num_bytes": num_bytes,
-        "grpc_gbps": num_bytes / seconds / 1e9,
-        "blocks_per_s": num_moved / seconds,
+        "num_blocks": grpc_blocks,
+        "num_bytes": grpc_bytes,
+        "grpc_gbps": grpc_bytes / grpc_s / 1e9,
+        "blocks_per_s": grpc_blocks / grpc_s,
+        "shm_gbps": shm_bytes / shm_s / 1e9,
+        "shm_blocks_per_s": shm_blocks / shm_s,
         "copy_gbps": _copy_gbps(),
     }
     print(
-        f"  {num_moved:,} blocks ({num_bytes / 1e6:,.0f} MB) in {seconds:.2f} s: "
-        f"{result['grpc_gbps']:.2f} GB/s over gRPC; memory copy {result['copy_gbps']:.1f} GB/s",
+        f"  {grpc_blocks:,} blocks ({grpc_bytes / 1e6:,.0f} MB) each way: "
+        f"{result['grpc_gbps']:.2f} GB/s over gRPC, {result['shm_gbps']:.2f} GB/s through "
+        f"shared memory; memory copy {result['copy_gbps']:.1f} GB/s",
         file=sys.stderr,
     )
     return result
+
+
+def _pull_all(
+    taker: Any, holder_address: str, chains: list[list[bytes]], transport: str
+) -> tuple[int, int, float]:
+    """Pull every chain into ``taker`` over ``transport``: (blocks, bytes, seconds)."""
+    from kvswitch.v1 import worker_pb2
+
+    seconds = 0.0
+    num_blocks = num_bytes = 0
+    for i, hashes in enumerate(chains):
+        start = time.perf_counter()
+        reply = taker.PullBlocks(
+            worker_pb2.PullBlocksRequest(
+                request_id=f"bench-{transport}-{i}",
+                peer_address=holder_address,
+                block_hashes=hashes,
+                transport=transport,
+            ),
+            timeout=600,
+        )
+        seconds += time.perf_counter() - start
+        if reply.num_transferred_blocks != len(hashes) or reply.transport != transport:
+            raise RuntimeError(
+                f"pulled {reply.num_transferred_blocks} of {len(hashes)} blocks over "
+                f"{reply.transport!r}, not {transport}"
+            )
+        num_blocks += reply.num_transferred_blocks
+        num_bytes += reply.num_transferred_bytes
+    return num_blocks, num_bytes, seconds
 
 
 def _start_worker(kv_cache_bytes: int) -> tuple[subprocess.Popen, str]:

@@ -10,8 +10,9 @@ Serving process to core::
      num_resumed_tokens]
     [ABORT, request_id]
     [SNAPSHOT, call_id]
-    [READ_BLOCKS, call_id, block_hashes, with_data]
+    [READ_BLOCKS, call_id, block_hashes, with_data, into]  into: None or [shm path, offset]
     [WRITE_BLOCKS, call_id, block_hashes]  + the blocks' bytes as a second frame
+    [WRITE_BLOCKS_FROM, call_id, block_hashes, [shm path, offset]]
     [STOP]
 
 Core to serving process::
@@ -22,8 +23,8 @@ Core to serving process::
                                        after every round of commands and step
     [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
     [REPLY, call_id, ok, value]        to READ_BLOCKS (num_blocks, + their bytes as a second
-                                       frame) and WRITE_BLOCKS (num_new); when not ok, value is
-                                       the error's message
+                                       frame, unless written to shm) and the WRITEs (num_new);
+                                       when not ok, value is the error's message
     [STOPPED]                          last
 
 A STEP's outputs are columns (``StepOutputs``): [request_ids, token_ids, first, finished],
@@ -49,7 +50,7 @@ from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, StepOutputs
 
 # Serving process -> core.
-ADD, ABORT, SNAPSHOT, STOP, READ_BLOCKS, WRITE_BLOCKS = range(6)
+ADD, ABORT, SNAPSHOT, STOP, READ_BLOCKS, WRITE_BLOCKS, WRITE_BLOCKS_FROM = range(7)
 # Core -> serving process.
 READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED, REPLY = range(10, 16)
 

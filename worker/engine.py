@@ -28,7 +28,7 @@ from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.kv_layout import KVLayout
-from kvswitch.worker.kv_transfer import layout_of, read_blocks, write_blocks
+from kvswitch.worker.kv_transfer import layout_of, read_blocks, shared_file, write_blocks
 from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
 from kvswitch.worker.request import (
     FinishReason,
@@ -198,11 +198,15 @@ class LLMEngine:
         return layout_of(self.runner.kv_caches)
 
     def read_cached_blocks(
-        self, block_hashes: Sequence[bytes], with_data: bool = True
+        self,
+        block_hashes: Sequence[bytes],
+        with_data: bool = True,
+        into: tuple[str, int] | None = None,
     ) -> tuple[int, bytes]:
         """How many leading blocks of ``block_hashes`` this engine holds cached, and their KV as
-        bytes (``kv_transfer``'s layout; empty without ``with_data``). Changes nothing: not even
-        the blocks' eviction order."""
+        bytes (``kv_transfer``'s layout; empty without ``with_data``). With ``into`` (a file of
+        this host's shared memory and an offset), the bytes are written there and b"" returned.
+        Changes nothing in the cache: not even the blocks' eviction order."""
         block_ids = []
         for block_hash in block_hashes:
             block = self.kv_cache.pool.get_cached_block(block_hash)
@@ -211,7 +215,23 @@ class LLMEngine:
             block_ids.append(block.block_id)
         if not with_data:
             return len(block_ids), b""
-        return len(block_ids), read_blocks(self.runner.kv_caches, block_ids)
+        if into is None:
+            return len(block_ids), read_blocks(self.runner.kv_caches, block_ids)
+        path, offset = into
+        size = len(block_ids) * self.kv_layout.bytes_per_block
+        with shared_file(path, offset, size, writable=True) as out:
+            read_blocks(self.runner.kv_caches, block_ids, out)
+        return len(block_ids), b""
+
+    def write_cached_blocks_from(
+        self, block_hashes: Sequence[bytes], source: tuple[str, int]
+    ) -> int:
+        """``write_cached_blocks`` with the bytes read from a file of this host's shared memory
+        (path, offset) where a peer wrote them."""
+        path, offset = source
+        size = len(block_hashes) * self.kv_layout.bytes_per_block
+        with shared_file(path, offset, size, writable=False) as data:
+            return self.write_cached_blocks(block_hashes, data)
 
     def write_cached_blocks(self, block_hashes: Sequence[bytes], data: bytes) -> int:
         """Put blocks computed elsewhere into the prefix cache, as a request that computed and

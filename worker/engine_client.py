@@ -355,16 +355,25 @@ class EngineClient:
         return self._call([wire.SNAPSHOT])
 
     def read_blocks(
-        self, block_hashes: list[bytes], *, with_data: bool = True
-    ) -> Future[tuple[int, bytes]]:
+        self,
+        block_hashes: list[bytes],
+        *,
+        with_data: bool = True,
+        into: tuple[str, int] | None = None,
+    ) -> Future[tuple[int, memoryview]]:
         """How many leading blocks of ``block_hashes`` the core holds cached, and their KV as
-        bytes (``LLMEngine.read_cached_blocks``), read between two steps."""
-        return self._call([wire.READ_BLOCKS], block_hashes, with_data)
+        bytes (``LLMEngine.read_cached_blocks``), read between two steps; no bytes without
+        ``with_data``, or when written ``into`` shared memory (path, offset) instead."""
+        return self._call([wire.READ_BLOCKS], block_hashes, with_data, into)
 
     def write_blocks(self, block_hashes: list[bytes], data: bytes | memoryview) -> Future[int]:
         """Put blocks read from a worker of the same layout into the core's prefix cache
         (``LLMEngine.write_cached_blocks``); how many were new. ValueError: refused."""
         return self._call([wire.WRITE_BLOCKS], block_hashes, payload=data)
+
+    def write_blocks_from(self, block_hashes: list[bytes], source: tuple[str, int]) -> Future[int]:
+        """``write_blocks`` with the bytes in this host's shared memory: (path, offset)."""
+        return self._call([wire.WRITE_BLOCKS_FROM], block_hashes, source)
 
     def _call(
         self, kind: list[Any], *args: Any, payload: bytes | memoryview | None = None

@@ -204,6 +204,8 @@ class EngineCore:
                 self._reply(message[1], self.engine.read_cached_blocks, *message[2:])
             elif kind == wire.WRITE_BLOCKS:
                 self._reply(message[1], self.engine.write_cached_blocks, *message[2:])
+            elif kind == wire.WRITE_BLOCKS_FROM:
+                self._reply(message[1], self.engine.write_cached_blocks_from, *message[2:])
             elif kind == wire.STOP:
                 return False
             elif kind == _INPUT_FAILED:

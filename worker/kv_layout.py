@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+SHM_DIR = "/dev/shm"  # where workers on one host hand each other blocks (kv_transfer.shared_file)
+SHM_PREFIX = "kvswitch-blocks-"  # the names of those files: a worker writes into no others
+
 _ELEMENT_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 

@@ -13,12 +13,15 @@ anything.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import mmap
+import os
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from kvswitch.worker.kv_layout import KVLayout
+from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value [blocks, ...]
 
@@ -30,24 +33,39 @@ def layout_of(kv_caches: KVCaches) -> KVLayout:
     return KVLayout(len(kv_caches), block_size, num_kv_heads, head_dim, dtype)
 
 
-def read_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> bytes:
-    """The KV of ``block_ids``, in that order, as bytes (layout above)."""
+def read_blocks(
+    kv_caches: KVCaches, block_ids: Sequence[int], out: memoryview | None = None
+) -> bytes:
+    """The KV of ``block_ids``, in that order, as bytes (layout above); with ``out`` (a
+    writable buffer of exactly that size, e.g. shared memory), written there instead, and b""
+    returned."""
+    key = kv_caches[0][0]
+    shape = (len(block_ids), len(kv_caches), 2, *key.shape[1:])
+    if out is not None and len(out) != len(block_ids) * layout_of(kv_caches).bytes_per_block:
+        raise ValueError(f"a buffer of {len(out):,} bytes for {len(block_ids)} blocks")
     if not block_ids:
         return b""
-    key = kv_caches[0][0]
     if key.device.type == "cpu":
         # NOTE: numpy, on the raw bits: torch's CPU indexing runs on its thread pool, which on a
         # busy machine took 8 ms where a plain gather of the same rows takes 0.03 ms.
         ids = np.asarray(block_ids)
-        blocks = np.empty((len(ids), len(kv_caches), 2, *key.shape[1:]), _bits(key))
+        if out is None:
+            blocks = np.empty(shape, _bits(key))
+        else:
+            blocks = np.ndarray(shape, _bits(key), buffer=out)
         for layer, (key_cache, value_cache) in enumerate(kv_caches):
-            blocks[:, layer, 0] = _raw(key_cache)[ids]
-            blocks[:, layer, 1] = _raw(value_cache)[ids]
-        return blocks.tobytes()
+            # NOTE: mode="clip" gathers straight into the strided rows; the default buffers.
+            np.take(_raw(key_cache), ids, axis=0, out=blocks[:, layer, 0], mode="clip")
+            np.take(_raw(value_cache), ids, axis=0, out=blocks[:, layer, 1], mode="clip")
+        return blocks.tobytes() if out is None else b""
     index = torch.tensor(block_ids, device=key.device)
     # [blocks, layers, 2, block_size, heads, dim], gathered on the device, then one copy out.
     on_device = torch.stack([torch.stack((k[index], v[index]), dim=1) for k, v in kv_caches], dim=1)
-    return on_device.cpu().view(torch.uint8).numpy().tobytes()
+    host = on_device.cpu().view(torch.uint8).numpy()
+    if out is None:
+        return host.tobytes()
+    np.frombuffer(out, np.uint8)[:] = host.reshape(-1)
+    return b""
 
 
 def write_blocks(kv_caches: KVCaches, block_ids: Sequence[int], data: bytes) -> None:
@@ -75,6 +93,32 @@ def write_blocks(kv_caches: KVCaches, block_ids: Sequence[int], data: bytes) -> 
     for layer, (key_cache, value_cache) in enumerate(kv_caches):
         key_cache.index_copy_(0, index, on_device[:, layer, 0])
         value_cache.index_copy_(0, index, on_device[:, layer, 1])
+
+
+@contextlib.contextmanager
+def shared_file(path: str, offset: int, size: int, *, writable: bool) -> Iterator[memoryview]:
+    """``size`` bytes at ``offset`` of a file in this host's shared memory, mapped (no copy).
+    ValueError if it cannot be opened (the file is on another host, say) or is too short."""
+    # NOTE: only files made for block transfer: a peer must not get a worker to write over any
+    # other shared memory of its host.
+    if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(SHM_PREFIX):
+        raise ValueError(f"{path!r} is not a block-transfer file ({SHM_DIR}/{SHM_PREFIX}*)")
+    try:
+        file = open(path, "r+b" if writable else "rb")  # noqa: SIM115 (closed below)
+    except OSError as e:
+        raise ValueError(f"cannot open {path}: {e.strerror}") from None
+    # NOTE: MAP_POPULATE maps every page at once; faulting them in one by one cost more than
+    # the copy itself.
+    protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with file, mmap.mmap(file.fileno(), 0, flags=flags, prot=protection) as mapped:
+        if offset < 0 or offset + size > len(mapped):
+            raise ValueError(f"{path} holds {len(mapped):,} bytes, not {offset + size:,}")
+        view = memoryview(mapped)[offset : offset + size]
+        try:
+            yield view
+        finally:
+            view.release()
 
 
 # The unsigned integer type of each element size: a cache's bits, whatever its float type

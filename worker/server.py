@@ -11,11 +11,14 @@ hands back a ``WorkerServer`` to stop later (tests, embedding).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import socket
+import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import grpc
@@ -44,7 +47,7 @@ from kvswitch.worker.engine_client import (
     check_engine_modules,
 )
 from kvswitch.worker.engine_config import EngineConfig
-from kvswitch.worker.kv_layout import KVLayout
+from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.publisher import EventPublisher
 from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
@@ -70,6 +73,8 @@ MAX_HASHES_PER_CHUNK = 65536
 # KV block transfer (FetchBlocks): chunks of whole blocks, this large unless asked otherwise, and
 # never larger than what a peer's channel takes in one message.
 DEFAULT_CHUNK_BYTES = 1 << 20
+# Through shared memory a chunk costs its engine core one copy and no message: larger ones pay.
+SHM_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 32 << 20
 _TRANSFER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20))]
 
@@ -202,9 +207,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics: WorkerMetrics,
         max_hashes_per_chunk: int = 4096,
         peers: PeerChannels | None = None,
+        shm_files: ShmFiles | None = None,
     ) -> None:
         self._engine = engine
         self._peers = peers if peers is not None else PeerChannels()
+        self._shm = shm_files if shm_files is not None else ShmFiles()
         self._worker_id = worker_id
         self._tokenizer = tokenizer  # None: chunks carry no text
         self._metrics = metrics
@@ -320,7 +327,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
     ) -> None:
         layout = self._engine.facts.kv_layout
-        chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        default = SHM_CHUNK_BYTES if request.shm_path else DEFAULT_CHUNK_BYTES
+        chunk_bytes = min(request.max_chunk_bytes or default, MAX_CHUNK_BYTES)
         per_chunk = max(chunk_bytes // layout.bytes_per_block, 1)
         layout_proto = worker_pb2.KVLayout(**dataclasses.asdict(layout))
         hashes = list(request.block_hashes)
@@ -328,10 +336,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # delays no step by more than one chunk's copy.
         for start in range(0, len(hashes), per_chunk):
             wanted = hashes[start : start + per_chunk]
+            # Same host: the core writes the blocks into the asker's shared memory itself.
+            into = (request.shm_path, start * layout.bytes_per_block) if request.shm_path else None
             try:
-                num_found, data = await asyncio.wrap_future(self._engine.read_blocks(wanted))
+                num_found, data = await asyncio.wrap_future(
+                    self._engine.read_blocks(wanted, into=into)
+                )
             except EngineStopped as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             if num_found:
                 await context.write(
                     worker_pb2.KVBlockChunk(
@@ -352,29 +366,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "PullBlocks needs a peer_address and block_hashes"
             )
+        if request.transport not in ("", "shm", "grpc"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"transport must be shm, grpc or empty, got {request.transport!r}",
+            )
         log_extra = {"request_id": request.request_id}
+        transport = request.transport or ("shm" if os.path.isdir(SHM_DIR) else "grpc")
+        num_blocks = num_bytes = 0
         try:
             num_held = await self._num_cached(hashes)
             wanted = hashes[num_held:]  # what is held here already does not move
-            num_blocks = num_bytes = 0
-            if wanted:
-                fetch = self._peers.stub(request.peer_address).FetchBlocks(
-                    worker_pb2.FetchBlocksRequest(
-                        request_id=request.request_id, block_hashes=wanted
-                    ),
-                    timeout=context.time_remaining(),
-                )
-                ours = self._engine.facts.kv_layout
-                async for chunk in fetch:
-                    ours.check_same(_layout_from_proto(chunk.layout))
-                    if chunk.first_block != num_blocks:
-                        raise ValueError(
-                            f"the peer sent block {chunk.first_block} after {num_blocks} blocks"
-                        )
-                    written = wanted[num_blocks : num_blocks + chunk.num_blocks]
-                    await asyncio.wrap_future(self._engine.write_blocks(written, chunk.data))
-                    num_blocks += chunk.num_blocks
-                    num_bytes += len(chunk.data)
+            if not wanted:
+                transport = ""
+            if transport == "shm":
+                try:
+                    num_blocks, num_bytes = await self._pull(request, wanted, context, shm=True)
+                except _ShmRefused:
+                    if request.transport == "shm":
+                        raise
+                    transport = "grpc"  # the peer cannot see this host's shared memory
+            if transport == "grpc":
+                num_blocks, num_bytes = await self._pull(request, wanted, context, shm=False)
             num_cached = await self._num_cached(hashes)
         except EngineStopped as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
@@ -383,12 +396,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"peer {request.peer_address}: {e.code().name}: {e.details()}",
             )
-        except ValueError as e:
+        except (ValueError, _ShmRefused) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.peer_address}: {e}")
         logger.info(
-            "pulled %d blocks (%d bytes) from %s; %d of %d cached here",
+            "pulled %d blocks (%d bytes, %s) from %s; %d of %d cached here",
             num_blocks,
             num_bytes,
+            transport or "none",
             request.peer_address,
             num_cached,
             len(hashes),
@@ -398,7 +412,63 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_cached_blocks=num_cached,
             num_transferred_blocks=num_blocks,
             num_transferred_bytes=num_bytes,
+            transport=transport,
         )
+
+    async def _pull(
+        self,
+        request: worker_pb2.PullBlocksRequest,
+        wanted: list[bytes],
+        context: grpc.aio.ServicerContext,
+        *,
+        shm: bool,
+    ) -> tuple[int, int]:
+        """Fetch ``wanted`` from the peer and write each chunk into the cache as it arrives;
+        (blocks, bytes) moved. With ``shm`` the peer writes the bytes into a shared-memory file
+        of this host instead of sending them (``_ShmRefused`` if it cannot open it)."""
+        ours = self._engine.facts.kv_layout
+        size = ours.bytes_per_block
+        with contextlib.ExitStack() as stack:
+            path = stack.enter_context(self._shm.take(len(wanted) * size)) if shm else ""
+            return await self._fetch(request, wanted, context, path)
+
+    async def _fetch(
+        self,
+        request: worker_pb2.PullBlocksRequest,
+        wanted: list[bytes],
+        context: grpc.aio.ServicerContext,
+        path: str,
+    ) -> tuple[int, int]:
+        ours = self._engine.facts.kv_layout
+        size = ours.bytes_per_block
+        shm = bool(path)
+        num_blocks = num_bytes = 0
+        try:
+            fetch = self._peers.stub(request.peer_address).FetchBlocks(
+                worker_pb2.FetchBlocksRequest(
+                    request_id=request.request_id, block_hashes=wanted, shm_path=path
+                ),
+                timeout=context.time_remaining(),
+            )
+            async for chunk in fetch:
+                ours.check_same(_layout_from_proto(chunk.layout))
+                if chunk.first_block != num_blocks:
+                    raise ValueError(
+                        f"the peer sent block {chunk.first_block} after {num_blocks} blocks"
+                    )
+                written = wanted[num_blocks : num_blocks + chunk.num_blocks]
+                if shm:
+                    source = (path, num_blocks * size)
+                    await asyncio.wrap_future(self._engine.write_blocks_from(written, source))
+                else:
+                    await asyncio.wrap_future(self._engine.write_blocks(written, chunk.data))
+                num_blocks += chunk.num_blocks
+                num_bytes += chunk.num_blocks * size
+        except grpc.aio.AioRpcError as e:
+            if shm and e.code() == grpc.StatusCode.FAILED_PRECONDITION and not num_blocks:
+                raise _ShmRefused(e.details()) from None
+            raise
+        return num_blocks, num_bytes
 
     async def _num_cached(self, block_hashes: list[bytes]) -> int:
         num_found, _ = await asyncio.wrap_future(
@@ -426,6 +496,49 @@ class PeerChannels:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
+
+
+class _ShmRefused(Exception):
+    """The peer could not open this host's shared-memory file: it runs on another host."""
+
+
+class ShmFiles:
+    """Files in this host's shared memory that peers write blocks into, kept between pulls: a
+    new file's pages cost more to fault in than the blocks cost to copy. Each pull takes a file
+    of its own (grown to the size it needs) and gives it back when it finished (one that failed
+    is removed); ``close`` removes them all."""
+
+    def __init__(self) -> None:
+        self._free: list[str] = []
+        self._all: set[str] = set()
+
+    @contextlib.contextmanager
+    def take(self, size: int) -> Iterator[str]:
+        if self._free:
+            path = self._free.pop()
+        else:
+            descriptor, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=SHM_DIR)  # mode 0600
+            os.close(descriptor)
+            self._all.add(path)
+        if os.path.getsize(path) < size:
+            os.truncate(path, size)
+        try:
+            yield path
+        except BaseException:
+            # NOTE: a pull that did not finish may leave a peer still writing into the file:
+            # it is never handed to another pull.
+            self._all.discard(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        self._free.append(path)
+
+    def close(self) -> None:
+        for path in self._all:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._all.clear()
+        self._free.clear()
 
 
 def _layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
@@ -475,6 +588,7 @@ class WorkerServer:
     publisher: EventPublisher | None = None
     metrics_server: MetricsServer | None = None
     peers: PeerChannels | None = None  # channels to the workers this one pulls blocks from
+    shm_files: ShmFiles | None = None  # where same-host peers write the blocks it pulls
     # Set, with the reason, once the engine core has died: the worker can serve nothing more.
     engine_died: asyncio.Future[str] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -495,6 +609,8 @@ class WorkerServer:
         await self.server.stop(grace_s)
         if self.peers is not None:
             await self.peers.close()
+        if self.shm_files is not None:
+            self.shm_files.close()
         await asyncio.to_thread(self.engine.stop)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
@@ -568,7 +684,7 @@ async def _serve_engine(
             raise WorkerStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
-    peers = PeerChannels()
+    peers, shm_files = PeerChannels(), ShmFiles()
     servicer = WorkerServicer(
         engine,
         worker_id=worker_id,
@@ -576,6 +692,7 @@ async def _serve_engine(
         metrics=metrics,
         max_hashes_per_chunk=config.max_hashes_per_chunk,
         peers=peers,
+        shm_files=shm_files,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -610,6 +727,7 @@ async def _serve_engine(
         publisher=publisher,
         metrics_server=metrics_server,
         peers=peers,
+        shm_files=shm_files,
     )
     loop = asyncio.get_running_loop()
     engine.on_death(

@@ -781,7 +781,8 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             transfer_bench.run,
             transfer_bench.TransferBenchConfig,
             TRANSFER_HELP,
-            "cached KV blocks pulled from one worker process into another, GB/s over gRPC",
+            "cached KV blocks pulled from one worker process into another, GB/s over gRPC and "
+            "through shared memory",
         ),
         (
             "routing",

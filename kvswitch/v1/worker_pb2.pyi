@@ -84,14 +84,16 @@ class SnapshotChunk(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., event_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "max_chunk_bytes")
+    __slots__ = ("request_id", "block_hashes", "max_chunk_bytes", "shm_path")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    shm_path: str
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
@@ -120,21 +122,25 @@ class KVBlockChunk(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "peer_address", "block_hashes")
+    __slots__ = ("request_id", "peer_address", "block_hashes", "transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     peer_address: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    transport: str
+    def __init__(self, request_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PullBlocksResponse(_message.Message):
-    __slots__ = ("num_cached_blocks", "num_transferred_blocks", "num_transferred_bytes")
+    __slots__ = ("num_cached_blocks", "num_transferred_blocks", "num_transferred_bytes", "transport")
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     num_cached_blocks: int
     num_transferred_blocks: int
     num_transferred_bytes: int
-    def __init__(self, num_cached_blocks: _Optional[int] = ..., num_transferred_blocks: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, num_cached_blocks: _Optional[int] = ..., num_transferred_blocks: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...

@@ -4,6 +4,7 @@ serves the prompt from its cache token for token as the first did."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import pytest
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.serving import READY_MARK
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX
 from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
 
@@ -45,21 +47,37 @@ def cached(worker: BackgroundWorker) -> set[bytes]:
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
-def pull(taker: BackgroundWorker, holder: BackgroundWorker | str, hashes: list[bytes]):
+def pull(
+    taker: BackgroundWorker,
+    holder: BackgroundWorker | str,
+    hashes: list[bytes],
+    transport: str = "",
+):
     address = holder if isinstance(holder, str) else holder.server.address
     request = worker_pb2.PullBlocksRequest(
-        request_id="pull", peer_address=address, block_hashes=hashes
+        request_id="pull", peer_address=address, block_hashes=hashes, transport=transport
     )
     return taker.stub.PullBlocks(request, timeout=30)
 
 
-def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(pair) -> None:
-    holder, taker = pair
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(transport: str) -> None:
+    holder, taker = BackgroundWorker(CONFIG), BackgroundWorker(CONFIG)
+    try:
+        pull_and_serve(holder, taker, transport)
+    finally:
+        holder.close()
+        taker.close()
+    assert not glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")  # the shared-memory file is gone
+
+
+def pull_and_serve(holder: BackgroundWorker, taker: BackgroundWorker, transport: str) -> None:
     expected, _, _ = holder.generate(PROMPT, max_tokens=8)
     hashes = chain(holder)
     assert len(hashes) == 18
 
-    reply = pull(taker, holder, hashes)
+    reply = pull(taker, holder, hashes, transport)
+    assert reply.transport == transport
     assert (reply.num_cached_blocks, reply.num_transferred_blocks) == (18, 18)
     assert reply.num_transferred_bytes == 18 * BLOCK_BYTES
     assert set(hashes) <= cached(taker)
@@ -70,8 +88,9 @@ def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(pair) -> None:
     assert tokens == expected
     assert final.stats.num_cached_tokens == 18 * BLOCK_SIZE
     # Held already: nothing moves the second time.
-    again = pull(taker, holder, hashes)
+    again = pull(taker, holder, hashes, transport)
     assert (again.num_cached_blocks, again.num_transferred_blocks) == (18, 0)
+    assert again.transport == ""
 
 
 def test_fetch_streams_whole_blocks_in_order_and_stops_where_the_cache_does(pair) -> None:
@@ -89,6 +108,25 @@ def test_fetch_streams_whole_blocks_in_order_and_stops_where_the_cache_does(pair
     assert all(len(c.data) == c.num_blocks * BLOCK_BYTES for c in chunks)
     layout = chunks[0].layout
     assert (layout.num_layers, layout.block_size, layout.dtype) == (2, 16, "float32")
+
+
+def test_a_worker_writes_blocks_into_no_shared_memory_but_a_transfer_file(pair) -> None:
+    holder, _ = pair
+    holder.generate(PROMPT, max_tokens=2)
+    for path, why in [
+        ("/dev/shm/some-other-process", "is not a block-transfer file"),
+        ("/tmp/kvswitch-blocks-x", "is not a block-transfer file"),
+        (f"{SHM_DIR}/{SHM_PREFIX}not-there", "cannot open"),
+    ]:
+        request = worker_pb2.FetchBlocksRequest(block_hashes=chain(holder), shm_path=path)
+        with pytest.raises(grpc.RpcError) as error:
+            list(holder.stub.FetchBlocks(request, timeout=30))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert why in error.value.details()
+    bad = worker_pb2.PullBlocksRequest(peer_address="x:1", block_hashes=[b"1"], transport="rdma")
+    with pytest.raises(grpc.RpcError) as error:
+        holder.stub.PullBlocks(bad, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_peer_that_is_not_there_is_unavailable_and_nothing_is_cached(pair) -> None:
@@ -119,7 +157,10 @@ def test_blocks_of_another_layout_are_refused(pair) -> None:
         other.close()
 
 
-def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order() -> None:
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order(
+    transport: str,
+) -> None:
     """Killed whenever the kill lands (before, during or after the pull), the holder leaves the
     taker with a leading run of the chain, each block byte for byte the holder's, serving the
     prompt from its cache; nothing half-written, nothing out of order."""
@@ -153,7 +194,7 @@ def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order()
         assert len(reference) == num_blocks * BLOCK_BYTES
 
         with ThreadPoolExecutor(1) as pool:
-            pulling = pool.submit(pull, taker, address, hashes)
+            pulling = pool.submit(pull, taker, address, hashes, transport)
             while not (pulling.done() or set(hashes) & cached(taker)):
                 time.sleep(0.001)
             holder.kill()
