@@ -382,7 +382,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if transport == "shm":
                 try:
                     num_blocks, num_bytes = await self._pull(request, wanted, context, shm=True)
-                except _ShmRefused:
+                except ShmRefused:
                     if request.transport == "shm":
                         raise
                     transport = "grpc"  # the peer cannot see this host's shared memory
@@ -396,7 +396,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"peer {request.peer_address}: {e.code().name}: {e.details()}",
             )
-        except (ValueError, _ShmRefused) as e:
+        except (ValueError, ShmRefused) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.peer_address}: {e}")
         logger.info(
             "pulled %d blocks (%d bytes, %s) from %s; %d of %d cached here",
@@ -425,7 +425,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> tuple[int, int]:
         """Fetch ``wanted`` from the peer and write each chunk into the cache as it arrives;
         (blocks, bytes) moved. With ``shm`` the peer writes the bytes into a shared-memory file
-        of this host instead of sending them (``_ShmRefused`` if it cannot open it)."""
+        of this host instead of sending them (``ShmRefused`` if it cannot open it)."""
         ours = self._engine.facts.kv_layout
         size = ours.bytes_per_block
         with contextlib.ExitStack() as stack:
@@ -466,7 +466,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 num_bytes += chunk.num_blocks * size
         except grpc.aio.AioRpcError as e:
             if shm and e.code() == grpc.StatusCode.FAILED_PRECONDITION and not num_blocks:
-                raise _ShmRefused(e.details()) from None
+                raise ShmRefused(e.details()) from None
             raise
         return num_blocks, num_bytes
 
@@ -498,7 +498,7 @@ class PeerChannels:
             await channel.close()
 
 
-class _ShmRefused(Exception):
+class ShmRefused(Exception):
     """The peer could not open this host's shared-memory file: it runs on another host."""
 
 
@@ -520,18 +520,28 @@ class ShmFiles:
             descriptor, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=SHM_DIR)  # mode 0600
             os.close(descriptor)
             self._all.add(path)
-        if os.path.getsize(path) < size:
-            os.truncate(path, size)
+        try:
+            if os.path.getsize(path) < size:
+                # NOTE: allocated now, not on first write: a full /dev/shm (a container's is 64
+                # MiB) fails here, not as a SIGBUS in the peer's engine core mid-copy.
+                with open(path, "r+b") as file:
+                    os.posix_fallocate(file.fileno(), 0, size)
+        except OSError as e:
+            self._drop(path)
+            raise ShmRefused(f"no room for {size:,} bytes in {SHM_DIR}: {e.strerror}") from None
         try:
             yield path
         except BaseException:
             # NOTE: a pull that did not finish may leave a peer still writing into the file:
             # it is never handed to another pull.
-            self._all.discard(path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            self._drop(path)
             raise
         self._free.append(path)
+
+    def _drop(self, path: str) -> None:
+        self._all.discard(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
     def close(self) -> None:
         for path in self._all:

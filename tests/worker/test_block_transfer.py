@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.serving import READY_MARK
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX
-from kvswitch.worker.server import WorkerConfig
+from kvswitch.worker.server import ShmFiles, ShmRefused, WorkerConfig
 from tests.worker.background import BackgroundWorker
 
 BLOCK_SIZE = 16
@@ -216,3 +217,13 @@ def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order(
         holder.kill()
         holder.wait()
         taker.close()
+
+
+def test_no_room_in_shared_memory_is_refused_before_a_peer_writes() -> None:
+    files = ShmFiles()
+    with pytest.raises(ShmRefused, match="no room for"), files.take(1 << 50):
+        pass
+    with files.take(BLOCK_BYTES) as path:
+        assert os.path.getsize(path) == BLOCK_BYTES
+    files.close()
+    assert not glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")
