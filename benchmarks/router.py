@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.router import Router
 from kvswitch.router.workers import WorkerDirectory
-from kvswitch.serving import READY_MARK
+from kvswitch.serving import start_server_process
 from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.v1 import (
     common_pb2,
@@ -166,20 +165,6 @@ def _run_stub_fleet(
     fleet.close()
 
 
-def _start_router() -> tuple[subprocess.Popen, str]:
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch.app.cli", "router", "--port", "0", "--index", "memory://"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert popen.stdout is not None
-    for line in popen.stdout:
-        if READY_MARK in line:
-            return popen, line.split(READY_MARK, 1)[1].strip()
-    raise RuntimeError("the router did not start")
-
-
 def _time_call(call, request) -> float:
     started = time.perf_counter()
     for _ in call(request, timeout=10):
@@ -200,7 +185,7 @@ def run(config: RouterBenchConfig) -> dict[str, object]:
     )
 
     print("starting a router and stub workers ...", file=sys.stderr)
-    router, router_address = _start_router()
+    router, router_address = start_server_process(["router", "--port", "0", "--index", "memory://"])
     # NOTE: the stubs get a process of their own, so that they do not compete with the client
     # threads of this one for the interpreter lock.
     context = multiprocessing.get_context("spawn")

@@ -22,7 +22,6 @@ Every pull is timed from the call to its answer. Figures:
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvswitch.benchmarks.timing import machine_info
-from kvswitch.serving import READY_MARK
+from kvswitch.serving import start_server_process
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,9 @@ def run(config: TransferBenchConfig) -> dict[str, object]:
     # Room for every prompt on both workers, with some to spare.
     num_blocks = config.num_prompts * (config.prompt_tokens // BLOCK_SIZE + 8) + 64
     kv_cache_bytes = num_blocks * (32 << 10)
-    workers = [_start_worker(kv_cache_bytes) for _ in range(3)]
+    args = ["worker", "--port", "0", "--kv-cache-bytes", str(kv_cache_bytes)]
+    args += ["--block-size", str(BLOCK_SIZE), "--model", "random:tiny-long"]
+    workers = [start_server_process(args) for _ in range(3)]
     try:
         holder_address = workers[0][1]
         holder, *takers = (
@@ -141,33 +142,6 @@ def _pull_all(
         num_blocks += reply.num_transferred_blocks
         num_bytes += reply.num_transferred_bytes
     return num_blocks, num_bytes, seconds
-
-
-def _start_worker(kv_cache_bytes: int) -> tuple[subprocess.Popen, str]:
-    popen = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvswitch.app.cli",
-            "worker",
-            "--port",
-            "0",
-            "--kv-cache-bytes",
-            str(kv_cache_bytes),
-            "--block-size",
-            str(BLOCK_SIZE),
-            "--model",
-            "random:tiny-long",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert popen.stdout is not None
-    for line in popen.stdout:
-        if READY_MARK in line:
-            return popen, line.split(READY_MARK, 1)[1].strip()
-    raise RuntimeError("a worker did not start")
 
 
 def _copy_gbps() -> float:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 from collections.abc import Coroutine
 from typing import Any
 
@@ -15,6 +17,23 @@ READY_MARK = "listening on "
 def announce_ready(what: str, address: str) -> None:
     """Print the line that tells a launcher this server is up and where."""
     print(f"kvswitch {what} {READY_MARK}{address}", flush=True)
+
+
+def start_server_process(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """Run ``kvswitch ARGS`` (a server command) in a process of its own, its stderr dropped, and
+    return it with its address once it says it serves; RuntimeError if it exits first."""
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kvswitch.app.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert popen.stdout is not None
+    for line in popen.stdout:
+        if READY_MARK in line:
+            return popen, line.split(READY_MARK, 1)[1].strip()
+    popen.wait()
+    raise RuntimeError(f"kvswitch {' '.join(args)} exited with {popen.returncode} before serving")
 
 
 async def wait_for_stop_signal() -> None:

@@ -69,7 +69,7 @@ class EngineCore:
         self._input = threading.Thread(target=self._read, name="engine-core-input", daemon=True)
         engine.max_model_len  # noqa: B018  (computed once here, read by the input thread)
         self._num_failed_steps = 0
-        self._outputs = StepOutputs()
+        self._outputs = StepOutputs()  # of the one step since the last STEP message
         self._failed: list[list[Any]] = []
         # From the end of a step that left work behind to the start of the next one: what
         # receiving and admitting requests, and sending outputs, cost the running requests.
@@ -259,7 +259,7 @@ class EngineCore:
             self._num_failed_steps += 1
             self._fail_all(wire.Failure.STEP_FAILED, "the engine failed while running this request")
             return
-        self._outputs.extend(outputs)
+        self._outputs = outputs
 
     def _fail_all(self, why: wire.Failure, message: str) -> None:
         for request_id in list(self.engine.requests):

@@ -107,18 +107,23 @@ def shared_file(path: str, offset: int, size: int, *, writable: bool) -> Iterato
         file = open(path, "r+b" if writable else "rb")  # noqa: SIM115 (closed below)
     except OSError as e:
         raise ValueError(f"cannot open {path}: {e.strerror}") from None
-    # NOTE: MAP_POPULATE maps every page at once; faulting them in one by one cost more than
-    # the copy itself.
-    protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    with file, mmap.mmap(file.fileno(), 0, flags=flags, prot=protection) as mapped:
-        if offset < 0 or offset + size > len(mapped):
-            raise ValueError(f"{path} holds {len(mapped):,} bytes, not {offset + size:,}")
-        view = memoryview(mapped)[offset : offset + size]
-        try:
-            yield view
-        finally:
-            view.release()
+    with file:
+        file_size = os.fstat(file.fileno()).st_size
+        if offset < 0 or size <= 0 or offset + size > file_size:
+            raise ValueError(f"{path} holds {file_size:,} bytes, not {offset + size:,}")
+        # NOTE: only the chunk's pages, all mapped at once (MAP_POPULATE): faulting them in one
+        # by one cost more than the copy itself.
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(
+            file.fileno(), offset + size - start, flags=flags, prot=protection, offset=start
+        ) as mapped:
+            view = memoryview(mapped)[offset - start :]
+            try:
+                yield view
+            finally:
+                view.release()
 
 
 # The unsigned integer type of each element size: a cache's bits, whatever its float type
@@ -130,7 +135,9 @@ def _bits(tensor: torch.Tensor) -> type[np.unsignedinteger]:
     return _BITS[tensor.element_size()]
 
 
+_TORCH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _raw(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as an array of same-size integers (shared, not copied)."""
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return tensor.view(as_int[tensor.element_size()]).numpy().view(_bits(tensor))
+    return tensor.view(_TORCH_INTS[tensor.element_size()]).numpy().view(_bits(tensor))

@@ -248,12 +248,12 @@ class FirstToken:
 
 @dataclass(slots=True)
 class StepOutputs:
-    """What one or more steps produced, in columns: ``request_ids[i]`` produced ``token_ids[i]``.
+    """What one step produced, in columns: ``request_ids[i]`` produced ``token_ids[i]``, each
+    request once.
 
     The few requests that produced their first token (``first``) or finished (``finished``) are
-    listed apart, so a step of decodes builds no object per request. A request may appear more
-    than once when the outputs of several steps are joined (``extend``). Iterating gives one
-    ``RequestOutput`` per entry, in order.
+    listed apart, so a step of decodes builds no object per request. Iterating gives one
+    ``RequestOutput`` per request, in order.
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -266,28 +266,15 @@ class StepOutputs:
 
     def __iter__(self) -> Iterator[RequestOutput]:
         first, finished = self.first, self.finished
-        # A request's figures go with its first entry, its finish with its last.
-        last = {request_id: i for i, request_id in enumerate(self.request_ids)}
-        seen: set[str] = set()
-        for i, (request_id, token_id) in enumerate(
-            zip(self.request_ids, self.token_ids, strict=True)
-        ):
-            reason = finished.get(request_id) if last[request_id] == i else None
+        for request_id, token_id in zip(self.request_ids, self.token_ids, strict=True):
+            reason = finished.get(request_id)
             output = RequestOutput(request_id, [token_id], reason is not None, reason)
             figures = first.get(request_id)
-            if figures is not None and request_id not in seen:
+            if figures is not None:
                 output.num_prompt_tokens = figures.num_prompt_tokens
                 output.num_cached_tokens = figures.num_cached_tokens
                 output.ttft_s = figures.ttft_s
-            seen.add(request_id)
             yield output
-
-    def extend(self, other: StepOutputs) -> None:
-        """Append a later step's outputs."""
-        self.request_ids += other.request_ids
-        self.token_ids += other.token_ids
-        self.first.update(other.first)
-        self.finished.update(other.finished)
 
 
 class StepFailed(RuntimeError):

@@ -426,10 +426,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Fetch ``wanted`` from the peer and write each chunk into the cache as it arrives;
         (blocks, bytes) moved. With ``shm`` the peer writes the bytes into a shared-memory file
         of this host instead of sending them (``ShmRefused`` if it cannot open it)."""
-        ours = self._engine.facts.kv_layout
-        size = ours.bytes_per_block
-        with contextlib.ExitStack() as stack:
-            path = stack.enter_context(self._shm.take(len(wanted) * size)) if shm else ""
+        if not shm:
+            return await self._fetch(request, wanted, context, path="")
+        with self._shm.take(len(wanted) * self._engine.facts.kv_layout.bytes_per_block) as path:
             return await self._fetch(request, wanted, context, path)
 
     async def _fetch(
@@ -439,6 +438,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext,
         path: str,
     ) -> tuple[int, int]:
+        """``_pull``'s work; ``path``: the shared-memory file, or "" to stream."""
         ours = self._engine.facts.kv_layout
         size = ours.bytes_per_block
         shm = bool(path)

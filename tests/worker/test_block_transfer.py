@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvswitch.cache_index.hashing import hash_prompt_blocks
-from kvswitch.serving import READY_MARK
+from kvswitch.serving import start_server_process
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX
 from kvswitch.worker.server import ShmFiles, ShmRefused, WorkerConfig
@@ -63,13 +61,18 @@ def pull(
 
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(transport: str) -> None:
+    before = transfer_files()
     holder, taker = BackgroundWorker(CONFIG), BackgroundWorker(CONFIG)
     try:
         pull_and_serve(holder, taker, transport)
     finally:
         holder.close()
         taker.close()
-    assert not glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")  # the shared-memory file is gone
+    assert transfer_files() <= before  # the shared-memory file went with the worker
+
+
+def transfer_files() -> set[str]:
+    return set(glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*"))
 
 
 def pull_and_serve(holder: BackgroundWorker, taker: BackgroundWorker, transport: str) -> None:
@@ -168,18 +171,11 @@ def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order(
     num_blocks = 512
     prompt = [256, *np.random.default_rng(7).integers(0, 256, num_blocks * BLOCK_SIZE - 1).tolist()]
     kv_cache_bytes = 600 * BLOCK_BYTES
-    command = ["worker", "--port", "0", "--kv-cache-bytes", str(kv_cache_bytes)]
-    holder = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch.app.cli", *command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+    holder, address = start_server_process(
+        ["worker", "--port", "0", "--kv-cache-bytes", str(kv_cache_bytes)]
     )
     taker = BackgroundWorker(dataclasses.replace(CONFIG, kv_cache_bytes=kv_cache_bytes))
     try:
-        line = holder.stdout.readline()
-        assert READY_MARK in line
-        address = line.split(READY_MARK, 1)[1].strip()
         with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             holder_stub = worker_pb2_grpc.WorkerStub(channel)
             request = worker_pb2.WorkerGenerateRequest(
@@ -220,10 +216,14 @@ def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order(
 
 
 def test_no_room_in_shared_memory_is_refused_before_a_peer_writes() -> None:
+    before = transfer_files()
     files = ShmFiles()
-    with pytest.raises(ShmRefused, match="no room for"), files.take(1 << 50):
-        pass
-    with files.take(BLOCK_BYTES) as path:
-        assert os.path.getsize(path) == BLOCK_BYTES
-    files.close()
-    assert not glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")
+    try:
+        with pytest.raises(ShmRefused, match="no room for"), files.take(1 << 50):
+            pass
+        assert transfer_files() <= before  # the refused file is gone at once
+        with files.take(BLOCK_BYTES) as path:
+            assert os.path.getsize(path) == BLOCK_BYTES
+    finally:
+        files.close()
+    assert transfer_files() <= before

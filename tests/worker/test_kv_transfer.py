@@ -4,6 +4,8 @@ prompt from its cache, token for token as the first did, and its pool stays cons
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from kvswitch.cache_index.events import BlockStored
 from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.engine_client import EngineClient
-from kvswitch.worker.kv_layout import KVLayout
+from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
 from kvswitch.worker.request import SamplingParams
 
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
@@ -141,3 +143,25 @@ def test_engine_cores_in_their_own_processes_move_blocks_between_steps() -> None
     finally:
         source.stop()
         target.stop()
+
+
+def test_blocks_cross_shared_memory_at_any_offset(tmp_path) -> None:
+    source, target = engine(), engine()
+    source.generate([PROMPT], GREEDY)
+    chain = hashes(source)
+    _, expected = source.read_cached_blocks(chain)
+    descriptor, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=SHM_DIR)
+    try:
+        os.ftruncate(descriptor, 100 + 18 * BLOCK_BYTES)  # an offset no page starts at
+        # Two chunks, as a fetch in chunks writes them: blocks 0-6, then 7-17.
+        for first, end in ((0, 7), (7, 18)):
+            into = (path, 100 + first * BLOCK_BYTES)
+            assert source.read_cached_blocks(chain[first:end], into=into) == (end - first, b"")
+            assert target.write_cached_blocks_from(chain[first:end], into) == end - first
+        assert target.read_cached_blocks(chain) == (18, expected)
+        check(target)
+        with pytest.raises(ValueError, match="holds"):
+            target.write_cached_blocks_from(chain, (path, 200))  # past the file's end
+    finally:
+        os.close(descriptor)
+        os.unlink(path)
