@@ -7,10 +7,13 @@ sent, which the cache-event numbering relies on.
 Serving process to core::
 
     [ADD, request_id, prompt (little-endian uint32 bytes), block_hashes, params, cache_salt,
-     num_resumed_tokens]
+     num_resumed_tokens, hold_s]
     [ABORT, request_id]
+    [RELEASE, lease_id]                a finished request's blocks, held for a peer, can go
     [SNAPSHOT, call_id]
-    [READ_BLOCKS, call_id, block_hashes, with_data, into]  into: None or [shm path, offset]
+    [READ_BLOCKS, call_id, block_hashes, with_data, into, lease_id]
+                                       into: None or [shm path, offset]; lease_id: None or the
+                                       lease to extend
     [WRITE_BLOCKS, call_id, block_hashes]  + the blocks' bytes as a second frame
     [WRITE_BLOCKS_FROM, call_id, block_hashes, [shm path, offset]]
     [STOP]
@@ -50,7 +53,7 @@ from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, StepOutputs
 
 # Serving process -> core.
-ADD, ABORT, SNAPSHOT, STOP, READ_BLOCKS, WRITE_BLOCKS, WRITE_BLOCKS_FROM = range(7)
+ADD, ABORT, SNAPSHOT, STOP, READ_BLOCKS, WRITE_BLOCKS, WRITE_BLOCKS_FROM, RELEASE = range(8)
 # Core -> serving process.
 READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED, REPLY = range(10, 16)
 

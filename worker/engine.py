@@ -37,6 +37,7 @@ from kvswitch.worker.request import (
     SamplingParams,
     StepFailed,
     StepOutputs,
+    check_hold,
     check_prompt,
 )
 from kvswitch.worker.sampler import Sampler, make_generator, seed_for_position
@@ -138,6 +139,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
         block_hashes: list[bytes] | None = None,
+        hold_s: float = 0.0,
     ) -> Request:
         """The request ``add_request`` would queue, checked (ValueError) but not queued. It reads
         only what never changes in the engine, so any thread may call it.
@@ -145,8 +147,10 @@ class LLMEngine:
         ``num_resumed_tokens``: the last this-many prompt tokens are output the request already
         produced elsewhere; a seeded request samples its next token as the one after them.
         ``block_hashes``: the prompt's chain (``self.hasher(cache_salt)``), when the caller
-        hashed it already.
+        hashed it already. ``hold_s``: once finished, the request's cached blocks are held this
+        long under a lease named by its id, for a peer to copy (``release_lease``).
         """
+        check_hold(hold_s)
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len, num_resumed_tokens)
         if lora is not None:
@@ -160,6 +164,7 @@ class LLMEngine:
             block_hashes=block_hashes,
         )
         request.num_resumed_tokens = num_resumed_tokens
+        request.hold_s = hold_s
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         request.stop_token_ids |= self._eos_token_ids
         return request
@@ -197,16 +202,29 @@ class LLMEngine:
         """How this engine's blocks travel as bytes (``kv_transfer``)."""
         return layout_of(self.runner.kv_caches)
 
+    def release_lease(self, lease_id: str) -> bool:
+        """Let the blocks a finished request held for a peer go; False if none are held."""
+        return self.kv_cache.release(lease_id)
+
+    def release_expired_leases(self) -> list[str]:
+        """Release the leases whose time is up; their ids."""
+        return self.kv_cache.release_expired(time.monotonic())
+
     def read_cached_blocks(
         self,
         block_hashes: Sequence[bytes],
         with_data: bool = True,
         into: tuple[str, int] | None = None,
+        lease_id: str | None = None,
     ) -> tuple[int, bytes]:
         """How many leading blocks of ``block_hashes`` this engine holds cached, and their KV as
         bytes (``kv_transfer``'s layout; empty without ``with_data``). With ``into`` (a file of
         this host's shared memory and an offset), the bytes are written there and b"" returned.
-        Changes nothing in the cache: not even the blocks' eviction order."""
+        Changes nothing in the cache: not even the blocks' eviction order. ``lease_id``: the
+        lease the blocks are read under, extended by a lease's length (a peer still wants them).
+        """
+        if lease_id is not None:
+            self.kv_cache.extend(lease_id, time.monotonic())
         block_ids = []
         for block_hash in block_hashes:
             block = self.kv_cache.pool.get_cached_block(block_hash)
@@ -394,6 +412,8 @@ class LLMEngine:
             else:
                 continue
             request.finish_reason = finished[request.request_id] = reason
+            if request.hold_s:
+                self.kv_cache.hold(request, request.request_id, now, request.hold_s)
             self.scheduler.remove(request)
             del self.requests[request.request_id]
         return outputs

@@ -48,7 +48,13 @@ from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, StepGap
 from kvswitch.worker.engine_core import build_and_run, core_process_main
 from kvswitch.worker.kv_layout import KVLayout
-from kvswitch.worker.request import RequestOutput, SamplingParams, StepOutputs, check_prompt
+from kvswitch.worker.request import (
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    check_hold,
+    check_prompt,
+)
 
 if TYPE_CHECKING:
     from kvswitch.worker.engine_config import EngineConfig
@@ -307,8 +313,11 @@ class EngineClient:
         lora: str | None = None,
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
+        hold_s: float = 0.0,
     ) -> asyncio.Queue[RequestOutput | EngineError]:
         """Queue a request in the engine and return the queue its outputs will arrive on.
+        ``hold_s``: once it finished, hold its cached blocks this long for a peer to fetch, under
+        a lease named by ``request_id`` (``release``).
 
         Raises ValueError (a message for the user) if the request can never run, and
         ``EngineStopped`` if the engine is stopping or gone; nothing is queued then.
@@ -318,10 +327,10 @@ class EngineClient:
         check_prompt(prompt, facts.vocab_size, facts.max_model_len, num_resumed_tokens)
         if lora is not None:
             raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
+        check_hold(hold_s)
         # Checked, so in range: converted once, for the hashes and the wire alike.
         prompt = prompt.astype("<u4", copy=False)
-        hasher = BlockHasher(facts.namespace, facts.block_size, cache_salt=cache_salt)
-        block_hashes = hasher.hash_blocks(prompt)
+        block_hashes = self.hasher(cache_salt).hash_blocks(prompt)
         message = wire.pack(
             [
                 wire.ADD,
@@ -331,6 +340,7 @@ class EngineClient:
                 wire.params_to_wire(params),
                 cache_salt,
                 num_resumed_tokens,
+                hold_s,
             ]
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -350,6 +360,17 @@ class EngineClient:
             with contextlib.suppress(EngineStopped):
                 self._send(wire.pack([wire.ABORT, request_id]))
 
+    def release(self, lease_id: str) -> None:
+        """Let the blocks a finished request held for a peer (``submit``'s ``hold_s``) go."""
+        with self._lock:
+            if self._ended is None:
+                with contextlib.suppress(EngineStopped):
+                    self._send(wire.pack([wire.RELEASE, lease_id]))
+
+    def hasher(self, cache_salt: str | None = None) -> BlockHasher:
+        """What names this engine's blocks for a request with this salt."""
+        return BlockHasher(self.facts.namespace, self.facts.block_size, cache_salt=cache_salt)
+
     def snapshot(self) -> Future[tuple[int, list[bytes]]]:
         """``(event_seq, every cached block hash)``, consistent with each other."""
         return self._call([wire.SNAPSHOT])
@@ -360,11 +381,13 @@ class EngineClient:
         *,
         with_data: bool = True,
         into: tuple[str, int] | None = None,
+        lease_id: str | None = None,
     ) -> Future[tuple[int, memoryview]]:
         """How many leading blocks of ``block_hashes`` the core holds cached, and their KV as
         bytes (``LLMEngine.read_cached_blocks``), read between two steps; no bytes without
-        ``with_data``, or when written ``into`` shared memory (path, offset) instead."""
-        return self._call([wire.READ_BLOCKS], block_hashes, with_data, into)
+        ``with_data``, or when written ``into`` shared memory (path, offset) instead.
+        ``lease_id``: the lease they are held under, extended (the reader still wants them)."""
+        return self._call([wire.READ_BLOCKS], block_hashes, with_data, into, lease_id)
 
     def write_blocks(self, block_hashes: list[bytes], data: bytes | memoryview) -> Future[int]:
         """Put blocks read from a worker of the same layout into the core's prefix cache

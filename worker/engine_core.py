@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import queue
 import signal
@@ -112,8 +113,14 @@ class EngineCore:
                 timeout = _IDLE_WAIT_S if idle else 0.0
             else:
                 timeout = _ORPHAN_CHECK_S if parent_pid is not None else None
+            lease_end_s = engine.kv_cache.next_lease_end_s
+            if lease_end_s is not None:
+                # NOTE: woken when the first lease runs out, so that a peer that never came for
+                # the blocks frees them on time even on an idle worker.
+                timeout = min(max(lease_end_s - time.monotonic(), 0.0), timeout or math.inf)
             commands = self._take_commands(timeout)
-            if not commands and not engine.has_unfinished():
+            num_released = len(engine.release_expired_leases()) if lease_end_s is not None else 0
+            if not commands and not engine.has_unfinished() and not num_released:
                 continue
             commands_start = time.perf_counter()
             if not self._run_commands(commands):
@@ -159,6 +166,7 @@ class EngineCore:
         params: list[Any],
         cache_salt: str | None,
         num_resumed_tokens: int,
+        hold_s: float,
     ) -> Request | tuple[str, str]:
         """The request, or ``(request_id, why it cannot run)``."""
         try:
@@ -169,6 +177,7 @@ class EngineCore:
                 cache_salt=cache_salt,
                 num_resumed_tokens=num_resumed_tokens,
                 block_hashes=block_hashes,
+                hold_s=hold_s,
             )
         except ValueError as e:
             return request_id, str(e)
@@ -195,6 +204,8 @@ class EngineCore:
             elif kind == wire.ABORT:
                 if self.engine.abort(message[1]):
                     logger.info("request %s: aborted", message[1])
+            elif kind == wire.RELEASE:
+                self.engine.release_lease(message[1])
             elif kind == wire.SNAPSHOT:
                 # Every event before the snapshot travels first, in a STEP of its own.
                 self._send_step()

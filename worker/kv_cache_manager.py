@@ -8,6 +8,11 @@ The scheduler talks to this class only; it never sees the pool. A new request is
 and every later step calls ``allocate_slots(request, num_new)`` for the tokens it will compute.
 ``free(request)`` returns its blocks, end of the chain first, so that the end is evicted first.
 
+A finished request's cached blocks may be held under a lease (``hold``) until a peer worker has
+copied them (disaggregated prefill): a leased block cannot be evicted. ``release`` lets them go,
+and so does ``release_expired`` once the lease's time is up, so that a peer that never comes
+cannot pin them for long.
+
 Blocks are cached when they are allocated, before the forward pass writes their KV, so that
 requests in the same step can share them. The step then settles them: ``commit()`` once the
 forward pass wrote them, or ``discard_uncommitted()`` when it failed, which takes their hashes
@@ -37,6 +42,13 @@ class PrefixCacheStats:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
+@dataclass(slots=True)
+class _Lease:
+    blocks: list[KVBlock]
+    hold_s: float  # how long each extension keeps them
+    until_s: float  # time.monotonic() at which they are let go
+
+
 class KVCacheManager:
     """Maps each running request to its blocks and caches every block the moment it is full."""
 
@@ -54,6 +66,8 @@ class KVCacheManager:
         self._req_to_num_cached_blocks: dict[str, int] = {}
         # Blocks cached since the last commit, with the hash each got: their KV is not written yet.
         self._uncommitted: list[tuple[KVBlock, bytes]] = []
+        # Blocks held for a peer, by lease id, with when the lease runs out (time.monotonic).
+        self._leases: dict[str, _Lease] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,6 +165,53 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    # -- leases --------------------------------------------------------------------------------
+
+    def hold(self, request: Request, lease_id: str, now_s: float, hold_s: float) -> int:
+        """Keep the request's cached blocks from eviction for ``hold_s`` from ``now_s`` (or
+        until ``release``), under ``lease_id``; call before ``free(request)``. Returns how many
+        blocks are held. A lease id already held is released first."""
+        self.release(lease_id)
+        blocks = self._req_to_blocks.get(request.request_id, [])
+        held = blocks[: self._req_to_num_cached_blocks.get(request.request_id, 0)]
+        self.pool.touch(held)
+        self._leases[lease_id] = _Lease(held, hold_s, now_s + hold_s)
+        return len(held)
+
+    def extend(self, lease_id: str, now_s: float) -> bool:
+        """Start a lease's time again from ``now_s`` (a peer still wants its blocks); False if
+        no such lease is held."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        lease.until_s = max(lease.until_s, now_s + lease.hold_s)
+        return True
+
+    def release(self, lease_id: str) -> bool:
+        """Let a lease's blocks go (still cached, evictable, end of the chain first); False if
+        no such lease is held."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self.pool.free_blocks(reversed(lease.blocks))
+        return True
+
+    def release_expired(self, now_s: float) -> list[str]:
+        """Release every lease whose end is not after ``now_s``; their ids."""
+        expired = [lease_id for lease_id, lease in self._leases.items() if lease.until_s <= now_s]
+        for lease_id in expired:
+            self.release(lease_id)
+        return expired
+
+    @property
+    def next_lease_end_s(self) -> float | None:
+        """When the first lease runs out (``time.monotonic``); None when none is held."""
+        return min((lease.until_s for lease in self._leases.values()), default=None)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
     def commit(self) -> None:
         """The forward pass wrote the KV of every block cached since the last commit."""
         self._uncommitted.clear()
@@ -190,9 +251,14 @@ class KVCacheManager:
                     f"request {request_id!r} block #{i} (id {block.block_id}): cached={cached}, "
                     f"expected {i < num_cached}"
                 )
+        for lease_id, lease in self._leases.items():
+            for block in lease.blocks:
+                refs[block.block_id] += 1
+                assert block.block_hash is not None, f"lease {lease_id!r} holds uncached {block}"
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
-                f"block {block.block_id}: ref {block.ref_cnt} but in {refs[block.block_id]} tables"
+                f"block {block.block_id}: ref {block.ref_cnt} but in "
+                f"{refs[block.block_id]} tables and leases"
             )
         assert len(self.block_tables) == len(self._req_to_blocks), "a stale block-table row"
         for request_id, blocks in self._req_to_blocks.items():

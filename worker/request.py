@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed, as the protocol does
+MAX_HOLD_S = 600.0  # the longest a finished request's blocks may be held for a peer
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class Request:
         "first_token_s",
         "generator",
         "hasher",
+        "hold_s",
         "last_token_id",
         "max_num_tokens",
         "num_cached_tokens",
@@ -149,6 +151,8 @@ class Request:
         self.num_preemptions = 0
         # Trailing prompt tokens that are output produced elsewhere (a resumed stream).
         self.num_resumed_tokens = 0
+        # Once finished, hold the cached blocks this long for a peer to copy (0: do not).
+        self.hold_s = 0.0
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
 
@@ -196,6 +200,12 @@ class Request:
         self.last_token_id = int(self._tokens[end - 1])
         if end // self.hasher.block_size > len(self.block_hashes):
             self.block_hashes += self.hasher.hash_blocks(self.token_ids, self.block_hashes)
+
+
+def check_hold(hold_s: float) -> None:
+    """ValueError unless ``hold_s`` is a lease length a request may ask for."""
+    if not 0 <= hold_s <= MAX_HOLD_S:
+        raise ValueError(f"a lease lasts 0 to {MAX_HOLD_S:g} s, not {hold_s:g}")
 
 
 def check_prompt(

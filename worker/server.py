@@ -11,14 +11,12 @@ hands back a ``WorkerServer`` to stop later (tests, embedding).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
+import math
 import socket
-import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import cast
 
 import grpc
@@ -37,6 +35,7 @@ from kvswitch.tokenizer import (
     load_tokenizer,
 )
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.worker.block_transfer import TRANSPORTS, BlockTransfers, PullResult, ShmRefused
 from kvswitch.worker.engine_client import (
     EngineClient,
     EngineDied,
@@ -47,7 +46,6 @@ from kvswitch.worker.engine_client import (
     check_engine_modules,
 )
 from kvswitch.worker.engine_config import EngineConfig
-from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.publisher import EventPublisher
 from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
@@ -70,13 +68,6 @@ SERVICE_NAME = "kvswitch.v1.Worker"  # its health-check name
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this
 # 64K hashes of 16 bytes make a 1 MiB message, well under gRPC's default 4 MiB limit.
 MAX_HASHES_PER_CHUNK = 65536
-# KV block transfer (FetchBlocks): chunks of whole blocks, this large unless asked otherwise, and
-# never larger than what a peer's channel takes in one message.
-DEFAULT_CHUNK_BYTES = 1 << 20
-# Through shared memory a chunk costs its engine core one copy and no message: larger ones pay.
-SHM_CHUNK_BYTES = 16 << 20
-MAX_CHUNK_BYTES = 32 << 20
-_TRANSFER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20))]
 
 _FINISH_REASON_TO_PROTO = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -104,7 +95,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
     index: str = ""  # block-hash index URL to publish cache events to; empty = none
-    role: str = "both"  # what the router may send here; only "both" is served so far
+    # What the router sends here: whole requests ("both"), prompts to prefill for a decode
+    # worker ("prefill"), or requests whose prompt another worker prefilled ("decode").
+    role: str = "both"
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
     metrics_port: int = -1  # Prometheus /metrics on host:metrics_port; -1 = none, 0 = a free port
     # Run the engine core on a thread of the serving process instead of a process of its own:
@@ -127,13 +120,6 @@ class WorkerConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.role != "both":
-            # NOTE: the index and the protocol know the roles already; the router would never
-            # send such a worker anything, so it would sit idle.
-            raise ValueError(
-                f"role {self.role!r} is not served yet: prefill-only and decode-only workers come "
-                "with disaggregated prefill; use role both"
-            )
         # The engine's own configs check the rest, with their messages.
         self.engine_config()
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
@@ -206,12 +192,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         tokenizer: Tokenizer | None,
         metrics: WorkerMetrics,
         max_hashes_per_chunk: int = 4096,
-        peers: PeerChannels | None = None,
-        shm_files: ShmFiles | None = None,
+        transfers: BlockTransfers | None = None,
     ) -> None:
         self._engine = engine
-        self._peers = peers if peers is not None else PeerChannels()
-        self._shm = shm_files if shm_files is not None else ShmFiles()
+        self._transfers = transfers if transfers is not None else BlockTransfers(engine)
         self._worker_id = worker_id
         self._tokenizer = tokenizer  # None: chunks carry no text
         self._metrics = metrics
@@ -224,9 +208,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # raises CancelledError inside this coroutine and the `finally` below always runs.
         request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
         log_extra = {"request_id": request_id}
+        num_transferred_blocks = 0
         try:
             prompt_token_ids = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
+            if request.HasField("kv_source"):
+                _check_kv_source(request.kv_source)
+                num_transferred_blocks = await self._take_prefill(
+                    request_id, prompt_token_ids, request.cache_salt, request.kv_source, context
+                )
             queue = await self._engine.submit(
                 request_id,
                 prompt_token_ids,
@@ -234,6 +224,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 lora=request.lora or None,
                 cache_salt=request.cache_salt or None,
                 num_resumed_tokens=request.num_resumed_tokens,
+                hold_s=request.hold_blocks_ms / 1000,
             )
         except EngineStopped as e:
             self._metrics.requests.finished("rejected")
@@ -246,7 +237,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         decoder = IncrementalDecoder(self._tokenizer, prompt_token_ids) if self._tokenizer else None
         stats = common_pb2.RequestStats(
-            worker_id=self._worker_id, num_prompt_tokens=len(prompt_token_ids)
+            worker_id=self._worker_id,
+            num_prompt_tokens=len(prompt_token_ids),
+            num_transferred_blocks=num_transferred_blocks,
         )
         done = False  # the engine is finished with the request
         finish_reason = "abort"  # until the engine says otherwise: the RPC was cancelled
@@ -326,37 +319,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def FetchBlocks(
         self, request: worker_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        layout = self._engine.facts.kv_layout
-        default = SHM_CHUNK_BYTES if request.shm_path else DEFAULT_CHUNK_BYTES
-        chunk_bytes = min(request.max_chunk_bytes or default, MAX_CHUNK_BYTES)
-        per_chunk = max(chunk_bytes // layout.bytes_per_block, 1)
-        layout_proto = worker_pb2.KVLayout(**dataclasses.asdict(layout))
-        hashes = list(request.block_hashes)
-        # NOTE: one chunk read at a time, each between two of the core's steps: a long chain
-        # delays no step by more than one chunk's copy.
-        for start in range(0, len(hashes), per_chunk):
-            wanted = hashes[start : start + per_chunk]
-            # Same host: the core writes the blocks into the asker's shared memory itself.
-            into = (request.shm_path, start * layout.bytes_per_block) if request.shm_path else None
-            try:
-                num_found, data = await asyncio.wrap_future(
-                    self._engine.read_blocks(wanted, into=into)
-                )
-            except EngineStopped as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            if num_found:
-                await context.write(
-                    worker_pb2.KVBlockChunk(
-                        layout=layout_proto,
-                        first_block=start,
-                        num_blocks=num_found,
-                        data=bytes(data),  # protobuf takes bytes only: the one copy here
-                    )
-                )
-            if num_found < len(wanted):
-                return  # the chain's cached part ends here
+        try:
+            await self._transfers.send(request, context)
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     async def PullBlocks(
         self, request: worker_pb2.PullBlocksRequest, context: grpc.aio.ServicerContext
@@ -366,29 +334,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "PullBlocks needs a peer_address and block_hashes"
             )
-        if request.transport not in ("", "shm", "grpc"):
+        if request.transport not in TRANSPORTS:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"transport must be shm, grpc or empty, got {request.transport!r}",
             )
-        log_extra = {"request_id": request.request_id}
-        transport = request.transport or ("shm" if os.path.isdir(SHM_DIR) else "grpc")
-        num_blocks = num_bytes = 0
         try:
-            num_held = await self._num_cached(hashes)
-            wanted = hashes[num_held:]  # what is held here already does not move
-            if not wanted:
-                transport = ""
-            if transport == "shm":
-                try:
-                    num_blocks, num_bytes = await self._pull(request, wanted, context, shm=True)
-                except ShmRefused:
-                    if request.transport == "shm":
-                        raise
-                    transport = "grpc"  # the peer cannot see this host's shared memory
-            if transport == "grpc":
-                num_blocks, num_bytes = await self._pull(request, wanted, context, shm=False)
-            num_cached = await self._num_cached(hashes)
+            pulled = await self._transfers.pull(
+                request.peer_address,
+                hashes,
+                transport=request.transport,
+                request_id=request.request_id,
+                timeout_s=context.time_remaining(),
+            )
         except EngineStopped as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
         except grpc.aio.AioRpcError as e:
@@ -398,162 +356,82 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         except (ValueError, ShmRefused) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.peer_address}: {e}")
-        logger.info(
-            "pulled %d blocks (%d bytes, %s) from %s; %d of %d cached here",
-            num_blocks,
-            num_bytes,
-            transport or "none",
-            request.peer_address,
-            num_cached,
-            len(hashes),
-            extra=log_extra,
-        )
+        _log_pull(pulled, request.peer_address, len(hashes), request.request_id)
         return worker_pb2.PullBlocksResponse(
-            num_cached_blocks=num_cached,
-            num_transferred_blocks=num_blocks,
-            num_transferred_bytes=num_bytes,
-            transport=transport,
+            num_cached_blocks=pulled.num_cached_blocks,
+            num_transferred_blocks=pulled.num_blocks,
+            num_transferred_bytes=pulled.num_bytes,
+            transport=pulled.transport,
         )
 
-    async def _pull(
-        self,
-        request: worker_pb2.PullBlocksRequest,
-        wanted: list[bytes],
-        context: grpc.aio.ServicerContext,
-        *,
-        shm: bool,
-    ) -> tuple[int, int]:
-        """Fetch ``wanted`` from the peer and write each chunk into the cache as it arrives;
-        (blocks, bytes) moved. With ``shm`` the peer writes the bytes into a shared-memory file
-        of this host instead of sending them (``ShmRefused`` if it cannot open it)."""
-        if not shm:
-            return await self._fetch(request, wanted, context, path="")
-        with self._shm.take(len(wanted) * self._engine.facts.kv_layout.bytes_per_block) as path:
-            return await self._fetch(request, wanted, context, path)
+    async def ReleaseBlocks(
+        self, request: worker_pb2.ReleaseBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseBlocksResponse:
+        if request.transfer_id:
+            self._engine.release(request.transfer_id)
+        return worker_pb2.ReleaseBlocksResponse()
 
-    async def _fetch(
+    async def _take_prefill(
         self,
-        request: worker_pb2.PullBlocksRequest,
-        wanted: list[bytes],
+        request_id: str,
+        prompt_token_ids: np.ndarray,
+        cache_salt: str,
+        source: worker_pb2.KVSource,
         context: grpc.aio.ServicerContext,
-        path: str,
-    ) -> tuple[int, int]:
-        """``_pull``'s work; ``path``: the shared-memory file, or "" to stream."""
-        ours = self._engine.facts.kv_layout
-        size = ours.bytes_per_block
-        shm = bool(path)
-        num_blocks = num_bytes = 0
-        try:
-            fetch = self._peers.stub(request.peer_address).FetchBlocks(
-                worker_pb2.FetchBlocksRequest(
-                    request_id=request.request_id, block_hashes=wanted, shm_path=path
-                ),
-                timeout=context.time_remaining(),
-            )
-            async for chunk in fetch:
-                ours.check_same(_layout_from_proto(chunk.layout))
-                if chunk.first_block != num_blocks:
-                    raise ValueError(
-                        f"the peer sent block {chunk.first_block} after {num_blocks} blocks"
-                    )
-                written = wanted[num_blocks : num_blocks + chunk.num_blocks]
-                if shm:
-                    source = (path, num_blocks * size)
-                    await asyncio.wrap_future(self._engine.write_blocks_from(written, source))
-                else:
-                    await asyncio.wrap_future(self._engine.write_blocks(written, chunk.data))
-                num_blocks += chunk.num_blocks
-                num_bytes += chunk.num_blocks * size
-        except grpc.aio.AioRpcError as e:
-            if shm and e.code() == grpc.StatusCode.FAILED_PRECONDITION and not num_blocks:
-                raise ShmRefused(e.details()) from None
-            raise
-        return num_blocks, num_bytes
-
-    async def _num_cached(self, block_hashes: list[bytes]) -> int:
-        num_found, _ = await asyncio.wrap_future(
-            self._engine.read_blocks(block_hashes, with_data=False)
+    ) -> int:
+        """Disaggregated prefill, the decode side: pull the prompt's blocks from the prefill
+        worker before the request runs; how many moved. A failed pull is computed here instead,
+        or ends the request with ABORTED when the source says ``fail``."""
+        hashes = self._engine.hasher(cache_salt or None).hash_blocks(
+            prompt_token_ids.astype("<u4", copy=False)
         )
-        return num_found
-
-
-class PeerChannels:
-    """One channel to each peer worker, opened on first use and kept: a connection is set up
-    once per peer, not once per transfer."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=_TRANSFER_CHANNEL_OPTIONS
+        timeout_s = context.time_remaining()
+        if source.timeout_ms:
+            timeout_s = min(timeout_s or math.inf, source.timeout_ms / 1000)
+        try:
+            pulled = await self._transfers.pull(
+                source.peer_address,
+                hashes,
+                transport=source.transport,
+                request_id=request_id,
+                transfer_id=source.transfer_id,
+                timeout_s=timeout_s,
             )
-        return worker_pb2_grpc.WorkerStub(channel)
-
-    async def close(self) -> None:
-        channels, self._channels = self._channels, {}
-        for channel in channels.values():
-            await channel.close()
-
-
-class ShmRefused(Exception):
-    """The peer could not open this host's shared-memory file: it runs on another host."""
-
-
-class ShmFiles:
-    """Files in this host's shared memory that peers write blocks into, kept between pulls: a
-    new file's pages cost more to fault in than the blocks cost to copy. Each pull takes a file
-    of its own (grown to the size it needs) and gives it back when it finished (one that failed
-    is removed); ``close`` removes them all."""
-
-    def __init__(self) -> None:
-        self._free: list[str] = []
-        self._all: set[str] = set()
-
-    @contextlib.contextmanager
-    def take(self, size: int) -> Iterator[str]:
-        if self._free:
-            path = self._free.pop()
-        else:
-            descriptor, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=SHM_DIR)  # mode 0600
-            os.close(descriptor)
-            self._all.add(path)
-        try:
-            if os.path.getsize(path) < size:
-                # NOTE: allocated now, not on first write: a full /dev/shm (a container's is 64
-                # MiB) fails here, not as a SIGBUS in the peer's engine core mid-copy.
-                with open(path, "r+b") as file:
-                    os.posix_fallocate(file.fileno(), 0, size)
-        except OSError as e:
-            self._drop(path)
-            raise ShmRefused(f"no room for {size:,} bytes in {SHM_DIR}: {e.strerror}") from None
-        try:
-            yield path
-        except BaseException:
-            # NOTE: a pull that did not finish may leave a peer still writing into the file:
-            # it is never handed to another pull.
-            self._drop(path)
-            raise
-        self._free.append(path)
-
-    def _drop(self, path: str) -> None:
-        self._all.discard(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-    def close(self) -> None:
-        for path in self._all:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._all.clear()
-        self._free.clear()
+        except (grpc.aio.AioRpcError, ValueError, ShmRefused) as e:
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
+            message = f"the KV transfer from {source.peer_address} failed: {why}"
+            if source.on_failure == "fail":
+                await context.abort(grpc.StatusCode.ABORTED, f"request {request_id}: {message}")
+            logger.warning("%s; computing it here", message, extra={"request_id": request_id})
+            return 0
+        _log_pull(pulled, source.peer_address, len(hashes), request_id)
+        return pulled.num_blocks
 
 
-def _layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
-    m = message
-    return KVLayout(m.num_layers, m.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+def _check_kv_source(source: worker_pb2.KVSource) -> None:
+    if not source.peer_address:
+        raise ValueError("kv_source names no peer_address")
+    if source.transport not in TRANSPORTS:
+        raise ValueError(
+            f"kv_source.transport must be shm, grpc or empty, not {source.transport!r}"
+        )
+    if source.on_failure not in ("", "recompute", "fail"):
+        raise ValueError(
+            f"kv_source.on_failure must be recompute, fail or empty, not {source.on_failure!r}"
+        )
+
+
+def _log_pull(pulled: PullResult, peer_address: str, num_hashes: int, request_id: str) -> None:
+    logger.info(
+        "pulled %d blocks (%d bytes, %s) from %s; %d of %d cached here",
+        pulled.num_blocks,
+        pulled.num_bytes,
+        pulled.transport or "none",
+        peer_address,
+        pulled.num_cached_blocks,
+        num_hashes,
+        extra={"request_id": request_id},
+    )
 
 
 async def _next_outputs(
@@ -597,8 +475,7 @@ class WorkerServer:
     metrics: WorkerMetrics
     publisher: EventPublisher | None = None
     metrics_server: MetricsServer | None = None
-    peers: PeerChannels | None = None  # channels to the workers this one pulls blocks from
-    shm_files: ShmFiles | None = None  # where same-host peers write the blocks it pulls
+    transfers: BlockTransfers | None = None  # blocks to and from peer workers
     # Set, with the reason, once the engine core has died: the worker can serve nothing more.
     engine_died: asyncio.Future[str] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -617,10 +494,8 @@ class WorkerServer:
             await self.publisher.index.close()
         await self.health_servicer.enter_graceful_shutdown()
         await self.server.stop(grace_s)
-        if self.peers is not None:
-            await self.peers.close()
-        if self.shm_files is not None:
-            self.shm_files.close()
+        if self.transfers is not None:
+            await self.transfers.close()
         await asyncio.to_thread(self.engine.stop)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
@@ -694,15 +569,14 @@ async def _serve_engine(
             raise WorkerStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
-    peers, shm_files = PeerChannels(), ShmFiles()
+    transfers = BlockTransfers(engine)
     servicer = WorkerServicer(
         engine,
         worker_id=worker_id,
         tokenizer=tokenizer,
         metrics=metrics,
         max_hashes_per_chunk=config.max_hashes_per_chunk,
-        peers=peers,
-        shm_files=shm_files,
+        transfers=transfers,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -736,8 +610,7 @@ async def _serve_engine(
         metrics,
         publisher=publisher,
         metrics_server=metrics_server,
-        peers=peers,
-        shm_files=shm_files,
+        transfers=transfers,
     )
     loop = asyncio.get_running_loop()
     engine.on_death(

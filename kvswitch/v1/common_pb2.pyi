@@ -43,15 +43,21 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("worker_id", "num_prompt_tokens", "num_cached_tokens", "ttft_s", "num_output_tokens")
+    __slots__ = ("worker_id", "num_prompt_tokens", "num_cached_tokens", "ttft_s", "num_output_tokens", "prefill_worker_id", "decode_worker_id", "num_transferred_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_prompt_tokens: int
     num_cached_tokens: int
     ttft_s: float
     num_output_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    prefill_worker_id: str
+    decode_worker_id: str
+    num_transferred_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_transferred_blocks: _Optional[int] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lora", "cache_salt", "num_resumed_tokens", "prompt_token_ids_u32le")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lora", "cache_salt", "num_resumed_tokens", "prompt_token_ids_u32le", "hold_blocks_ms", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class WorkerGenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_BLOCKS_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,7 +25,23 @@ class WorkerGenerateRequest(_message.Message):
     cache_salt: str
     num_resumed_tokens: int
     prompt_token_ids_u32le: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ..., prompt_token_ids_u32le: _Optional[bytes] = ...) -> None: ...
+    hold_blocks_ms: int
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ..., prompt_token_ids_u32le: _Optional[bytes] = ..., hold_blocks_ms: _Optional[int] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class KVSource(_message.Message):
+    __slots__ = ("peer_address", "transfer_id", "transport", "on_failure", "timeout_ms")
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ON_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    peer_address: str
+    transfer_id: str
+    transport: str
+    on_failure: str
+    timeout_ms: int
+    def __init__(self, peer_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transport: _Optional[str] = ..., on_failure: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateFinal(_message.Message):
     __slots__ = ("finish_reason", "stats")
@@ -84,16 +102,18 @@ class SnapshotChunk(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., event_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "max_chunk_bytes", "shm_path")
+    __slots__ = ("request_id", "block_hashes", "max_chunk_bytes", "shm_path", "transfer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     max_chunk_bytes: int
     shm_path: str
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
@@ -144,3 +164,13 @@ class PullBlocksResponse(_message.Message):
     num_transferred_bytes: int
     transport: str
     def __init__(self, num_cached_blocks: _Optional[int] = ..., num_transferred_blocks: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class ReleaseBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -60,6 +60,11 @@ class WorkerStub:
                 request_serializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
                 response_deserializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksResponse.FromString,
                 _registered_method=True)
+        self.ReleaseBlocks = channel.unary_unary(
+                '/kvswitch.v1.Worker/ReleaseBlocks',
+                request_serializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksRequest.SerializeToString,
+                response_deserializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -106,6 +111,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseBlocks(self, request, context):
+        """Lets go of the blocks a finished request held for a peer
+        (`WorkerGenerateRequest.hold_blocks_ms`) before its lease runs out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +146,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PullBlocks,
                     request_deserializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksRequest.FromString,
                     response_serializer=kvswitch_dot_v1_dot_worker__pb2.PullBlocksResponse.SerializeToString,
+            ),
+            'ReleaseBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseBlocks,
+                    request_deserializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksRequest.FromString,
+                    response_serializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +289,33 @@ class Worker:
             '/kvswitch.v1.Worker/PullBlocks',
             kvswitch_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
             kvswitch_dot_v1_dot_worker__pb2.PullBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvswitch.v1.Worker/ReleaseBlocks',
+            kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksRequest.SerializeToString,
+            kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,7 @@ class BackgroundWorker:
         request = worker_pb2.WorkerGenerateRequest(
             request_id=kwargs.pop("request_id", ""),
             prompt_token_ids=prompt,
+            hold_blocks_ms=kwargs.pop("hold_blocks_ms", 0),
             sampling=common_pb2.SamplingParams(**kwargs),
             lora=lora,
         )

@@ -17,8 +17,9 @@ import pytest
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.serving import start_server_process
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.worker.block_transfer import ShmFiles, ShmRefused
 from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX
-from kvswitch.worker.server import ShmFiles, ShmRefused, WorkerConfig
+from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
 
 BLOCK_SIZE = 16

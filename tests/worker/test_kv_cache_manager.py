@@ -597,3 +597,45 @@ def test_usage_follows_the_pool() -> None:
     assert manager.usage == pytest.approx(0.5)
     manager.free(r1)
     assert manager.usage == 0.0
+
+
+# -- leases ---------------------------------------------------------------------------------------
+
+
+def test_a_lease_keeps_a_finished_requests_full_blocks_from_eviction_until_released() -> None:
+    manager = KVCacheManager(num_blocks=6, block_size=B)
+    r1 = Request("r1", toks(2 * B + 1), HASHER)  # 2 full blocks and a partial one
+    admit(manager, r1)
+    assert manager.hold(r1, "r1", now_s=10.0, hold_s=5.0) == 2
+    manager.free(r1)
+    manager.check_integrity()
+    assert manager.pool.free_queue.block_ids() == [3, 4, 5, 2]  # the partial block is free
+    assert manager.next_lease_end_s == 15.0
+
+    r2 = Request("r2", toks(4 * B, start=5000), HASHER)  # takes every free block
+    admit(manager, r2)
+    assert manager.get_block_ids("r2") == [3, 4, 5, 2]
+    assert [manager.pool.get_cached_block(h).block_id for h in r1.block_hashes] == [0, 1]
+    assert manager.allocate_slots(Request("r3", toks(1, start=9000), HASHER), 1) is None
+    manager.free(r2)
+
+    assert manager.extend("r1", now_s=12.0) and manager.next_lease_end_s == 17.0
+    assert manager.release_expired(now_s=16.9) == []
+    assert manager.release_expired(now_s=17.0) == ["r1"]
+    assert not manager.release("r1") and not manager.extend("r1", now_s=18.0)
+    # Let go as a freed request's blocks are: still cached, the end of the chain evicted first.
+    assert manager.pool.free_queue.block_ids()[-2:] == [1, 0]
+    assert manager.pool.get_cached_block(r1.block_hashes[0]) is not None
+    manager.check_integrity()
+
+
+def test_integrity_counts_a_leases_references() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=B)
+    r1 = Request("r1", toks(B + 1), HASHER)
+    admit(manager, r1)
+    manager.hold(r1, "r1", now_s=0.0, hold_s=1.0)
+    manager.free(r1)
+    manager.check_integrity()
+    manager.pool.blocks[0].ref_cnt += 1
+    with pytest.raises(AssertionError, match="in 1 tables and leases"):
+        manager.check_integrity()

@@ -1,0 +1,299 @@
+"""KV blocks between workers: the holder's side (``send``: FetchBlocks) and the taker's (``pull``).
+
+A pull, as a decode worker runs it for a request a prefill worker computed::
+
+    taker                                            holder (its engine core holds the
+      hash the prompt; what is cached here stays      request's blocks under a lease)
+      FetchBlocks(the rest, transfer_id) ------------>  each chunk: read the blocks, extend
+      <------------- chunks of whole blocks ---------   the lease
+      write each chunk into the cache as it arrives     stream over (or cancelled): release
+      nothing wanted: ReleaseBlocks(transfer_id) ---->  release
+
+The bytes travel in the stream (gRPC) or, when both workers share a host, through a file in its
+shared memory that the holder's engine core writes and the taker's reads (``shm``). A chunk is
+written into the cache only whole, so a pull cut short leaves a leading run of the chain, never
+a half-written block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+
+import grpc
+
+from kvswitch.v1 import worker_pb2, worker_pb2_grpc
+from kvswitch.worker.engine_client import EngineClient
+from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
+
+logger = logging.getLogger(__name__)
+
+# FetchBlocks: chunks of whole blocks, this large unless asked otherwise, and never larger than
+# what a peer's channel takes in one message.
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Through shared memory a chunk costs its engine core one copy and no message: larger ones pay.
+SHM_CHUNK_BYTES = 16 << 20
+MAX_CHUNK_BYTES = 32 << 20
+TRANSPORTS = ("", "shm", "grpc")
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20))]
+_RELEASE_TIMEOUT_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PullResult:
+    num_cached_blocks: int  # leading blocks of the chain cached here once the pull was done
+    num_blocks: int  # blocks that came from the peer
+    num_bytes: int
+    transport: str  # "shm" or "grpc"; "" when nothing moved
+
+
+class ShmRefused(Exception):
+    """The peer could not open this host's shared-memory file: it runs on another host."""
+
+
+class BlockTransfers:
+    """This worker's side of every block transfer: what it sends and what it pulls."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+        self._peers = PeerChannels()
+        self._shm = ShmFiles()
+
+    async def close(self) -> None:
+        await self._peers.close()
+        self._shm.close()
+
+    # -- the holder's side ---------------------------------------------------------------------
+
+    async def send(
+        self, request: worker_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Serve FetchBlocks: the leading cached blocks of the chain, a chunk at a time.
+        ValueError: the blocks cannot go where they were asked to (an shm file not here)."""
+        layout = self._engine.facts.kv_layout
+        default = SHM_CHUNK_BYTES if request.shm_path else DEFAULT_CHUNK_BYTES
+        chunk_bytes = min(request.max_chunk_bytes or default, MAX_CHUNK_BYTES)
+        per_chunk = max(chunk_bytes // layout.bytes_per_block, 1)
+        layout_proto = worker_pb2.KVLayout(**dataclasses.asdict(layout))
+        hashes = list(request.block_hashes)
+        lease_id = request.transfer_id or None
+        keep_lease = False
+        try:
+            # NOTE: one chunk read at a time, each between two of the core's steps: a long
+            # chain delays no step by more than one chunk's copy.
+            for start in range(0, len(hashes), per_chunk):
+                wanted = hashes[start : start + per_chunk]
+                # Same host: the core writes the blocks into the asker's shared memory itself.
+                offset = start * layout.bytes_per_block
+                into = (request.shm_path, offset) if request.shm_path else None
+                try:
+                    num_found, data = await asyncio.wrap_future(
+                        self._engine.read_blocks(wanted, into=into, lease_id=lease_id)
+                    )
+                except ValueError:
+                    # NOTE: kept for the asker's next try (over gRPC, when shm was refused).
+                    keep_lease = True
+                    raise
+                if num_found:
+                    await context.write(
+                        worker_pb2.KVBlockChunk(
+                            layout=layout_proto,
+                            first_block=start,
+                            num_blocks=num_found,
+                            data=bytes(data),  # protobuf takes bytes only: the one copy here
+                        )
+                    )
+                if num_found < len(wanted):
+                    return  # the chain's cached part ends here
+        finally:
+            # Done, or the asker went away: either way it wants the blocks no more.
+            if lease_id is not None and not keep_lease:
+                self._engine.release(lease_id)
+
+    # -- the taker's side ----------------------------------------------------------------------
+
+    async def pull(
+        self,
+        peer_address: str,
+        hashes: list[bytes],
+        *,
+        transport: str = "",
+        request_id: str = "",
+        transfer_id: str = "",
+        timeout_s: float | None = None,
+    ) -> PullResult:
+        """Take the leading blocks of ``hashes`` that this worker does not hold from the peer
+        into the prefix cache. ``transport``: "shm", "grpc", or "" for shm falling back to gRPC
+        when the peer cannot see this host's shared memory. ``transfer_id``: the peer's lease on
+        the blocks, released once they are here (or wanted no more).
+
+        Raises ``grpc.aio.AioRpcError`` (the peer failed), ``ShmRefused`` (shm was asked for and
+        cannot be had), ValueError (the peer's blocks do not fit this worker), ``EngineStopped``;
+        blocks written before the failure stay cached."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be shm, grpc or empty, got {transport!r}")
+        num_held = await self.num_cached(hashes)
+        wanted = hashes[num_held:]  # what is held here already does not move
+        if not wanted:
+            if transfer_id:
+                await self.release(peer_address, transfer_id)
+            return PullResult(num_held, 0, 0, "")
+        chosen = transport or ("shm" if os.path.isdir(SHM_DIR) else "grpc")
+        fetch = _Fetch(request_id, transfer_id, wanted, timeout_s)
+        if chosen == "shm":
+            try:
+                num_blocks, num_bytes = await self._pull_shm(peer_address, fetch)
+            except ShmRefused:
+                if transport == "shm":
+                    raise
+                chosen = "grpc"  # the peer cannot see this host's shared memory
+        if chosen == "grpc":
+            num_blocks, num_bytes = await self._fetch(peer_address, fetch, path="")
+        return PullResult(await self.num_cached(hashes), num_blocks, num_bytes, chosen)
+
+    async def release(self, peer_address: str, transfer_id: str) -> None:
+        """Tell the peer its lease ``transfer_id`` is not wanted; a peer that cannot be reached
+        lets it run out on its own."""
+        try:
+            await self._peers.stub(peer_address).ReleaseBlocks(
+                worker_pb2.ReleaseBlocksRequest(transfer_id=transfer_id),
+                timeout=_RELEASE_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as e:
+            logger.info("%s: release of %s failed (%s)", peer_address, transfer_id, e.code().name)
+
+    async def num_cached(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of the chain this worker holds cached."""
+        num_found, _ = await asyncio.wrap_future(
+            self._engine.read_blocks(block_hashes, with_data=False)
+        )
+        return num_found
+
+    async def _pull_shm(self, peer_address: str, fetch: _Fetch) -> tuple[int, int]:
+        size = len(fetch.wanted) * self._engine.facts.kv_layout.bytes_per_block
+        with self._shm.take(size) as path:
+            return await self._fetch(peer_address, fetch, path)
+
+    async def _fetch(self, peer_address: str, fetch: _Fetch, path: str) -> tuple[int, int]:
+        """Fetch the blocks and write each chunk into the cache as it arrives; (blocks, bytes)
+        moved. ``path``: the shared-memory file the peer writes into, or "" to stream."""
+        ours = self._engine.facts.kv_layout
+        size = ours.bytes_per_block
+        wanted = fetch.wanted
+        num_blocks = 0
+        try:
+            stream = self._peers.stub(peer_address).FetchBlocks(
+                worker_pb2.FetchBlocksRequest(
+                    request_id=fetch.request_id,
+                    block_hashes=wanted,
+                    shm_path=path,
+                    transfer_id=fetch.transfer_id,
+                ),
+                timeout=fetch.timeout_s,
+            )
+            async for chunk in stream:
+                ours.check_same(_layout_from_proto(chunk.layout))
+                if chunk.first_block != num_blocks:
+                    raise ValueError(
+                        f"the peer sent block {chunk.first_block} after {num_blocks} blocks"
+                    )
+                written = wanted[num_blocks : num_blocks + chunk.num_blocks]
+                if path:
+                    source = (path, num_blocks * size)
+                    await asyncio.wrap_future(self._engine.write_blocks_from(written, source))
+                else:
+                    await asyncio.wrap_future(self._engine.write_blocks(written, chunk.data))
+                num_blocks += chunk.num_blocks
+        except grpc.aio.AioRpcError as e:
+            if path and e.code() == grpc.StatusCode.FAILED_PRECONDITION and not num_blocks:
+                raise ShmRefused(e.details()) from None
+            raise
+        return num_blocks, num_blocks * size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Fetch:
+    request_id: str
+    transfer_id: str
+    wanted: list[bytes]
+    timeout_s: float | None
+
+
+class PeerChannels:
+    """One channel to each peer worker, opened on first use and kept: a connection is set up
+    once per peer, not once per transfer."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=_CHANNEL_OPTIONS
+            )
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+
+class ShmFiles:
+    """Files in this host's shared memory that peers write blocks into, kept between pulls: a
+    new file's pages cost more to fault in than the blocks cost to copy. Each pull takes a file
+    of its own (grown to the size it needs) and gives it back when it finished (one that failed
+    is removed); ``close`` removes them all."""
+
+    def __init__(self) -> None:
+        self._free: list[str] = []
+        self._all: set[str] = set()
+
+    @contextlib.contextmanager
+    def take(self, size: int) -> Iterator[str]:
+        if self._free:
+            path = self._free.pop()
+        else:
+            descriptor, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=SHM_DIR)  # mode 0600
+            os.close(descriptor)
+            self._all.add(path)
+        try:
+            if os.path.getsize(path) < size:
+                # NOTE: allocated now, not on first write: a full /dev/shm (a container's is 64
+                # MiB) fails here, not as a SIGBUS in the peer's engine core mid-copy.
+                with open(path, "r+b") as file:
+                    os.posix_fallocate(file.fileno(), 0, size)
+        except OSError as e:
+            self._drop(path)
+            raise ShmRefused(f"no room for {size:,} bytes in {SHM_DIR}: {e.strerror}") from None
+        try:
+            yield path
+        except BaseException:
+            # NOTE: a pull that did not finish may leave a peer still writing into the file:
+            # it is never handed to another pull.
+            self._drop(path)
+            raise
+        self._free.append(path)
+
+    def _drop(self, path: str) -> None:
+        self._all.discard(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def close(self) -> None:
+        for path in self._all:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._all.clear()
+        self._free.clear()
+
+
+def _layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
+    m = message
+    return KVLayout(m.num_layers, m.block_size, m.num_kv_heads, m.head_dim, m.dtype)
