@@ -50,6 +50,12 @@ class Stats:
     ttft_s: float  # time to first token, measured on the worker
     num_output_tokens: int
     route_reason: str = ""  # why the router chose the worker (also ``GenerateResult.route``)
+    # Disaggregated prefill: the worker that computed the prompt and the one that decoded the
+    # rest, and how many KV blocks moved between them. Both ids are ``worker_id`` when one
+    # worker served the whole request.
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    num_transferred_blocks: int = 0
 
     # The short names the client API documents, for the counts above.
     @property
@@ -139,6 +145,9 @@ class ResultBuilder:
                 num_cached_tokens=stats.num_cached_tokens,
                 ttft_s=stats.ttft_s,
                 num_output_tokens=stats.num_output_tokens,
+                prefill_worker_id=stats.prefill_worker_id or stats.worker_id,
+                decode_worker_id=stats.decode_worker_id or stats.worker_id,
+                num_transferred_blocks=stats.num_transferred_blocks,
                 route_reason=route.reason,
             ),
             route=RouteInfo(

@@ -21,10 +21,11 @@ import numpy as np
 from kvswitch.cache_index.hashing import BlockHasher, TokenIds
 from kvswitch.cache_index.index import BlockIndex
 from kvswitch.logs import Throttled
+from kvswitch.router.disagg import DisaggConfig, prefill_locally
 from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
-from kvswitch.router.policy import Decision, Policy, RouteRequest, make_policy
-from kvswitch.router.workers import WorkerDirectory, WorkerHandle
+from kvswitch.router.policy import Decision, Policy, RouteRequest, WorkerState, make_policy
+from kvswitch.router.workers import PREFILL_ROLES, WorkerDirectory, WorkerHandle
 from kvswitch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,17 @@ class RoutePlan:
     block_hashes: list[bytes]  # one per full block of token_ids
     lora: str | None = None
     cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request goes: the worker that streams its output (``decision``, ``handle``) and,
+    when another worker prefills its prompt first, that one."""
+
+    decision: Decision
+    handle: WorkerHandle
+    prefill_decision: Decision | None = None
+    prefill_handle: WorkerHandle | None = None
 
 
 class Router:
@@ -136,12 +148,22 @@ class Router:
     ) -> tuple[Decision, WorkerHandle]:
         """The worker to send ``plan`` to, and why. ValueError for an unknown policy or weight;
         NoWorkerError when no routable worker is left outside ``exclude``."""
+        route = await self.route(plan, policy=policy, weights=weights, exclude=exclude)
+        return route.decision, route.handle
+
+    async def route(
+        self,
+        plan: RoutePlan,
+        *,
+        policy: str = "",
+        weights: Mapping[str, float] | None = None,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        disagg: DisaggConfig | None = None,
+    ) -> Route:
+        """``choose``, and with ``disagg``, whether a prefill worker computes the prompt first
+        (``router/disagg.py``). One index lookup serves both choices."""
         chosen_policy = self._policy(policy, weights)
-        handles = {
-            h.worker_id: h
-            for h in self.directory.routable(exclude)
-            if h.info.namespace == plan.namespace and h.info.block_size == plan.block_size
-        }
+        handles = self._serving(plan, self.directory.routable(exclude))
         if not handles:
             raise NoWorkerError(
                 f"no live worker serves {plan.namespace!r}"
@@ -162,18 +184,42 @@ class Router:
             num_hot_blocks=self.heat.hot_blocks(plan.block_hashes, matches, len(handles)),
             num_shared_blocks=self.heat.shared_blocks(plan.block_hashes),
         )
-        # NOTE: blocks matched by a guess alone are still being prefilled there for an earlier
-        # request; that prefill is in the worker's outstanding work and serves this one too.
-        states = [
-            h.state(
-                matches.get(worker_id, 0),
-                num_shared_prefill_tokens=plan.block_size
-                * max(matches.get(worker_id, 0) - index_matches.get(worker_id, 0), 0),
+
+        def states(candidates: dict[str, WorkerHandle]) -> list[WorkerState]:
+            # NOTE: blocks matched by a guess alone are still being prefilled there for an
+            # earlier request; that prefill is in the worker's outstanding work and serves this
+            # one too.
+            return [
+                h.state(
+                    matches.get(worker_id, 0),
+                    num_shared_prefill_tokens=plan.block_size
+                    * max(matches.get(worker_id, 0) - index_matches.get(worker_id, 0), 0),
+                )
+                for worker_id, h in candidates.items()
+            ]
+
+        decision = chosen_policy.choose(request, states(handles))
+        route = Route(decision, handles[decision.worker_id])
+        if disagg is None:
+            return route
+        prefill_handles = self._serving(plan, self.directory.routable(exclude, PREFILL_ROLES))
+        prefill_decision = prefill_state = None
+        if prefill_handles:
+            prefill_states = states(prefill_handles)
+            prefill_decision = chosen_policy.choose(request, prefill_states)
+            prefill_state = next(
+                s for s in prefill_states if s.worker_id == prefill_decision.worker_id
             )
-            for worker_id, h in handles.items()
-        ]
-        decision = chosen_policy.choose(request, states)
-        return decision, handles[decision.worker_id]
+        num_uncached = request.num_uncached_tokens(decision.num_matched_blocks)
+        why_local = prefill_locally(num_uncached, prefill_state, disagg)
+        if why_local is not None or prefill_decision is None:
+            return route
+        return Route(
+            decision,
+            route.handle,
+            prefill_decision,
+            prefill_handles[prefill_decision.worker_id],
+        )
 
     def routed(self, plan: RoutePlan, decision: Decision) -> None:
         """The request went to ``decision.worker_id``: guess that its blocks will be there."""
@@ -199,6 +245,15 @@ class Router:
                 self._policies.pop(next(iter(self._policies)))
             self._policies[key] = found
         return found
+
+    @staticmethod
+    def _serving(plan: RoutePlan, handles: list[WorkerHandle]) -> dict[str, WorkerHandle]:
+        """The workers among ``handles`` that serve the plan's model with its block size."""
+        return {
+            h.worker_id: h
+            for h in handles
+            if h.info.namespace == plan.namespace and h.info.block_size == plan.block_size
+        }
 
     def _served_model(self) -> tuple[str, int]:
         """The namespace and block size to hash with: the configured namespace, else the one

@@ -23,6 +23,7 @@ from kvswitch.cache_index.connect import connect_index, redacted
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
+from kvswitch.router.disagg import DisaggConfig
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, make_policy
@@ -60,6 +61,12 @@ class RouterConfig:
     pending_ttl_s: float = 2.0  # how long an unconfirmed "will hold these blocks" guess lives
     refresh_s: float = 0.25  # how often to re-read the live workers
     load_poll_s: float = 0.1  # how often to ask each worker for its load
+    # Disaggregated prefill (router/disagg.py), with workers of role prefill in the fleet.
+    min_remote_prefill_tokens: int = 256  # fewer uncached tokens: the decode worker prefills
+    max_prefill_queue_tokens: int = 32768  # a prefill worker this loaded takes no more prompts
+    kv_lease_s: float = 5.0  # how long a prefill worker holds the blocks for the decode worker
+    on_transfer_failure: str = "recompute"  # or "fail": the request, with ABORTED
+    kv_transport: str = ""  # "shm", "grpc", or "" (shm when on one host, else gRPC)
     token: str = ""  # if set, clients must send "authorization: Bearer <token>"
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
@@ -81,6 +88,16 @@ class RouterConfig:
         if self.pending_ttl_s <= 0:
             raise ValueError(f"pending_ttl_s must be positive, got {self.pending_ttl_s}")
         self.directory_config()
+        self.disagg_config()
+
+    def disagg_config(self) -> DisaggConfig:
+        return DisaggConfig(
+            min_remote_prefill_tokens=self.min_remote_prefill_tokens,
+            max_prefill_queue_tokens=self.max_prefill_queue_tokens,
+            lease_s=self.kv_lease_s,
+            on_transfer_failure=self.on_transfer_failure,
+            transport=self.kv_transport,
+        )
 
     def policy_weights(self) -> dict[str, float]:
         if self.policy != "cost":
@@ -211,6 +228,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         metrics,
         max_failovers=config.max_failovers,
         wait_for_worker_s=config.wait_for_worker_s,
+        disagg=config.disagg_config(),
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

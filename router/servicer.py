@@ -24,9 +24,10 @@ import grpc
 import numpy as np
 
 from kvswitch.cache_index.hashing import TokenIds, tokens_from_bytes, tokens_to_bytes
+from kvswitch.router.disagg import DisaggConfig
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.policy import Decision
-from kvswitch.router.router import NoTokenizerError, NoWorkerError, RoutePlan, Router
+from kvswitch.router.router import NoTokenizerError, NoWorkerError, Route, RoutePlan, Router
 from kvswitch.router.workers import InFlight, WorkerHandle
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
@@ -62,8 +63,9 @@ class _WorkerFailed(Exception):
     what breaks engines, so it gets one more worker, not ``max_failovers``.
     """
 
-    def __init__(self, worker_id: str, why: str, *, engine_failed: bool = False) -> None:
-        super().__init__(f"worker {worker_id}: {why}")
+    def __init__(self, handle: WorkerHandle, why: str, *, engine_failed: bool = False) -> None:
+        super().__init__(f"worker {handle.worker_id}: {why}")
+        self.handle = handle
         self.engine_failed = engine_failed
 
 
@@ -125,6 +127,16 @@ class _Outcome:
         )
 
 
+@dataclasses.dataclass
+class _Progress:
+    """What a request has streamed to its client so far, across the workers that served it."""
+
+    outcome: _Outcome
+    sent: list[int] = dataclasses.field(default_factory=list)  # output tokens relayed
+    started_s: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+
+
 async def _abort(
     context: grpc.aio.ServicerContext, outcome: _Outcome, code: grpc.StatusCode, details: str
 ) -> None:
@@ -143,8 +155,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         *,
         max_failovers: int = 3,
         wait_for_worker_s: float = 0.0,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         self._router = router
+        self._disagg = disagg if disagg is not None else DisaggConfig()
         self._directory = router.directory
         self._metrics = metrics or RouterMetrics()
         self._max_failovers = max_failovers
@@ -199,11 +213,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
 
         num_prompt_tokens = len(plan.token_ids)
-        sent: list[int] = []  # output tokens already relayed to the client
+        progress = _Progress(outcome)
+        sent = progress.sent  # output tokens already relayed to the client
         failed: set[str] = set()
         num_engine_failures = 0
-        started_s = time.monotonic()
-        first_token_s: float | None = None
+        # Disaggregated: the worker that prefilled the prompt (and holds its blocks), its final.
+        prefilled: tuple[WorkerHandle, worker_pb2.WorkerGenerateFinal] | None = None
         stop_token_ids = set(request.sampling.stop_token_ids)
         if self._router.tokenizer is not None:
             stop_token_ids.update(self._router.tokenizer.stop_token_ids)
@@ -216,17 +231,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return
             resumed = self._router.extend(plan, sent)
 
-            async def choose() -> tuple[Decision, WorkerHandle]:
-                return await self._router.choose(
+            async def choose() -> Route:
+                return await self._router.route(
                     resumed,  # noqa: B023 (awaited within this iteration)
                     policy=request.routing.policy,
                     weights=dict(request.routing.weights),
                     exclude=failed,
+                    # NOTE: only a prompt not prefilled yet is: a resumed stream goes to one worker.
+                    disagg=self._disagg if not sent else None,
                 )
 
             try:
                 # NOTE: only the first choice waits: a failover has the others to go to now.
-                decision, handle = await self._when_a_worker_serves(
+                route = await self._when_a_worker_serves(
                     choose, wait_until_s if not failed else 0.0
                 )
             except ValueError as e:
@@ -234,57 +251,86 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except NoWorkerError as e:
                 await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
             self._metrics.index_lookup(self._router.last_lookup_s)
+            decision, handle = route.decision, route.handle
             if failed:
                 decision = dataclasses.replace(decision, reason=f"failover: {decision.reason}")
-            # NOTE: per decision at DEBUG: an INFO line per request costs the router ~0.3 ms.
-            logger.debug(
-                "routed to %s (%s: %s, %d of %d blocks matched)",
-                decision.worker_id,
-                decision.policy,
-                decision.reason,
-                decision.num_matched_blocks,
-                len(resumed.block_hashes),
-                **log,
-            )
-            self._router.routed(resumed, decision)
-            self._metrics.routed(decision.policy, decision.reason, decision.worker_id)
-            flight = self._directory.begin(
-                handle, self._router.num_uncached_tokens(resumed, decision), max_tokens - len(sent)
-            )
-            worker_request = worker_pb2.WorkerGenerateRequest(
-                request_id=request_id,
-                # NOTE: bytes, not the repeated field: one copy where 8K ids would be 8K varints.
-                prompt_token_ids_u32le=tokens_to_bytes(resumed.token_ids),
-                sampling=_remaining_sampling(request.sampling, max_tokens, len(sent)),
-                lora=request.lora,
-                cache_salt=request.cache_salt,
-                num_resumed_tokens=len(sent),
-            )
             try:
-                responses = self._relay(worker_request, handle, flight, context)
-                async with contextlib.aclosing(responses):
-                    async for response in responses:
-                        if response.HasField("chunk"):
-                            if first_token_s is None and response.chunk.token_ids:
-                                first_token_s = time.monotonic()
-                                outcome.ttft_s = first_token_s - started_s
-                            sent += response.chunk.token_ids
-                            await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
-                            continue
-                        final = _final(response.final, decision, num_prompt_tokens, len(sent))
-                        if failed and first_token_s is not None:
-                            # The last worker's TTFT misses the time lost on the failed ones.
-                            final.stats.ttft_s = first_token_s - started_s
-                        outcome.finished(final)
-                        await context.write(router_pb2.GenerateResponse(final=final))
+                if route.prefill_handle is not None:
+                    assert route.prefill_decision is not None
+                    final = await self._prefill(
+                        request,
+                        resumed,
+                        route.prefill_decision,
+                        route.prefill_handle,
+                        context,
+                        progress,
+                    )
+                    prefilled = route.prefill_handle, final
+                    if (
+                        final.finish_reason == common_pb2.FINISH_REASON_STOP
+                        or len(sent) >= max_tokens
+                    ):
+                        # Done with its first token: nothing to decode, nothing to take.
+                        await self._release(route.prefill_handle, request_id)
+                        client_final = _final(
+                            final, route.prefill_decision, num_prompt_tokens, len(sent)
+                        )
+                        outcome.finished(client_final)
+                        await context.write(router_pb2.GenerateResponse(final=client_final))
                         return
-                raise _WorkerFailed(decision.worker_id, "the stream ended without a final message")
+                    resumed = self._router.extend(plan, sent)
+                # NOTE: per decision at DEBUG: an INFO line per request costs the router ~0.3 ms.
+                logger.debug(
+                    "routed to %s (%s: %s, %d of %d blocks matched)",
+                    decision.worker_id,
+                    decision.policy,
+                    decision.reason,
+                    decision.num_matched_blocks,
+                    len(resumed.block_hashes),
+                    **log,
+                )
+                self._router.routed(resumed, decision)
+                self._metrics.routed(decision.policy, decision.reason, decision.worker_id)
+                if prefilled is not None and prefilled[0].worker_id not in failed:
+                    # The decode worker computes only what it neither holds nor can take.
+                    num_uncached = max(
+                        len(resumed.token_ids) - len(plan.block_hashes) * plan.block_size, 1
+                    )
+                else:
+                    num_uncached = self._router.num_uncached_tokens(resumed, decision)
+                worker_request = worker_pb2.WorkerGenerateRequest(
+                    request_id=request_id,
+                    # NOTE: bytes, not the repeated field: one copy, not 8K varints for 8K ids.
+                    prompt_token_ids_u32le=tokens_to_bytes(resumed.token_ids),
+                    sampling=_remaining_sampling(request.sampling, max_tokens, len(sent)),
+                    lora=request.lora,
+                    cache_salt=request.cache_salt,
+                    num_resumed_tokens=len(sent),
+                )
+                if prefilled is not None and prefilled[0].worker_id not in failed:
+                    worker_request.kv_source.CopyFrom(self._kv_source(prefilled[0], request_id))
+                flight = self._directory.begin(handle, num_uncached, max_tokens - len(sent))
+                try:
+                    worker_final = await self._stream(
+                        worker_request, handle, flight, context, progress
+                    )
+                finally:
+                    self._directory.finish(flight)
+                final = _final(worker_final, decision, num_prompt_tokens, len(sent))
+                if prefilled is not None:
+                    _prefilled_stats(final.stats, prefilled)
+                elif failed and progress.first_token_s is not None:
+                    # The last worker's TTFT misses the time lost on the failed ones.
+                    final.stats.ttft_s = progress.first_token_s - progress.started_s
+                outcome.finished(final)
+                await context.write(router_pb2.GenerateResponse(final=final))
+                return
             except _Refused as e:
                 await _abort(context, outcome, e.code, e.details)
             except _WorkerFailed as e:
-                failed.add(decision.worker_id)
-                self._directory.mark_down(handle)
-                self._router.pending.forget_worker(decision.worker_id)
+                failed.add(e.handle.worker_id)
+                self._directory.mark_down(e.handle)
+                self._router.pending.forget_worker(e.handle.worker_id)
                 num_engine_failures += e.engine_failed
                 if num_engine_failures >= MAX_ENGINE_FAILURES:
                     await _abort(
@@ -308,8 +354,70 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     f"resuming after {len(sent)} tokens" if sent else "retrying",
                     **log,
                 )
-            finally:
-                self._directory.finish(flight)
+
+    async def _prefill(
+        self,
+        request: router_pb2.GenerateRequest,
+        plan: RoutePlan,
+        decision: Decision,
+        handle: WorkerHandle,
+        context: grpc.aio.ServicerContext,
+        progress: _Progress,
+    ) -> worker_pb2.WorkerGenerateFinal:
+        """Disaggregated prefill: the prompt on the prefill worker, its first token relayed to
+        the client, its blocks held there for the decode worker. The worker's final message."""
+        self._router.routed(plan, decision)
+        self._metrics.routed(decision.policy, "prefill", decision.worker_id)
+        worker_request = worker_pb2.WorkerGenerateRequest(
+            request_id=progress.outcome.request_id,
+            prompt_token_ids_u32le=tokens_to_bytes(plan.token_ids),
+            sampling=_remaining_sampling(request.sampling, 1, 0),
+            lora=request.lora,
+            cache_salt=request.cache_salt,
+            hold_blocks_ms=round(self._disagg.lease_s * 1000),
+        )
+        flight = self._directory.begin(handle, self._router.num_uncached_tokens(plan, decision), 1)
+        try:
+            return await self._stream(worker_request, handle, flight, context, progress)
+        finally:
+            self._directory.finish(flight)
+
+    def _kv_source(self, prefill_handle: WorkerHandle, request_id: str) -> worker_pb2.KVSource:
+        return worker_pb2.KVSource(
+            peer_address=prefill_handle.info.address,
+            transfer_id=request_id,
+            transport=self._disagg.transport,
+            on_failure=self._disagg.on_transfer_failure,
+        )
+
+    async def _release(self, handle: WorkerHandle, transfer_id: str) -> None:
+        """Tell a prefill worker that nobody will fetch the blocks it holds; if it cannot be
+        told, its lease runs out."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await handle.stub.ReleaseBlocks(
+                worker_pb2.ReleaseBlocksRequest(transfer_id=transfer_id), timeout=1.0
+            )
+
+    async def _stream(
+        self,
+        worker_request: worker_pb2.WorkerGenerateRequest,
+        handle: WorkerHandle,
+        flight: InFlight,
+        context: grpc.aio.ServicerContext,
+        progress: _Progress,
+    ) -> worker_pb2.WorkerGenerateFinal:
+        """Relay a worker's chunks to the client as they come; the worker's final message."""
+        responses = self._relay(worker_request, handle, flight, context)
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                if not response.HasField("chunk"):
+                    return response.final
+                if progress.first_token_s is None and response.chunk.token_ids:
+                    progress.first_token_s = time.monotonic()
+                    progress.outcome.ttft_s = progress.first_token_s - progress.started_s
+                progress.sent += response.chunk.token_ids
+                await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
+        raise _WorkerFailed(handle, "the stream ended without a final message")
 
     async def _when_a_worker_serves(
         self, attempt: Callable[[], Awaitable[T]], wait_until_s: float
@@ -349,7 +457,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise _Refused(code, "the request's deadline passed") from None
             raise _WorkerFailed(
-                handle.worker_id,
+                handle,
                 f"{code.name}: {e.details()}",
                 engine_failed=code is grpc.StatusCode.INTERNAL,
             ) from None
@@ -404,6 +512,7 @@ def _final(
     stats.num_prompt_tokens = num_prompt_tokens
     stats.num_cached_tokens = min(stats.num_cached_tokens, num_prompt_tokens)
     stats.num_output_tokens = num_output_tokens
+    stats.prefill_worker_id = stats.decode_worker_id = stats.worker_id
     route = router_pb2.RouteDecision(
         worker_id=decision.worker_id,
         policy=decision.policy,
@@ -414,6 +523,17 @@ def _final(
     return router_pb2.GenerateFinal(
         finish_reason=worker_final.finish_reason, stats=stats, route=route
     )
+
+
+def _prefilled_stats(
+    stats: common_pb2.RequestStats,
+    prefilled: tuple[WorkerHandle, worker_pb2.WorkerGenerateFinal],
+) -> None:
+    """A disaggregated request's stats: the prompt's figures are the prefill worker's."""
+    handle, prefill_final = prefilled
+    stats.prefill_worker_id = handle.worker_id
+    stats.ttft_s = prefill_final.stats.ttft_s
+    stats.num_cached_tokens = min(prefill_final.stats.num_cached_tokens, stats.num_prompt_tokens)
 
 
 def _final_without_worker(

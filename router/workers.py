@@ -36,7 +36,10 @@ from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-ROUTABLE_ROLES = ("both",)  # prefill-only and decode-only workers wait for disaggregation
+# Who takes what: a whole request (its prompt prefilled there, or taken from a prefill worker)
+# goes to a "both" or "decode" worker; a prompt to prefill for another worker to a "prefill" one.
+DECODE_ROLES = ("both", "decode")
+PREFILL_ROLES = ("prefill",)
 
 
 @dataclass
@@ -154,14 +157,19 @@ class WorkerDirectory:
 
     # -- queries -------------------------------------------------------------------------------
 
-    def routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerHandle]:
-        """Live workers that take whole requests, not failing lately, not in ``exclude``."""
+    def routable(
+        self,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        roles: tuple[str, ...] = DECODE_ROLES,
+    ) -> list[WorkerHandle]:
+        """Live workers of one of ``roles`` (by default: those that take whole requests), not
+        failing lately, not in ``exclude``."""
         now = self._clock()
         return [
             h
             for h in self._handles.values()
             if not h.removed
-            and h.info.role in ROUTABLE_ROLES
+            and h.info.role in roles
             and h.down_until_s <= now
             and h.worker_id not in exclude
         ]

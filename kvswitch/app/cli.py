@@ -174,8 +174,9 @@ WORKER_HELP = {
     "index": "block-hash index to publish this worker's cache to: grpc://ROUTER_HOST:PORT (a "
     "router's embedded index), redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT; "
     "empty = publish nothing",
-    "role": "what the router may send here; only both is served so far (prefill and decode "
-    "come with disaggregated prefill)",
+    "role": "what the router sends here: both = whole requests; prefill = prompts to compute "
+    "for a decode worker, which takes their KV blocks from here; decode = requests whose prompt "
+    "a prefill worker computed, or short prompts it prefills itself (docs/DISAGGREGATION.md)",
     "served_model_name": "the model's name in the block-hash index: workers of one name share "
     "hashes; empty = derived from the checkpoint's content (docs/HASHING.md)",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
@@ -229,6 +230,16 @@ ROUTER_HELP = {
     "own cache events confirm it",
     "refresh_s": "seconds between readings of the live workers from the index",
     "load_poll_s": "seconds between load reports asked of each worker",
+    "min_remote_prefill_tokens": "disaggregated prefill: a prompt with fewer tokens than this "
+    "uncached on its decode worker is prefilled there, not on a prefill worker",
+    "max_prefill_queue_tokens": "disaggregated prefill: a prefill worker with more prompt tokens "
+    "than this queued takes no more; the decode worker prefills instead",
+    "kv_lease_s": "disaggregated prefill: seconds a prefill worker holds a prompt's KV blocks "
+    "for its decode worker (each fetch restarts it)",
+    "on_transfer_failure": "disaggregated prefill: when the KV transfer fails, recompute the "
+    "missing blocks on the decode worker, or fail the request (ABORTED)",
+    "kv_transport": "disaggregated prefill: how KV blocks travel: shm (one host), grpc, or "
+    "empty = shm where the workers share a host, else grpc",
     "token": "if set, clients must send 'authorization: Bearer TOKEN'",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",

@@ -14,6 +14,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from kvswitch.cache_index.index import ROLES
 from kvswitch.router.server import RouterConfig, RouterServer, start_router
 from kvswitch.worker.server import WorkerConfig, WorkerServer, start_worker
 
@@ -81,8 +82,8 @@ class BackgroundCluster:
                 + _task_stacks(self._loop)
             ) from None
 
-    def add_worker(self, worker_id: str) -> WorkerServer:
-        config = dataclasses.replace(self.worker_config, worker_id=worker_id)
+    def add_worker(self, worker_id: str, role: str = "both") -> WorkerServer:
+        config = dataclasses.replace(self.worker_config, worker_id=worker_id, role=role)
         worker = self.run(start_worker(config))
         self.workers.append(worker)
         self.wait_for_workers()
@@ -98,7 +99,8 @@ class BackgroundCluster:
         """Until the router routes to exactly the running workers."""
         wanted = {w.worker_id for w in self.workers}
         deadline = time.monotonic() + timeout_s
-        while {h.worker_id for h in self.router.router.directory.routable()} != wanted:
+        directory = self.router.router.directory
+        while {h.worker_id for h in directory.routable(roles=ROLES)} != wanted:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the router never saw workers {sorted(wanted)}")
             time.sleep(0.02)

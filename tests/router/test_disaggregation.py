@@ -1,0 +1,224 @@
+"""Disaggregated prefill through the router, over real gRPC: a long prompt is prefilled on the
+prefill worker and decoded on the decode worker, which takes its KV blocks; the client sees one
+stream with the tokens one worker alone would have produced."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvswitch.cache_index.audit import audit
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.client import Client
+from kvswitch.router.disagg import DisaggConfig, prefill_locally
+from kvswitch.router.policy import WorkerState
+from kvswitch.worker.engine import LLMEngine
+from kvswitch.worker.engine_config import EngineConfig
+from kvswitch.worker.request import SamplingParams
+from kvswitch.worker.server import WorkerServer
+from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, BackgroundCluster
+
+DOCUMENT = b"A long shared document, block after block of it. "
+MAX_TOKENS = 8
+STREAMED = dataclasses.replace(ROUTER_CONFIG, kv_transport="grpc")
+
+
+def prompt_of(tag: int, num_repeats: int = 6) -> list[int]:
+    return [256, tag, *DOCUMENT * num_repeats]  # 6 repeats: 296 tokens, 18 full blocks
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine(EngineConfig())
+
+
+def expected(engine: LLMEngine, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[BackgroundCluster]:
+    cluster = BackgroundCluster(num_workers=0)
+    cluster.add_worker("p0", role="prefill")
+    cluster.add_worker("d0", role="decode")
+    cluster.add_worker("d1", role="decode")
+    yield cluster
+    cluster.close()
+
+
+def num_cached_blocks(cluster: BackgroundCluster, worker: WorkerServer, prompt: list[int]) -> int:
+    hashes = hash_prompt_blocks(prompt, BLOCK_SIZE, worker.engine.namespace)
+    future = worker.engine.read_blocks(hashes, with_data=False)
+    return future.result(timeout=10)[0]
+
+
+def num_held_blocks(worker: WorkerServer, timeout_s: float = 2.0) -> int:
+    """Blocks no request holds but a lease does, once the leases have had ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = worker.engine.load
+        held = load.num_total_blocks - load.num_free_blocks
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.02)
+
+
+def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_elsewhere(
+    cluster: BackgroundCluster, reference: LLMEngine
+) -> None:
+    prompt = prompt_of(1)
+    with Client(cluster.address) as client:
+        result = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=60)
+    assert result.token_ids == expected(reference, prompt)
+    stats = result.stats
+    assert stats.prefill_worker_id == "p0"
+    assert stats.decode_worker_id in ("d0", "d1") and stats.worker_id == stats.decode_worker_id
+    assert stats.num_transferred_blocks == 18
+    assert (stats.num_prompt_tokens, stats.num_output_tokens) == (len(prompt), MAX_TOKENS)
+    decoder = cluster.worker(stats.decode_worker_id)
+    assert num_cached_blocks(cluster, decoder, prompt) == 18
+    assert num_held_blocks(cluster.worker("p0")) == 0  # released once taken, no leak
+    assert num_held_blocks(decoder) == 0
+
+    # The decode worker that holds the prompt now prefills what little is new itself.
+    follow_up = [*prompt, *b" And a question."]
+    with Client(cluster.address) as client:
+        again = client.generate(prompt_token_ids=follow_up, max_tokens=MAX_TOKENS, timeout_s=60)
+    assert again.token_ids == expected(reference, follow_up)
+    assert again.stats.prefill_worker_id == again.stats.decode_worker_id == decoder.worker_id
+    assert again.stats.num_cached_tokens == 18 * BLOCK_SIZE
+    assert again.stats.num_transferred_blocks == 0
+
+
+def test_a_short_prompt_is_prefilled_where_it_is_decoded(
+    cluster: BackgroundCluster, reference: LLMEngine
+) -> None:
+    prompt = [256, 2, *b"A short question?"]
+    with Client(cluster.address) as client:
+        result = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=60)
+    assert result.token_ids == expected(reference, prompt)
+    assert result.stats.prefill_worker_id == result.stats.decode_worker_id != "p0"
+
+
+def test_a_request_done_at_its_first_token_frees_the_prefill_workers_blocks(
+    cluster: BackgroundCluster, reference: LLMEngine
+) -> None:
+    prompt = prompt_of(3)
+    first = expected(reference, prompt, max_tokens=1)[0]
+    with Client(cluster.address) as client:
+        stopped = client.generate(
+            prompt_token_ids=prompt, max_tokens=MAX_TOKENS, stop_token_ids=[first], timeout_s=60
+        )
+        one = client.generate(prompt_token_ids=prompt_of(4), max_tokens=1, timeout_s=60)
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert one.token_ids == expected(reference, prompt_of(4), max_tokens=1)
+    for result in (stopped, one):
+        assert result.stats.prefill_worker_id == result.stats.decode_worker_id == "p0"
+    # Told to let go, not left to the lease (5 s).
+    assert num_held_blocks(cluster.worker("p0"), timeout_s=1.0) == 0
+
+
+def test_the_decode_side_dying_mid_transfer_fails_over_with_the_same_tokens(
+    reference: LLMEngine,
+) -> None:
+    """The decode worker stops once the first blocks reached it (mid-transfer, or later, wherever
+    the stop lands); the router resumes the stream on the other decode worker, which takes the
+    blocks too: the client's tokens are one worker's, and no worker is left holding blocks."""
+    # NOTE: over gRPC, in chunks of 32 blocks: through shared memory the whole prompt moves in
+    # one chunk, and the stop would land after it.
+    cluster = BackgroundCluster(num_workers=0, router_config=STREAMED)
+    try:
+        cluster.add_worker("p0", role="prefill")
+        decoders = [cluster.add_worker(f"d{i}", role="decode") for i in range(2)]
+        prompt = [256, *range(1, 256), *DOCUMENT * 70]  # 3686 tokens: 230 blocks
+        want = expected(reference, prompt)
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+            Client(cluster.address) as client,
+        ):
+            running = pool.submit(
+                client.generate, prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=120
+            )
+            taker = None
+            while taker is None and not running.done():
+                taker = next((d for d in decoders if num_cached_blocks(cluster, d, prompt)), None)
+            assert taker is not None, "the request ended before any block moved"
+            cluster.stop_worker(taker)
+            result = running.result(timeout=120)
+        assert result.token_ids == want
+        assert result.stats.prefill_worker_id == "p0"
+        survivor = next(d for d in decoders if d is not taker)
+        assert result.stats.decode_worker_id == survivor.worker_id
+        assert num_held_blocks(cluster.worker("p0")) == 0
+        assert num_held_blocks(survivor) == 0
+        time.sleep(0.3)  # the workers publish their events every 20 ms
+        audits = cluster.run(audit(cluster.router.index))
+        assert sorted((a.worker_id, a.num_stale, a.num_missing) for a in audits) == sorted(
+            [("p0", 0, 0), (survivor.worker_id, 0, 0)]
+        )
+    finally:
+        cluster.close()
+
+
+def test_the_prefill_side_dying_mid_transfer_is_recomputed_with_the_same_tokens(
+    reference: LLMEngine,
+) -> None:
+    """The prefill worker stops once the first blocks left it: the decode worker computes what
+    did not arrive (recompute, the default), and the client's tokens are one worker's."""
+    # NOTE: over gRPC, in chunks of 32 blocks: through shared memory the whole prompt moves in
+    # one chunk, and the stop would land after it.
+    cluster = BackgroundCluster(num_workers=0, router_config=STREAMED)
+    try:
+        prefiller = cluster.add_worker("p0", role="prefill")
+        decoder = cluster.add_worker("d0", role="decode")
+        prompt = [256, *range(2, 256), *DOCUMENT * 70]
+        want = expected(reference, prompt)
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+            Client(cluster.address) as client,
+        ):
+            running = pool.submit(
+                client.generate, prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=120
+            )
+            while not running.done() and not num_cached_blocks(cluster, decoder, prompt):
+                pass
+            cluster.stop_worker(prefiller)
+            result = running.result(timeout=120)
+        assert result.token_ids == want
+        assert (result.stats.prefill_worker_id, result.stats.decode_worker_id) == ("p0", "d0")
+        assert num_held_blocks(decoder) == 0
+        time.sleep(0.3)  # the worker publishes its events every 20 ms
+        audits = cluster.run(audit(cluster.router.index))
+        assert [(a.worker_id, a.num_stale, a.num_missing) for a in audits] == [("d0", 0, 0)]
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize(
+    ("num_uncached", "queued", "why"),
+    [
+        (255, 0, "255 uncached tokens"),
+        (256, 0, None),
+        (4096, 32769, "prefill queue 32769 tokens"),
+        (4096, 32768, None),
+    ],
+)
+def test_the_decode_worker_prefills_short_prompts_and_when_prefill_queues_are_deep(
+    num_uncached: int, queued: int, why: str | None
+) -> None:
+    prefill_worker = WorkerState("p", 0, queued, num_prefill_tokens=queued)
+    assert prefill_locally(num_uncached, prefill_worker, DisaggConfig()) == why
+    assert prefill_locally(num_uncached, None, DisaggConfig()) == "no prefill worker"
+
+
+def test_bad_disaggregation_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="on_transfer_failure must be one of recompute, fail"):
+        DisaggConfig(on_transfer_failure="retry")
+    with pytest.raises(ValueError, match="lease_s must be in"):
+        DisaggConfig(lease_s=0)
+    with pytest.raises(ValueError, match="transport must be"):
+        DisaggConfig(transport="rdma")
