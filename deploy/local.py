@@ -39,7 +39,9 @@ ROUTER_REFRESH_S = 0.25  # RouterConfig.refresh_s: how often the router re-reads
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    workers: int = 2
+    workers: int = -1  # of role both; -1 = 2, or none when prefill or decode workers are asked for
+    prefill_workers: int = 0  # of role prefill (disaggregated prefill, docs/DISAGGREGATION.md)
+    decode_workers: int = 0  # of role decode
     port: int = 50051  # the router's; 0 = a free port
     redis: str = ""  # empty = the router's embedded index; "local" = start one; or a URL
     model: str = ""  # checkpoint directory for every worker; empty = the built-in tiny model
@@ -52,14 +54,34 @@ class ClusterConfig:
     grace_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.workers <= 64:
-            raise ValueError(f"workers must be in [1, 64], got {self.workers}")
+        for name in ("prefill_workers", "decode_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        num_workers = len(self.worker_roles())
+        if self.workers < -1 or not 1 <= num_workers <= 64:
+            if not (self.prefill_workers or self.decode_workers):
+                raise ValueError(f"workers must be in [1, 64], got {self.workers}")
+            raise ValueError(f"a cluster has 1 to 64 workers in all, not {num_workers}")
+        if all(role == "prefill" for _, role in self.worker_roles()):
+            raise ValueError(
+                "prefill workers need a worker to decode: add --decode-workers or --workers"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.redis not in ("", "local") and "://" not in self.redis:
             raise ValueError(f"redis must be empty, 'local' or a redis:// URL, got {self.redis!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+    def worker_roles(self) -> list[tuple[str, str]]:
+        """(name, role) of each worker to start."""
+        asked_for_roles = self.prefill_workers or self.decode_workers
+        num_both = (0 if asked_for_roles else 2) if self.workers < 0 else self.workers
+        return [
+            *((f"worker-{i}", "both") for i in range(num_both)),
+            *((f"prefill-{i}", "prefill") for i in range(self.prefill_workers)),
+            *((f"decode-{i}", "decode") for i in range(self.decode_workers)),
+        ]
 
 
 class ClusterError(RuntimeError):
@@ -146,8 +168,8 @@ class LocalCluster:
             self.index_url = f"grpc://{self.router.address}"
         # NOTE: launched together, so the workers load their models in parallel.
         self.workers = [
-            self._child(f"worker-{i}", self._worker_argv(i), env=self._worker_env(i))
-            for i in range(config.workers)
+            self._child(name, self._worker_argv(name, role), env=self._worker_env(i))
+            for i, (name, role) in enumerate(config.worker_roles())
         ]
         for worker in self.workers:
             worker.launch()
@@ -297,14 +319,15 @@ class LocalCluster:
             "--policy", config.policy,
         ]  # fmt: skip
 
-    def _worker_argv(self, i: int) -> list[str]:
+    def _worker_argv(self, name: str, role: str) -> list[str]:
         config = self.config
         return [
             *self._worker_command,
             "worker",
             "--host", config.host,
             "--port", "0",
-            "--worker-id", f"worker-{i}",
+            "--worker-id", name,
+            "--role", role,
             "--index", self.index_url,
             "--model", config.model,
             "--device", config.device,
@@ -329,12 +352,22 @@ def _num_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def _describe_fleet(config: ClusterConfig) -> str:
+    """ "2 workers", "1 prefill worker, 2 decode workers"."""
+    roles = [role for _, role in config.worker_roles()]
+    parts = []
+    for role in dict.fromkeys(roles):
+        n = roles.count(role)
+        parts.append(f"{n} {'' if role == 'both' else role + ' '}worker{'s' if n > 1 else ''}")
+    return ", ".join(parts)
+
+
 def run(config: ClusterConfig) -> None:
     """Run the cluster until Ctrl-C or SIGTERM; ``ClusterError`` if the router dies first."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting {config.workers} workers and a router ...", file=sys.stderr, flush=True)
+    print(f"starting {_describe_fleet(config)} and a router ...", file=sys.stderr, flush=True)
     with LocalCluster(config, inherit_logs=True, supervise=True) as cluster:
         print(
             f"kvswitch cluster up: router at {cluster.address}, index {cluster.index_url}, "

@@ -53,6 +53,8 @@ _CLIENT_ERRORS = (
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNAUTHENTICATED,
+    # A decode worker's KV transfer failed and the policy says fail (router/disagg.py).
+    grpc.StatusCode.ABORTED,
 )
 
 
@@ -88,6 +90,7 @@ _FINISH_REASON_BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.DEADLINE_EXCEEDED: "abort",
     **{code: "rejected" for code in _CLIENT_ERRORS},
+    grpc.StatusCode.ABORTED: "error",
 }
 
 

@@ -246,7 +246,11 @@ ROUTER_HELP = {
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
 }
 UP_HELP = {
-    "workers": "number of workers",
+    "workers": "number of workers that prefill and decode (role both); -1 = 2, or 0 when "
+    "--prefill-workers or --decode-workers is given",
+    "prefill_workers": "number of prefill workers: they compute long prompts, and decode "
+    "workers take the KV blocks from them (docs/DISAGGREGATION.md)",
+    "decode_workers": "number of decode workers",
     "port": "the router's port (0 picks a free one)",
     "redis": "empty = the router's embedded index; 'local' = start a redis-server for the "
     "cluster; or a redis:// URL to use",

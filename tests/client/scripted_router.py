@@ -53,6 +53,9 @@ EXPECTED = GenerateResult(
         ttft_s=0.25,
         num_output_tokens=5,
         route_reason="longest prefix match",
+        # The script's router says nothing of prefill: one worker served it all.
+        prefill_worker_id="worker-b",
+        decode_worker_id="worker-b",
     ),
     route=RouteInfo(
         worker_id="worker-b",

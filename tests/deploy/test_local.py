@@ -249,3 +249,34 @@ def test_kvswitch_up_serves_until_sigterm_then_stops_everything() -> None:
         host, port = address.rsplit(":", 1)
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def test_up_starts_prefill_and_decode_workers_that_split_long_prompts() -> None:
+    config = ClusterConfig(prefill_workers=1, decode_workers=1, port=0, grace_s=1.0)
+    assert config.worker_roles() == [("prefill-0", "prefill"), ("decode-0", "decode")]
+    prompt = "A long document, line after line of it, for the prefill worker. " * 8
+    with running(config) as cluster, Client(cluster.address, timeout_s=60) as client:
+        long = client.generate(prompt, max_tokens=4)
+        short = client.generate("A short question?", max_tokens=4)
+    assert (long.stats.prefill_worker_id, long.stats.decode_worker_id) == ("prefill-0", "decode-0")
+    assert long.stats.num_transferred_blocks == len(prompt) // 16
+    assert short.stats.prefill_worker_id == short.stats.decode_worker_id == "decode-0"
+
+
+def test_up_counts_its_workers_by_role() -> None:
+    assert [r for _, r in ClusterConfig().worker_roles()] == ["both", "both"]
+    mixed = ClusterConfig(workers=1, prefill_workers=2, decode_workers=1).worker_roles()
+    assert mixed == [
+        ("worker-0", "both"),
+        ("prefill-0", "prefill"),
+        ("prefill-1", "prefill"),
+        ("decode-0", "decode"),
+    ]
+    with pytest.raises(ValueError, match="prefill workers need a worker to decode"):
+        ClusterConfig(prefill_workers=2)
+    with pytest.raises(ValueError, match="workers must be in"):
+        ClusterConfig(workers=0)
+    with pytest.raises(ValueError, match="a cluster has 1 to 64 workers in all, not 65"):
+        ClusterConfig(workers=60, decode_workers=5)
+    with pytest.raises(ValueError, match="decode_workers must be >= 0"):
+        ClusterConfig(decode_workers=-1)

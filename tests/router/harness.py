@@ -82,8 +82,8 @@ class BackgroundCluster:
                 + _task_stacks(self._loop)
             ) from None
 
-    def add_worker(self, worker_id: str, role: str = "both") -> WorkerServer:
-        config = dataclasses.replace(self.worker_config, worker_id=worker_id, role=role)
+    def add_worker(self, worker_id: str, role: str = "both", **config: Any) -> WorkerServer:
+        config = dataclasses.replace(self.worker_config, worker_id=worker_id, role=role, **config)
         worker = self.run(start_worker(config))
         self.workers.append(worker)
         self.wait_for_workers()

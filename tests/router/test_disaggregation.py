@@ -9,11 +9,12 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from kvswitch.cache_index.audit import audit
 from kvswitch.cache_index.hashing import hash_prompt_blocks
-from kvswitch.client import Client
+from kvswitch.client import Client, KvswitchError
 from kvswitch.router.disagg import DisaggConfig, prefill_locally
 from kvswitch.router.policy import WorkerState
 from kvswitch.worker.engine import LLMEngine
@@ -194,6 +195,35 @@ def test_the_prefill_side_dying_mid_transfer_is_recomputed_with_the_same_tokens(
         time.sleep(0.3)  # the worker publishes its events every 20 ms
         audits = cluster.run(audit(cluster.router.index))
         assert [(a.worker_id, a.num_stale, a.num_missing) for a in audits] == [("d0", 0, 0)]
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_transfer_that_cannot_be_made_is_recomputed_or_fails_as_configured(policy: str) -> None:
+    """Blocks of another layout (a bfloat16 decode worker, a float32 prefill worker) never
+    move: the decode worker computes the prompt itself, or the client gets ABORTED."""
+    config = dataclasses.replace(ROUTER_CONFIG, on_transfer_failure=policy)
+    cluster = BackgroundCluster(num_workers=0, router_config=config)
+    try:
+        cluster.add_worker("p0", role="prefill")
+        decoder = cluster.add_worker("d0", role="decode", dtype="bfloat16")
+        prompt = prompt_of(7)
+        with Client(cluster.address, max_retries=0) as client:
+            if policy == "fail":
+                with pytest.raises(KvswitchError) as error:
+                    client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=60)
+                assert error.value.code == grpc.StatusCode.ABORTED
+                assert "the KV transfer from" in str(error.value)
+            else:
+                result = client.generate(
+                    prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=60
+                )
+                assert len(result.token_ids) == MAX_TOKENS
+                assert result.stats.num_transferred_blocks == 0
+                assert result.stats.decode_worker_id == "d0"
+        assert num_held_blocks(cluster.worker("p0")) == 0
+        assert num_held_blocks(decoder) == 0
     finally:
         cluster.close()
 
