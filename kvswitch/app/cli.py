@@ -293,6 +293,19 @@ TRANSFER_HELP = {
     "prompt_tokens": "tokens per prompt (16 a block)",
     "seed": "random seed of the prompts",
 }
+PD_HELP = {
+    "num_workers": "workers per cluster: all of role both, then one prefill worker and the rest "
+    "decode workers",
+    "num_streams": "decode streams, each sending short prompts with long answers one after another",
+    "short_prompt_tokens": "tokens in a decode stream's prompts",
+    "short_output_tokens": "tokens a decode stream's requests generate",
+    "long_prompt_tokens": "tokens in each long prompt",
+    "long_output_tokens": "tokens each long prompt generates",
+    "long_per_s": "long prompts arriving a second (Poisson)",
+    "duration_s": "seconds of load per cluster",
+    "kv_cache_bytes": "KV cache memory per worker, in bytes",
+    "seed": "random seed of the prompts and arrivals",
+}
 SIM_HELP = {
     "trace": "JSON-lines trace to replay (Mooncake format: timestamp ms, input_length, "
     "output_length, hash_ids)",
@@ -704,6 +717,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
     from kvswitch.benchmarks import index as index_bench
     from kvswitch.benchmarks import kernels as kernel_bench
     from kvswitch.benchmarks import lookup as lookup_bench
+    from kvswitch.benchmarks import pd as pd_bench
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import serve as serve_bench
@@ -798,6 +812,14 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             TRANSFER_HELP,
             "cached KV blocks pulled from one worker process into another, GB/s over gRPC and "
             "through shared memory",
+        ),
+        (
+            "pd",
+            pd_bench.run,
+            pd_bench.PDBenchConfig,
+            PD_HELP,
+            "disaggregated prefill against one-worker serving: decode ITL and TTFT while long "
+            "prompts arrive",
         ),
         (
             "routing",

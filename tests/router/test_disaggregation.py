@@ -21,7 +21,7 @@ from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.request import SamplingParams
 from kvswitch.worker.server import WorkerServer
-from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, BackgroundCluster
+from tests.router.harness import BLOCK_BYTES, BLOCK_SIZE, ROUTER_CONFIG, BackgroundCluster
 
 DOCUMENT = b"A long shared document, block after block of it. "
 MAX_TOKENS = 8
@@ -222,6 +222,39 @@ def test_a_transfer_that_cannot_be_made_is_recomputed_or_fails_as_configured(pol
                 assert len(result.token_ids) == MAX_TOKENS
                 assert result.stats.num_transferred_blocks == 0
                 assert result.stats.decode_worker_id == "d0"
+        assert num_held_blocks(cluster.worker("p0")) == 0
+        assert num_held_blocks(decoder) == 0
+    finally:
+        cluster.close()
+
+
+def test_chunked_prefill_and_preemption_on_the_decode_side_keep_the_tokens(
+    reference: LLMEngine,
+) -> None:
+    """Both sides prefill in chunks of 48 tokens; the decode worker holds 40 blocks, too few for
+    the four prompts of 18 blocks at once, so it preempts and recomputes some: every client still
+    gets one worker's tokens."""
+    cluster = BackgroundCluster(num_workers=0)
+    try:
+        cluster.add_worker("p0", role="prefill", max_num_batched_tokens=48)
+        decoder = cluster.add_worker(
+            "d0", role="decode", max_num_batched_tokens=48, kv_cache_bytes=40 * BLOCK_BYTES
+        )
+        prompts = [prompt_of(10 + i) for i in range(4)]
+        with (
+            concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool,
+            Client(cluster.address) as client,
+        ):
+            results = list(
+                pool.map(
+                    lambda p: client.generate(prompt_token_ids=p, max_tokens=128, timeout_s=120),
+                    prompts,
+                )
+            )
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.token_ids == expected(reference, prompt, max_tokens=128)
+            assert (result.stats.prefill_worker_id, result.stats.decode_worker_id) == ("p0", "d0")
+        assert decoder.engine.counters.num_preemptions > 0
         assert num_held_blocks(cluster.worker("p0")) == 0
         assert num_held_blocks(decoder) == 0
     finally:
