@@ -38,6 +38,7 @@ COMMANDS = [
     ["bench", "step"],
     ["bench", "admission"],
     ["bench", "transfer"],
+    ["bench", "pd"],
     ["bench", "routing"],
     ["index"],
     ["index", "stats"],
