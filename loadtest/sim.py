@@ -21,6 +21,7 @@ speed is a profile (loadtest/profiles.py), not a model run.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import random
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from kvswitch.loadtest.sim_worker import Job, SimWorker
 from kvswitch.loadtest.trace import TRACE_NAMESPACE, TraceRequest, block_hashes
 from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
-from kvswitch.router.policy import POLICIES, make_policy
+from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
 from kvswitch.router.router import RoutePlan, Router
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
 
@@ -53,9 +54,18 @@ class SimConfig:
     load_poll_s: float = 0.1
     pending_ttl_s: float = 2.0
     cost_weights: str = ""  # "key=value,..." for the cost policy; empty: its defaults
+    # Peer block fetch: tokens of KV moved a second between two workers (0: none), and what one
+    # transfer costs besides. The cost policy weighs it against the profile's prefill speed.
+    fetch_tokens_per_s: float = 0.0
+    fetch_latency_s: float = 0.001
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        for name in ("fetch_tokens_per_s", "fetch_latency_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         make_policy("cost", self.weights())  # refuses an unknown weight or a bad value now
         if not self.trace:
             raise ValueError("give the trace to replay: --trace FILE (JSON lines)")
@@ -92,7 +102,15 @@ class SimConfig:
         return POLICIES if self.policy == "all" else (self.policy,)
 
     def weights(self) -> dict[str, float]:
-        return parse_cost_weights(self.cost_weights)
+        """The cost policy's weights: ``cost_weights`` over the peer-fetch ones the speeds
+        give."""
+        weights = {}
+        if self.fetch_tokens_per_s > 0:
+            prefill_tokens_per_s = 1 / get_profile(self.profile).prefill_s_per_token
+            weights = fetch_costs(
+                self.fetch_tokens_per_s, self.fetch_latency_s, prefill_tokens_per_s
+            )
+        return {**weights, **parse_cost_weights(self.cost_weights)}
 
 
 def parse_cost_weights(text: str) -> dict[str, float]:
@@ -172,6 +190,9 @@ class PolicyRun:
     worker_prefill_tokens: list[int]  # prompt tokens each worker computed
     makespan_s: float  # from the first arrival to the end of the last step
     num_preempted: int
+    # Blocks taken from a peer's cache (peer block fetch); they count as cached tokens too.
+    num_fetched_blocks: int = 0
+    block_tokens: int = 0
 
     @property
     def utilization(self) -> float:
@@ -251,6 +272,27 @@ async def _simulate(
 
     jobs: list[Job] = []
     worker_ids: list[str] = []
+    # Requests whose prefix is on its way from a peer: (when it is there, order, worker, job,
+    # the blocks).
+    deliveries: list[tuple[float, int, SimWorker, Job, list[bytes]]] = []
+    num_fetched_blocks = 0
+
+    async def publish(worker: SimWorker) -> None:
+        events = worker.take_events()
+        if events:
+            worker_id = worker.handle.worker_id
+            seqs[worker_id] += 1
+            await index.apply(worker_id, seqs[worker_id], events)
+
+    async def deliver(until_s: float) -> None:
+        while deliveries and deliveries[0][0] <= until_s:
+            ready_s, _, worker, job, taken = heapq.heappop(deliveries)
+            clock.now_s = max(clock.now_s, ready_s)
+            worker.advance_to(ready_s)
+            await publish(worker)
+            worker.take_blocks(taken)
+            worker.add(job, ready_s)
+
     start_s = requests[0].request.arrival_s
     for sim_request in requests:
         request = sim_request.request
@@ -259,14 +301,11 @@ async def _simulate(
         for worker in workers:
             if worker.next_change_s <= now_s:
                 worker.advance_to(now_s)
-                events = worker.take_events()
-                if events:
-                    worker_id = worker.handle.worker_id
-                    seqs[worker_id] += 1
-                    await index.apply(worker_id, seqs[worker_id], events)
+                await publish(worker)
             worker.poll(now_s)
             if check:
                 worker.check()
+        await deliver(now_s)
         plan = sim_request.plan
         decision, handle = await router.choose(plan)
         router.routed(plan, decision)
@@ -280,9 +319,22 @@ async def _simulate(
             plan.block_hashes,
             num_uncached,
         )
-        by_id[decision.worker_id].add(job, now_s)
+        worker = by_id[decision.worker_id]
+        if decision.fetch_from:
+            # Peer block fetch: the request reaches its worker once the prefix has moved.
+            holder = by_id[decision.fetch_from]
+            taken = plan.block_hashes[: holder.blocks.num_held(plan.block_hashes)]
+            num_moved = len(taken) - worker.blocks.num_held(taken)
+            ready_s = now_s + config.fetch_latency_s
+            ready_s += num_moved * config.block_tokens / config.fetch_tokens_per_s
+            worker.expect(job)
+            heapq.heappush(deliveries, (ready_s, len(jobs), worker, job, taken))
+            num_fetched_blocks += num_moved
+        else:
+            worker.add(job, now_s)
         jobs.append(job)
         worker_ids.append(decision.worker_id)
+    await deliver(math.inf)
     for worker in workers:
         worker.advance_to(math.inf)
         handle = worker.handle
@@ -299,4 +351,6 @@ async def _simulate(
         worker_prefill_tokens=[w.num_prefill_tokens for w in workers],
         makespan_s=max(w.end_s for w in workers),
         num_preempted=sum(w.num_preempted for w in workers),
+        num_fetched_blocks=num_fetched_blocks,
+        block_tokens=config.block_tokens,
     )

@@ -3,7 +3,9 @@
 The figures, per policy:
 
 - ``token_hit_rate``: prompt tokens found in the chosen worker's cache on admission, over all
-  prompt tokens;
+  prompt tokens (with peer block fetch, the blocks taken from a peer count: they were not
+  computed);
+- ``fetched_token_share``: prompt tokens taken from a peer's cache, over all prompt tokens;
 - ``ttft_mean_s``, ``ttft_p50_s``, ``ttft_p99_s``: arrival to first token, queueing included;
 - ``load_imbalance``: the busiest worker's prompt tokens computed over the mean worker's;
 - ``utilization``: the mean over workers of time spent in steps over the makespan.
@@ -33,6 +35,7 @@ def policy_figures(run: PolicyRun) -> dict[str, float]:
     prefill = run.worker_prefill_tokens
     return {
         "token_hit_rate": run.num_cached_tokens / run.num_prompt_tokens,
+        "fetched_token_share": run.num_fetched_blocks * run.block_tokens / run.num_prompt_tokens,
         "ttft_mean_s": float(ttfts.mean()),
         "ttft_p50_s": float(p50),
         "ttft_p99_s": float(p99),

@@ -70,6 +70,7 @@ class SimWorker:
         self.load_poll_s = load_poll_s
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # in admission order
+        self.arriving: list[Job] = []  # routed here, their prefix still on its way from a peer
         self.busy_s = 0.0
         self.end_s = 0.0  # when the last step ended
         self.num_prefill_tokens = 0  # prompt tokens computed, recomputation included
@@ -108,8 +109,19 @@ class SimWorker:
                 break
         self._set_next_change()
 
+    def expect(self, job: Job) -> None:
+        """A request is routed here but arrives later, once its prefix came from a peer."""
+        self.arriving.append(job)
+
+    def take_blocks(self, block_hashes: list[bytes]) -> int:
+        """Blocks a peer held, into the cache (after ``advance_to`` their arrival); how many
+        were new."""
+        return self.blocks.take(block_hashes)
+
     def add(self, job: Job, now_s: float) -> None:
         """A request arrives (after ``advance_to(now_s)``)."""
+        if job in self.arriving:
+            self.arriving.remove(job)
         self._observe(now_s)
         self.waiting.append(job)
         self._num_queued_prefill_tokens += job.num_prompt_tokens
@@ -321,7 +333,7 @@ class SimWorker:
     def check(self) -> None:
         """AssertionError unless the router's counters here and the queued prefill the worker
         reports are what its requests add up to, and its block pool and tables agree."""
-        jobs = [*self.running, *self.waiting]
+        jobs = [*self.running, *self.waiting, *self.arriving]
         handle = self.handle
         assert handle.num_in_flight == len(jobs), (handle.num_in_flight, len(jobs))
         not_started = [j for j in jobs if math.isnan(j.first_token_s)]
@@ -332,7 +344,7 @@ class SimWorker:
         ]
         num_output = sum(j.num_output_tokens for j in jobs) - sum(produced)
         assert handle.num_output_tokens == num_output, (handle.num_output_tokens, num_output)
-        queued = sum(j.num_tokens for j in self.waiting)
+        queued = sum(j.num_tokens for j in self.waiting)  # not those arriving: not here yet
         queued += sum(j.num_tokens - j.num_computed for j in self.running if not j.decoding)
         assert self._num_queued_prefill_tokens == queued, (self._num_queued_prefill_tokens, queued)
         pool = self.blocks.pool

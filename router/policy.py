@@ -32,10 +32,17 @@ Tokens that no worker holds count the same everywhere, so only held ones sway th
 
 When nobody holds any of the prompt, every worker pays the same prefill, so the choice falls to
 load, then free cache space, then a rotation: misses spread instead of piling onto one worker.
+
+Peer block fetch (off unless ``fetch_token_cost`` is set): a worker may take the longest cached
+prefix from the worker that holds it, paying its transfer instead of its prefill::
+
+    cost(worker, taking the prefix) = cost(worker, as if it held the prefix)
+                                    + fetch_latency_tokens + fetch_token_cost x tokens moved
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -55,6 +62,8 @@ class WorkerState:
     num_total_blocks: int = 0
     num_requests: int = 0  # requests running or queued there (reports + in flight)
     num_prefill_tokens: int = 0  # the part of the outstanding work that is prompt to prefill
+    # Leading prompt blocks the index says it holds now (no guesses): what a peer could take.
+    num_fetchable_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +96,11 @@ class Decision:
     worker_id: str
     policy: str
     reason: str
-    num_matched_blocks: int
+    num_matched_blocks: int  # leading blocks cached there (once taken from ``fetch_from``)
     score: float  # the policy's own measure of the chosen worker (cost: lower is better)
+    # Peer block fetch: the worker to take the prompt's cached prefix from first; empty: none.
+    fetch_from: str = ""
+    num_fetched_blocks: int = 0
 
 
 class Policy(ABC):
@@ -178,10 +190,25 @@ class PrefixPolicy(_Ranked):
 
 
 class CostPolicy(_Ranked):
-    """The module docstring's cost; ``temperature`` > 0 samples near-ties instead."""
+    """The module docstring's cost; ``temperature`` > 0 samples near-ties instead.
+
+    With ``fetch_token_cost`` > 0, a worker may also take the prompt's cached prefix from the
+    worker that holds the longest one (peer block fetch) and compute only the rest: its cost is
+    then the cost with that prefix held, plus ``fetch_latency_tokens`` + ``fetch_token_cost`` x
+    the tokens moved (what moving a token's KV costs, in prefill tokens: prefill speed over
+    transfer speed, both measured). It is chosen where that is cheaper, for example when the
+    holder is overloaded and another worker is idle."""
 
     name = "cost"
-    weight_names = ("prefill_weight", "temperature", "decode_weight", "min_match", "private_weight")
+    weight_names = (
+        "prefill_weight",
+        "temperature",
+        "decode_weight",
+        "min_match",
+        "private_weight",
+        "fetch_token_cost",
+        "fetch_latency_tokens",
+    )
 
     def __init__(
         self,
@@ -190,6 +217,8 @@ class CostPolicy(_Ranked):
         decode_weight: float = 6.0,
         min_match: float = 0.1,
         private_weight: float = 5.0,
+        fetch_token_cost: float = 0.0,
+        fetch_latency_tokens: float = 0.0,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__()
@@ -199,6 +228,8 @@ class CostPolicy(_Ranked):
             ("decode_weight", decode_weight),
             ("min_match", min_match),
             ("private_weight", private_weight),
+            ("fetch_token_cost", fetch_token_cost),
+            ("fetch_latency_tokens", fetch_latency_tokens),
         ):
             if not value >= 0 or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -207,6 +238,8 @@ class CostPolicy(_Ranked):
         self.decode_weight = decode_weight
         self.min_match = min_match
         self.private_weight = private_weight
+        self.fetch_token_cost = fetch_token_cost  # 0: no peer block fetch
+        self.fetch_latency_tokens = fetch_latency_tokens
         self._rng = rng or random.Random()
 
     def cost(self, request: RouteRequest, worker: WorkerState) -> float:
@@ -225,8 +258,12 @@ class CostPolicy(_Ranked):
             + num_output_tokens * self.decode_weight
         )
 
+    def fetch_cost(self, num_tokens: int) -> float:
+        """What taking ``num_tokens`` tokens' KV from a peer costs, in prefill tokens."""
+        return self.fetch_latency_tokens + self.fetch_token_cost * num_tokens
+
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
-        costs = [(self.cost(request, w), w) for w in workers]
+        costs, fetches = self._costs(request, workers)
         if self.temperature > 0:
             # Softmax over -cost / temperature (costs in tokens): near-ties share the traffic.
             lowest = min(c for c, _ in costs)
@@ -235,9 +272,44 @@ class CostPolicy(_Ranked):
             reason = "sampled by cost"
         else:
             worker = self._pick([((c,), w) for c, w in costs])
-            cost = self.cost(request, worker)
+            cost = next(c for c, w in costs if w is worker)
             reason = "lowest cost" if worker.num_matched_blocks else "no cached prefix: lowest load"
-        return Decision(worker.worker_id, self.name, reason, worker.num_matched_blocks, cost)
+        holder = fetches.get(worker.worker_id)
+        if holder is None:
+            return Decision(worker.worker_id, self.name, reason, worker.num_matched_blocks, cost)
+        num_fetched = worker.num_matched_blocks - holder[1]
+        return Decision(
+            worker.worker_id,
+            self.name,
+            f"{reason}, its prefix taken from a peer",
+            worker.num_matched_blocks,
+            cost,
+            fetch_from=holder[0],
+            num_fetched_blocks=num_fetched,
+        )
+
+    def _costs(
+        self, request: RouteRequest, workers: Sequence[WorkerState]
+    ) -> tuple[list[tuple[float, WorkerState]], dict[str, tuple[str, int]]]:
+        """Each worker's cost, as it is or, where cheaper, with the longest fetchable prefix
+        taken from its holder (then the state says so: its matched blocks include the taken
+        ones); and for those, (holder, blocks it held before)."""
+        costs = [(self.cost(request, w), w) for w in workers]
+        fetches: dict[str, tuple[str, int]] = {}
+        if not self.fetch_token_cost:
+            return costs, fetches
+        holder = max(workers, key=lambda w: (w.num_fetchable_blocks, w.worker_id))
+        num_held = holder.num_fetchable_blocks
+        for i, (cost, worker) in enumerate(costs):
+            if worker is holder or worker.num_matched_blocks >= num_held:
+                continue
+            taker = dataclasses.replace(worker, num_matched_blocks=num_held)
+            num_tokens = (num_held - worker.num_matched_blocks) * request.block_size
+            fetched_cost = self.cost(request, taker) + self.fetch_cost(num_tokens)
+            if fetched_cost < cost:
+                costs[i] = (fetched_cost, taker)
+                fetches[worker.worker_id] = (holder.worker_id, worker.num_matched_blocks)
+        return costs, fetches
 
 
 # -- other routers' rules, for comparison -----------------------------------------------------
@@ -376,6 +448,17 @@ _TUNABLE: dict[str, type[Policy]] = {
     "dynamo_like": DynamoLike,
     "llmd_like": LlmdLike,
 }
+
+
+def fetch_costs(
+    fetch_tokens_per_s: float, fetch_latency_s: float, prefill_tokens_per_s: float
+) -> dict[str, float]:
+    """The cost policy's peer-fetch weights from measured speeds: moving a token's KV costs
+    prefill speed / transfer speed prefill tokens, a transfer's latency that many more."""
+    return {
+        "fetch_token_cost": prefill_tokens_per_s / fetch_tokens_per_s,
+        "fetch_latency_tokens": fetch_latency_s * prefill_tokens_per_s,
+    }
 
 
 def make_policy(

@@ -11,6 +11,7 @@ scores from the policy (``router/policy.py``), the default or one a request name
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -56,13 +57,15 @@ class RoutePlan:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where a request goes: the worker that streams its output (``decision``, ``handle``) and,
-    when another worker prefills its prompt first, that one."""
+    """Where a request goes: the worker that streams its output (``decision``, ``handle``); when
+    another worker prefills its prompt first, that one; when it takes the prompt's cached prefix
+    from a peer first (``decision.fetch_from``), that peer."""
 
     decision: Decision
     handle: WorkerHandle
     prefill_decision: Decision | None = None
     prefill_handle: WorkerHandle | None = None
+    fetch_handle: WorkerHandle | None = None  # where ``handle`` takes the prefix from first
 
 
 class Router:
@@ -194,12 +197,14 @@ class Router:
                     matches.get(worker_id, 0),
                     num_shared_prefill_tokens=plan.block_size
                     * max(matches.get(worker_id, 0) - index_matches.get(worker_id, 0), 0),
+                    num_fetchable_blocks=index_matches.get(worker_id, 0),
                 )
                 for worker_id, h in candidates.items()
             ]
 
         decision = chosen_policy.choose(request, states(handles))
-        route = Route(decision, handles[decision.worker_id])
+        fetch_handle = handles[decision.fetch_from] if decision.fetch_from else None
+        route = Route(decision, handles[decision.worker_id], fetch_handle=fetch_handle)
         if disagg is None:
             return route
         prefill_handles = self._serving(plan, self.directory.routable(exclude, PREFILL_ROLES))
@@ -214,16 +219,19 @@ class Router:
         why_local = prefill_locally(num_uncached, prefill_state, disagg)
         if why_local is not None or prefill_decision is None:
             return route
-        return Route(
-            decision,
-            route.handle,
-            prefill_decision,
-            prefill_handles[prefill_decision.worker_id],
+        return dataclasses.replace(
+            route,
+            prefill_decision=prefill_decision,
+            prefill_handle=prefill_handles[prefill_decision.worker_id],
         )
 
     def routed(self, plan: RoutePlan, decision: Decision) -> None:
         """The request went to ``decision.worker_id``: guess that its blocks will be there."""
-        self.pending.add(decision.worker_id, plan.block_hashes)
+        if not decision.fetch_from:
+            # NOTE: not while its prefix is on its way from a peer: a request that followed the
+            # guess there would find nothing yet and compute it all; unguessed, it is routed by
+            # what the index knows, and takes the prefix from its holder too.
+            self.pending.add(decision.worker_id, plan.block_hashes)
         self.heat.record(plan.block_hashes)
 
     def num_uncached_tokens(self, plan: RoutePlan, decision: Decision) -> int:

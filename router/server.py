@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import grpc
@@ -26,7 +27,7 @@ from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.disagg import DisaggConfig
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
-from kvswitch.router.policy import POLICIES, make_policy
+from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
 from kvswitch.router.router import Router
 from kvswitch.router.servicer import RouterServicer
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
@@ -56,6 +57,12 @@ class RouterConfig:
     decode_weight: float = 6.0  # cost: what one output token still to decode costs
     min_match: float = 0.1  # cost: a match below this fraction of the prompt counts as none
     private_weight: float = 5.0  # cost: one uncached token of a conversation's own history
+    # Peer block fetch (cost policy): a worker may take a cached prefix from the worker holding
+    # it where moving it costs less than computing it. Off while either speed is 0; both as
+    # measured (kvswitch bench transfer: blocks_per_s x block size; kvswitch bench ttft).
+    peer_fetch_tokens_per_s: float = 0.0  # tokens of KV moved a second between two workers
+    peer_fetch_latency_ms: float = 1.0  # what one transfer costs besides its bytes
+    prefill_tokens_per_s: float = 0.0  # prompt tokens a worker computes a second
     max_failovers: int = 3  # other workers tried after a worker fails a request
     wait_for_worker_s: float = 30.0  # a request finding no worker waits this long (or its deadline)
     pending_ttl_s: float = 2.0  # how long an unconfirmed "will hold these blocks" guess lives
@@ -85,6 +92,9 @@ class RouterConfig:
             raise ValueError(f"wait_for_worker_s must be >= 0, got {self.wait_for_worker_s}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 or in [0, 65535], got {self.metrics_port}")
+        for name in ("peer_fetch_tokens_per_s", "peer_fetch_latency_ms", "prefill_tokens_per_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.pending_ttl_s <= 0:
             raise ValueError(f"pending_ttl_s must be positive, got {self.pending_ttl_s}")
         self.directory_config()
@@ -102,13 +112,22 @@ class RouterConfig:
     def policy_weights(self) -> dict[str, float]:
         if self.policy != "cost":
             return {}
-        return {
+        weights = {
             "prefill_weight": self.prefill_weight,
             "temperature": self.temperature,
             "decode_weight": self.decode_weight,
             "min_match": self.min_match,
             "private_weight": self.private_weight,
         }
+        if self.peer_fetch_tokens_per_s > 0 and self.prefill_tokens_per_s > 0:
+            weights.update(
+                fetch_costs(
+                    self.peer_fetch_tokens_per_s,
+                    self.peer_fetch_latency_ms / 1000,
+                    self.prefill_tokens_per_s,
+                )
+            )
+        return weights
 
     def directory_config(self) -> DirectoryConfig:
         return DirectoryConfig(refresh_s=self.refresh_s, load_poll_s=self.load_poll_s)

@@ -312,6 +312,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
                 if prefilled is not None and prefilled[0].worker_id not in failed:
                     worker_request.kv_source.CopyFrom(self._kv_source(prefilled[0], request_id))
+                elif route.fetch_handle is not None:
+                    # Peer block fetch: the prefix from the worker that holds it, not computed.
+                    source = self._kv_source(route.fetch_handle, "")
+                    source.on_failure = "recompute"
+                    worker_request.kv_source.CopyFrom(source)
                 flight = self._directory.begin(handle, num_uncached, max_tokens - len(sent))
                 try:
                     worker_final = await self._stream(

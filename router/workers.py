@@ -77,7 +77,12 @@ class WorkerHandle:
         reported = load.num_running_requests + load.num_waiting_requests if load else 0
         return max(reported, self.num_in_flight)
 
-    def state(self, num_matched_blocks: int, num_shared_prefill_tokens: int = 0) -> WorkerState:
+    def state(
+        self,
+        num_matched_blocks: int,
+        num_shared_prefill_tokens: int = 0,
+        num_fetchable_blocks: int = 0,
+    ) -> WorkerState:
         num_prefill_tokens = self.num_prefill_tokens_queued(num_shared_prefill_tokens)
         return WorkerState(
             worker_id=self.worker_id,
@@ -87,6 +92,7 @@ class WorkerHandle:
             num_total_blocks=self.info.num_blocks,
             num_requests=self.num_requests(),
             num_prefill_tokens=num_prefill_tokens,
+            num_fetchable_blocks=num_fetchable_blocks,
         )
 
 

@@ -223,6 +223,13 @@ ROUTER_HELP = {
     "none, so a short shared system prompt does not pull new prompts onto one worker",
     "private_weight": "cost policy: what one uncached prompt token past the shared prefix (a "
     "conversation's own history) costs, in tokens of queued work (docs/ROUTING.md)",
+    "peer_fetch_tokens_per_s": "peer block fetch (cost policy): tokens of KV moved a second "
+    "between two workers, as measured (kvswitch bench transfer: blocks_per_s x block size); with "
+    "--prefill-tokens-per-s, a worker may take a cached prefix from its holder instead of "
+    "computing it, where that costs less (docs/DISAGGREGATION.md); 0 = off",
+    "peer_fetch_latency_ms": "peer block fetch: what one transfer costs besides its bytes, in ms",
+    "prefill_tokens_per_s": "peer block fetch: prompt tokens a worker computes a second, as "
+    "measured (kvswitch bench ttft); 0 = off",
     "max_failovers": "other workers to try when a worker fails a request",
     "wait_for_worker_s": "seconds a request that finds no routable worker waits for one (never "
     "past its deadline) before it fails with UNAVAILABLE",
@@ -323,7 +330,12 @@ SIM_HELP = {
     "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the index "
     "confirms it",
     "cost_weights": "the cost policy's weights, 'key=value,...' (prefill_weight, decode_weight, "
-    "min_match, private_weight, temperature); empty = its defaults",
+    "min_match, private_weight, temperature, fetch_token_cost, fetch_latency_tokens); empty = "
+    "its defaults",
+    "fetch_tokens_per_s": "peer block fetch: tokens of KV moved a second between two workers; "
+    "the cost policy weighs moving a cached prefix against computing it at the profile's "
+    "prefill speed; 0 = no peer fetch",
+    "fetch_latency_s": "peer block fetch: what one transfer costs besides its bytes, in seconds",
     "seed": "random seed of the policies that sample",
 }
 LOADTEST_HELP = {

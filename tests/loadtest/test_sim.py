@@ -4,6 +4,7 @@ router's guesses and accounting, repeatable runs, and the rate search."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -133,3 +134,25 @@ def test_decode_steps_cost_what_the_profile_says_and_an_arrival_joins_the_next()
         sim_requests(TraceRequest(0.0, p1, n1, (1, 2)), second), config(workers=1), "cost", 1
     )
     assert run.ttfts_s[1] == pytest.approx(ends[k] - arrival_s + mixed, rel=1e-9)
+
+
+def test_peer_fetch_moves_a_busy_holders_prefix_to_idle_workers() -> None:
+    """One document, computed once, then asked about in a burst with long answers: its holder
+    soon has more work than moving the prefix costs, and the other workers take it from there
+    instead of computing it (the books still balance at every arrival)."""
+    first = TraceRequest(0.0, 16 * B + 100, 8, (*range(16), 99))
+    burst = [
+        TraceRequest(2.0 + i / 1000, 16 * B + 100, 256, (*range(16), 100 + i)) for i in range(24)
+    ]
+    requests = sim_requests(first, *burst)
+    plain = simulate(requests, config(), "cost", 1.0, check=True)
+    fetched = simulate(requests, config(fetch_tokens_per_s=2e6), "cost", 1.0, check=True)
+    assert plain.num_fetched_blocks == 0
+    assert plain.worker_prefill_tokens == [16 * B + 25 * 100, 0, 0, 0]  # all on the holder
+    assert fetched.num_fetched_blocks >= 16 * 3  # every other worker took the document
+    # ... and computed only its questions: the document was computed once in the fleet.
+    assert fetched.worker_prefill_tokens[0] >= 16 * B
+    assert all(0 < n < 16 * B for n in fetched.worker_prefill_tokens[1:])
+    assert sum(fetched.worker_prefill_tokens) == 16 * B + 25 * 100
+    assert hit_rate(fetched) == hit_rate(plain)
+    assert statistics.fmean(fetched.ttfts_s) < statistics.fmean(plain.ttfts_s) / 2

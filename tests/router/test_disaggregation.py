@@ -261,6 +261,48 @@ def test_chunked_prefill_and_preemption_on_the_decode_side_keep_the_tokens(
         cluster.close()
 
 
+def test_an_idle_worker_takes_a_busy_holders_prefix_instead_of_computing_it(
+    reference: LLMEngine,
+) -> None:
+    """Peer block fetch between two workers of role both: the document's holder is busy with a
+    long answer, so the next question about it goes to the idle worker, which takes the
+    document's blocks from the holder and computes only the question."""
+    cluster = BackgroundCluster(num_workers=2)
+    try:
+        document = prompt_of(20)
+        fetch = {"fetch_token_cost": 0.01, "fetch_latency_tokens": 1.0}
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+            Client(cluster.address) as client,
+        ):
+            first = client.generate(prompt_token_ids=document, max_tokens=2, timeout_s=60)
+            holder = first.stats.worker_id
+            # The same document with a long answer: its holder is the cheapest, and stays busy.
+            busy = pool.submit(
+                client.generate,
+                prompt_token_ids=[*document, 1],
+                max_tokens=1500,
+                weights=fetch,
+                timeout_s=120,
+            )
+            deadline = time.monotonic() + 10
+            while not cluster.worker(holder).engine.load.num_running_requests:
+                assert time.monotonic() < deadline, "the long answer never started"
+                time.sleep(0.005)
+            question = [*document, *b" A question?"]
+            asked = client.generate(
+                prompt_token_ids=question, max_tokens=MAX_TOKENS, weights=fetch, timeout_s=60
+            )
+            assert busy.result(timeout=120).stats.worker_id == holder
+        assert asked.token_ids == expected(reference, question)
+        assert asked.stats.worker_id != holder
+        assert asked.route.reason.endswith("its prefix taken from a peer")
+        assert asked.stats.num_transferred_blocks == 18
+        assert asked.stats.num_cached_tokens == 18 * BLOCK_SIZE
+    finally:
+        cluster.close()
+
+
 @pytest.mark.parametrize(
     ("num_uncached", "queued", "why"),
     [

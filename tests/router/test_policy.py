@@ -15,6 +15,7 @@ from kvswitch.router.policy import (
     RoundRobin,
     RouteRequest,
     WorkerState,
+    fetch_costs,
     make_policy,
 )
 
@@ -199,3 +200,51 @@ def test_a_short_shared_prefix_does_not_pull_new_documents_onto_one_worker() -> 
     # Without the threshold the 96-token hit wins every time.
     herding = CostPolicy(min_match=0)
     assert {herding.choose(request, fleet((6, 0), (0, 0))).worker_id for _ in range(6)} == {"w0"}
+
+
+# -- peer block fetch ---------------------------------------------------------------------------
+
+
+def holder_and_idle(queue_tokens: int) -> list[WorkerState]:
+    """w0 holds 240 of the prompt's 256 blocks (the index says so) behind ``queue_tokens`` of
+    prefill; w1 holds nothing and is idle."""
+    return [
+        WorkerState("w0", 240, queue_tokens, 100, 100, 1, queue_tokens, num_fetchable_blocks=240),
+        WorkerState("w1", 0, 0, 100, 100, 0, 0),
+    ]
+
+
+def test_an_idle_worker_takes_the_prefix_from_an_overloaded_holder() -> None:
+    policy = CostPolicy(fetch_token_cost=0.1, fetch_latency_tokens=50)
+    decision = policy.choose(REQUEST, holder_and_idle(queue_tokens=2000))
+    assert (decision.worker_id, decision.fetch_from) == ("w1", "w0")
+    assert (decision.num_matched_blocks, decision.num_fetched_blocks) == (240, 240)
+    # 256 uncached tokens left, plus 50 + 0.1 x 3,840 to move the prefix.
+    assert decision.score == pytest.approx(256 + 50 + 384)
+    assert decision.reason == "lowest cost, its prefix taken from a peer"
+
+
+def test_the_holder_serves_when_moving_the_prefix_costs_more_than_its_queue() -> None:
+    policy = CostPolicy(fetch_token_cost=0.1, fetch_latency_tokens=50)
+    decision = policy.choose(REQUEST, holder_and_idle(queue_tokens=400))
+    assert (decision.worker_id, decision.fetch_from, decision.score) == ("w0", "", 256 + 400)
+    # Without peer fetch the idle worker computes the whole prompt: 4,096 > 256 + 2,000.
+    plain = CostPolicy().choose(REQUEST, holder_and_idle(queue_tokens=2000))
+    assert (plain.worker_id, plain.fetch_from) == ("w0", "")
+
+
+def test_only_blocks_the_index_confirms_are_fetched() -> None:
+    guessed = [  # w0's 240 blocks are a guess: still being prefilled, nothing to take yet
+        WorkerState("w0", 240, 2000, 100, 100, 1, 2000),
+        WorkerState("w1", 0, 0, 100, 100, 0, 0),
+    ]
+    decision = CostPolicy(fetch_token_cost=0.1).choose(REQUEST, guessed)
+    assert (decision.worker_id, decision.fetch_from) == ("w0", "")
+
+
+def test_fetch_weights_come_from_measured_speeds() -> None:
+    weights = fetch_costs(200_000, 0.002, 20_000)
+    assert weights == {"fetch_token_cost": 0.1, "fetch_latency_tokens": 40.0}
+    assert make_policy("cost", weights).fetch_cost(1000) == pytest.approx(140.0)
+    with pytest.raises(ValueError, match="fetch_token_cost must be a finite number >= 0"):
+        CostPolicy(fetch_token_cost=-1)
