@@ -305,7 +305,19 @@ class CostPolicy(_Ranked):
                 continue
             taker = dataclasses.replace(worker, num_matched_blocks=num_held)
             num_tokens = (num_held - worker.num_matched_blocks) * request.block_size
-            fetched_cost = self.cost(request, taker) + self.fetch_cost(num_tokens)
+            # NOTE: a conversation's own history weighs private_weight here too: moved, it
+            # serves nobody else, and its next turns lose their worker.
+            num_private = max(
+                num_held * request.block_size
+                - (request.num_prompt_tokens - request.num_private_tokens),
+                0,
+            )
+            num_private = min(num_private, num_tokens)
+            fetched_cost = (
+                self.cost(request, taker)
+                + self.fetch_cost(num_tokens)
+                + num_private * self.fetch_token_cost * (self.private_weight - 1)
+            )
             if fetched_cost < cost:
                 costs[i] = (fetched_cost, taker)
                 fetches[worker.worker_id] = (holder.worker_id, worker.num_matched_blocks)

@@ -248,3 +248,16 @@ def test_fetch_weights_come_from_measured_speeds() -> None:
     assert make_policy("cost", weights).fetch_cost(1000) == pytest.approx(140.0)
     with pytest.raises(ValueError, match="fetch_token_cost must be a finite number >= 0"):
         CostPolicy(fetch_token_cost=-1)
+
+
+def test_a_conversations_own_history_costs_more_to_move() -> None:
+    """Past the shared prefix (120 blocks) the prompt is one conversation's history: moved, it
+    serves nobody else, so each such token moved costs private_weight times as much."""
+    request = RouteRequest(num_prompt_tokens=4096, block_size=16, num_shared_blocks=120)
+    policy = CostPolicy(fetch_token_cost=0.1, fetch_latency_tokens=50)
+    decision = policy.choose(request, holder_and_idle(queue_tokens=2000))
+    assert (decision.worker_id, decision.fetch_from) == ("w1", "w0")
+    # 256 private tokens to compute (x 5), 50 + 0.1 x 3,840 to move, 1,920 of them private.
+    assert decision.score == pytest.approx(256 * 5 + 50 + 384 + 1920 * 0.1 * 4)
+    decision = policy.choose(request, holder_and_idle(queue_tokens=1100))
+    assert (decision.worker_id, decision.fetch_from) == ("w0", "")
