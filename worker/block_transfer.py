@@ -23,7 +23,9 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import grpc
 
@@ -39,7 +41,9 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # Through shared memory a chunk costs its engine core one copy and no message: larger ones pay.
 SHM_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 32 << 20
-TRANSPORTS = ("", "shm", "grpc")
+TRANSPORTS = ("", "mapped", "shm", "grpc")
+# How long a mapped fetch's blocks stay held if the asker never says it copied them.
+MAPPED_HOLD_S = 10.0
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20))]
 _RELEASE_TIMEOUT_S = 1.0
 
@@ -63,8 +67,10 @@ class BlockTransfers:
         self._engine = engine
         self._peers = PeerChannels()
         self._shm = ShmFiles()
+        self._tasks: set[asyncio.Task] = set()  # releases sent, not waited for
 
     async def close(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._peers.close()
         self._shm.close()
 
@@ -75,6 +81,9 @@ class BlockTransfers:
     ) -> None:
         """Serve FetchBlocks: the leading cached blocks of the chain, a chunk at a time.
         ValueError: the blocks cannot go where they were asked to (an shm file not here)."""
+        if request.mapped:
+            await self._send_mapped(request, context)
+            return
         layout = self._engine.facts.kv_layout
         default = SHM_CHUNK_BYTES if request.shm_path else DEFAULT_CHUNK_BYTES
         chunk_bytes = min(request.max_chunk_bytes or default, MAX_CHUNK_BYTES)
@@ -115,6 +124,28 @@ class BlockTransfers:
             if lease_id is not None and not keep_lease:
                 self._engine.release(lease_id)
 
+    async def _send_mapped(
+        self, request: worker_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """A ``mapped`` fetch: the blocks held under a lease, their ids in one chunk."""
+        facts = self._engine.facts
+        if not facts.kv_cache_file:
+            raise ValueError("this worker's KV cache is not in shared memory (--kv-cache-shm)")
+        lease_id = request.transfer_id or f"fetch-{uuid.uuid4().hex}"
+        block_ids = await asyncio.wrap_future(
+            self._engine.hold_blocks(list(request.block_hashes), lease_id, MAPPED_HOLD_S)
+        )
+        await context.write(
+            worker_pb2.KVBlockChunk(
+                layout=worker_pb2.KVLayout(**dataclasses.asdict(facts.kv_layout)),
+                num_blocks=len(block_ids),
+                cache_file=facts.kv_cache_file,
+                cache_num_blocks=facts.num_blocks,
+                block_ids=block_ids,
+                lease_id=lease_id,
+            )
+        )
+
     # -- the taker's side ----------------------------------------------------------------------
 
     async def pull(
@@ -143,18 +174,31 @@ class BlockTransfers:
             if transfer_id:
                 await self.release(peer_address, transfer_id)
             return PullResult(num_held, 0, 0, "")
-        chosen = transport or ("shm" if os.path.isdir(SHM_DIR) else "grpc")
+        same_host = os.path.isdir(SHM_DIR)
+        chosen = transport or ("mapped" if same_host else "grpc")
         fetch = _Fetch(request_id, transfer_id, wanted, timeout_s)
+        if chosen == "mapped":
+            try:
+                num_blocks, num_written = await self._pull_mapped(peer_address, fetch)
+            except ShmRefused:
+                if transport == "mapped":
+                    raise
+                chosen = "shm"  # the peer's cache is not in this host's shared memory
         if chosen == "shm":
             try:
-                num_blocks, num_bytes = await self._pull_shm(peer_address, fetch)
+                num_blocks, num_written = await self._pull_shm(peer_address, fetch)
             except ShmRefused:
                 if transport == "shm":
                     raise
                 chosen = "grpc"  # the peer cannot see this host's shared memory
         if chosen == "grpc":
-            num_blocks, num_bytes = await self._fetch(peer_address, fetch, path="")
-        return PullResult(await self.num_cached(hashes), num_blocks, num_bytes, chosen)
+            num_blocks, num_written = await self._fetch(peer_address, fetch, path="")
+        # NOTE: every wanted block newly cached, into room enough that none evicted another:
+        # the whole chain is cached, no need to ask the engine core again.
+        whole = num_written == len(wanted) <= self._engine.load.num_free_blocks
+        num_cached = len(hashes) if whole else await self.num_cached(hashes)
+        num_bytes = num_blocks * self._engine.facts.kv_layout.bytes_per_block
+        return PullResult(num_cached, num_blocks, num_bytes, chosen)
 
     async def release(self, peer_address: str, transfer_id: str) -> None:
         """Tell the peer its lease ``transfer_id`` is not wanted; a peer that cannot be reached
@@ -174,18 +218,64 @@ class BlockTransfers:
         )
         return num_found
 
+    async def _pull_mapped(self, peer_address: str, fetch: _Fetch) -> tuple[int, int]:
+        """Copy the blocks straight out of the peer's KV cache file; (blocks moved, blocks
+        newly cached). ``ShmRefused`` if its cache is not in this host's shared memory."""
+        ours = self._engine.facts.kv_layout
+        try:
+            stream = self._peers.stub(peer_address).FetchBlocks(
+                worker_pb2.FetchBlocksRequest(
+                    request_id=fetch.request_id,
+                    block_hashes=fetch.wanted,
+                    transfer_id=fetch.transfer_id,
+                    mapped=True,
+                ),
+                timeout=fetch.timeout_s,
+            )
+            chunk = await stream.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise ShmRefused(e.details()) from None
+            raise
+        if chunk is grpc.aio.EOF or not chunk.cache_file:
+            raise ValueError("the peer answered a mapped fetch without its cache file")
+        try:
+            ours.check_same(_layout_from_proto(chunk.layout))
+            written = fetch.wanted[: chunk.num_blocks]
+            try:
+                num_written = await asyncio.wrap_future(
+                    self._engine.write_blocks_mapped(
+                        written, chunk.cache_file, chunk.cache_num_blocks, list(chunk.block_ids)
+                    )
+                )
+            except ValueError as e:
+                if "cannot open" in str(e):
+                    raise ShmRefused(str(e)) from None  # the peer is on another host
+                raise
+        finally:
+            # NOTE: not waited for: the blocks are here, and if the peer never hears, its lease
+            # runs out.
+            self._background(self.release(peer_address, chunk.lease_id))
+        return chunk.num_blocks, num_written
+
+    def _background(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)  # a reference, so that the task is not collected unfinished
+        task.add_done_callback(self._tasks.discard)
+
     async def _pull_shm(self, peer_address: str, fetch: _Fetch) -> tuple[int, int]:
         size = len(fetch.wanted) * self._engine.facts.kv_layout.bytes_per_block
         with self._shm.take(size) as path:
             return await self._fetch(peer_address, fetch, path)
 
     async def _fetch(self, peer_address: str, fetch: _Fetch, path: str) -> tuple[int, int]:
-        """Fetch the blocks and write each chunk into the cache as it arrives; (blocks, bytes)
-        moved. ``path``: the shared-memory file the peer writes into, or "" to stream."""
+        """Fetch the blocks and write each chunk into the cache as it arrives; (blocks moved,
+        blocks newly cached). ``path``: the shared-memory file the peer writes into, or "" to
+        stream."""
         ours = self._engine.facts.kv_layout
         size = ours.bytes_per_block
         wanted = fetch.wanted
-        num_blocks = 0
+        num_blocks = num_written = 0
         try:
             stream = self._peers.stub(peer_address).FetchBlocks(
                 worker_pb2.FetchBlocksRequest(
@@ -205,15 +295,16 @@ class BlockTransfers:
                 written = wanted[num_blocks : num_blocks + chunk.num_blocks]
                 if path:
                     source = (path, num_blocks * size)
-                    await asyncio.wrap_future(self._engine.write_blocks_from(written, source))
+                    future = self._engine.write_blocks_from(written, source)
                 else:
-                    await asyncio.wrap_future(self._engine.write_blocks(written, chunk.data))
+                    future = self._engine.write_blocks(written, chunk.data)
+                num_written += await asyncio.wrap_future(future)
                 num_blocks += chunk.num_blocks
         except grpc.aio.AioRpcError as e:
             if path and e.code() == grpc.StatusCode.FAILED_PRECONDITION and not num_blocks:
                 raise ShmRefused(e.details()) from None
             raise
-        return num_blocks, num_blocks * size
+        return num_blocks, num_written
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,6 +16,8 @@ Serving process to core::
                                        lease to extend
     [WRITE_BLOCKS, call_id, block_hashes]  + the blocks' bytes as a second frame
     [WRITE_BLOCKS_FROM, call_id, block_hashes, [shm path, offset]]
+    [HOLD_BLOCKS, call_id, block_hashes, lease_id, hold_s]
+    [WRITE_BLOCKS_MAPPED, call_id, block_hashes, peer cache file, its num_blocks, peer block ids]
     [STOP]
 
 Core to serving process::
@@ -26,7 +28,8 @@ Core to serving process::
                                        after every round of commands and step
     [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
     [REPLY, call_id, ok, value]        to READ_BLOCKS (num_blocks, + their bytes as a second
-                                       frame, unless written to shm) and the WRITEs (num_new);
+                                       frame, unless written to shm), HOLD_BLOCKS (block ids)
+                                       and the WRITEs (num_new);
                                        when not ok, value is the error's message
     [STOPPED]                          last
 
@@ -53,7 +56,18 @@ from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, StepOutputs
 
 # Serving process -> core.
-ADD, ABORT, SNAPSHOT, STOP, READ_BLOCKS, WRITE_BLOCKS, WRITE_BLOCKS_FROM, RELEASE = range(8)
+(
+    ADD,
+    ABORT,
+    SNAPSHOT,
+    STOP,
+    READ_BLOCKS,
+    WRITE_BLOCKS,
+    WRITE_BLOCKS_FROM,
+    RELEASE,
+    HOLD_BLOCKS,
+    WRITE_BLOCKS_MAPPED,
+) = range(10)
 # Core -> serving process.
 READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED, REPLY = range(10, 16)
 
@@ -76,6 +90,7 @@ class CoreFacts:
     vocab_size: int
     max_model_len: int
     kv_layout: KVLayout  # how its blocks travel as bytes
+    kv_cache_file: str = ""  # its KV cache in this host's shared memory; empty: not there
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,11 @@ as if it had never run: blocks it cached for KV it did not write lose their hash
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,15 @@ from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.kv_layout import KVLayout
-from kvswitch.worker.kv_transfer import layout_of, read_blocks, shared_file, write_blocks
+from kvswitch.worker.kv_transfer import (
+    PeerCache,
+    copy_peer_blocks,
+    layout_of,
+    new_cache_file,
+    read_blocks,
+    shared_file,
+    write_blocks,
+)
 from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
 from kvswitch.worker.request import (
     FinishReason,
@@ -98,7 +108,11 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.kv_cache_file = new_cache_file() if config.kv_cache_shm else None
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, kv_cache_file=self.kv_cache_file
+        )
+        self._peer_caches: dict[str, PeerCache] = {}  # same-host peers' caches, mapped
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache
         )
@@ -202,6 +216,59 @@ class LLMEngine:
         """How this engine's blocks travel as bytes (``kv_transfer``)."""
         return layout_of(self.runner.kv_caches)
 
+    def close(self) -> None:
+        """Unmap the peers' caches and remove this engine's cache file, if it has one."""
+        for peer in self._peer_caches.values():
+            peer.close()
+        self._peer_caches.clear()
+        if self.kv_cache_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.kv_cache_file)
+
+    def hold_cached_blocks(
+        self, block_hashes: Sequence[bytes], lease_id: str, hold_s: float
+    ) -> list[int]:
+        """The ids of the leading blocks of ``block_hashes`` cached here, held from eviction
+        under ``lease_id`` (a lease of that id held already is extended instead) for a same-host
+        peer to copy out of this engine's cache file; ``release_lease`` lets them go."""
+        check_hold(hold_s)
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.kv_cache.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        now = time.monotonic()
+        if not self.kv_cache.extend(lease_id, now):
+            self.kv_cache.hold_blocks(blocks, lease_id, now, hold_s)
+        return [block.block_id for block in blocks]
+
+    def write_cached_blocks_mapped(
+        self,
+        block_hashes: Sequence[bytes],
+        peer_file: str,
+        peer_num_blocks: int,
+        peer_block_ids: Sequence[int],
+    ) -> int:
+        """``write_cached_blocks`` with the blocks copied straight out of a same-host peer's
+        cache file (its ``hold_cached_blocks`` ids). ValueError if that file cannot be mapped."""
+        if len(peer_block_ids) != len(block_hashes):
+            raise ValueError(f"{len(peer_block_ids)} block ids for {len(block_hashes)} hashes")
+        peer = self._peer_caches.get(peer_file)
+        if peer is None:
+            # NOTE: a peer that restarted has a new file; the old one's mapping would keep its
+            # memory alive after the file is gone.
+            for path in [p for p in self._peer_caches if not os.path.exists(p)]:
+                self._peer_caches.pop(path).close()
+            peer = PeerCache(peer_file, self.kv_layout, peer_num_blocks)
+            self._peer_caches[peer_file] = peer
+
+        def copy(positions: list[int], block_ids: list[int]) -> None:
+            peer_ids = [peer_block_ids[i] for i in positions]
+            copy_peer_blocks(self.runner.kv_caches, block_ids, peer, peer_ids)
+
+        return self._put_cached_blocks(block_hashes, copy)
+
     def release_lease(self, lease_id: str) -> bool:
         """Let the blocks a finished request held for a peer go; False if none are held."""
         return self.kv_cache.release(lease_id)
@@ -257,13 +324,31 @@ class LLMEngine:
         so in cache events. ``data`` is their KV from ``read_cached_blocks`` of an engine with
         the same layout. Hashes cached here already are skipped; when fewer blocks are free than
         are new, the leading ones are written. Returns how many blocks were new."""
-        if not self.kv_cache.enable_caching:
-            raise ValueError("prefix caching is off on this worker: it cannot take cached blocks")
         size = self.kv_layout.bytes_per_block
         if len(data) != len(block_hashes) * size:
             raise ValueError(
                 f"{len(data):,} bytes for {len(block_hashes)} blocks of {size:,} bytes each"
             )
+
+        def copy(positions: list[int], block_ids: list[int]) -> None:
+            view = memoryview(data)
+            chunk = (
+                data
+                if len(positions) == len(block_hashes)
+                else b"".join(view[i * size : (i + 1) * size] for i in positions)
+            )
+            write_blocks(self.runner.kv_caches, block_ids, chunk)
+
+        return self._put_cached_blocks(block_hashes, copy)
+
+    def _put_cached_blocks(
+        self, block_hashes: Sequence[bytes], copy: Callable[[list[int], list[int]], None]
+    ) -> int:
+        """Take new blocks for the hashes not cached here, ``copy(positions in block_hashes,
+        block ids)`` their KV in, cache them and free them, end of the chain first; how many were
+        new. Nothing is cached if the copy raises."""
+        if not self.kv_cache.enable_caching:
+            raise ValueError("prefix caching is off on this worker: it cannot take cached blocks")
         pool = self.kv_cache.pool
         held = [b for b in map(pool.get_cached_block, block_hashes) if b is not None]
         new = [i for i, h in enumerate(block_hashes) if pool.get_cached_block(h) is None]
@@ -273,13 +358,7 @@ class LLMEngine:
             new = new[: pool.num_free_blocks]
             blocks = pool.get_new_blocks(len(new))
             try:
-                view = memoryview(data)
-                chunk = (
-                    data
-                    if len(new) == len(block_hashes)
-                    else b"".join(view[i * size : (i + 1) * size] for i in new)
-                )
-                write_blocks(self.runner.kv_caches, [b.block_id for b in blocks], chunk)
+                copy(new, [b.block_id for b in blocks])
             except BaseException:
                 pool.free_blocks(blocks)  # uncached: nothing names their half-written KV
                 raise

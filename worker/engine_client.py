@@ -398,6 +398,27 @@ class EngineClient:
         """``write_blocks`` with the bytes in this host's shared memory: (path, offset)."""
         return self._call([wire.WRITE_BLOCKS_FROM], block_hashes, source)
 
+    def hold_blocks(
+        self, block_hashes: list[bytes], lease_id: str, hold_s: float
+    ) -> Future[list[int]]:
+        """The ids of the leading cached blocks of the chain, held under ``lease_id`` for a
+        same-host peer to copy out of this engine's cache file (``LLMEngine.hold_cached_blocks``);
+        ``release`` lets them go."""
+        return self._call([wire.HOLD_BLOCKS], block_hashes, lease_id, hold_s)
+
+    def write_blocks_mapped(
+        self,
+        block_hashes: list[bytes],
+        peer_file: str,
+        peer_num_blocks: int,
+        peer_block_ids: list[int],
+    ) -> Future[int]:
+        """``write_blocks`` with the blocks copied straight out of a same-host peer's cache file
+        (``LLMEngine.write_cached_blocks_mapped``); how many were new."""
+        return self._call(
+            [wire.WRITE_BLOCKS_MAPPED], block_hashes, peer_file, peer_num_blocks, peer_block_ids
+        )
+
     def _call(
         self, kind: list[Any], *args: Any, payload: bytes | memoryview | None = None
     ) -> Future[Any]:

@@ -18,6 +18,9 @@ class EngineConfig:
     # the model instead of kv_cache_bytes.
     gpu_memory_fraction: float = 0.0
     enable_prefix_caching: bool = True
+    # CPU: keep the KV cache in a file of this host's shared memory, where same-host peers copy
+    # blocks straight out of it (one copy, the fastest block transfer between two workers).
+    kv_cache_shm: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
 
@@ -31,6 +34,10 @@ class EngineConfig:
         if not 0.0 <= self.gpu_memory_fraction < 1.0:
             raise ValueError(
                 f"gpu_memory_fraction must be in [0, 1), got {self.gpu_memory_fraction}"
+            )
+        if self.kv_cache_shm and self.device != "cpu":
+            raise ValueError(
+                "kv_cache_shm puts a CPU worker's KV cache in shared memory: use it with device cpu"
             )
         if self.gpu_memory_fraction and not self.device.startswith("cuda"):
             raise ValueError(

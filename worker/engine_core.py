@@ -87,6 +87,7 @@ class EngineCore:
             vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len,
             kv_layout=engine.kv_layout,
+            kv_cache_file=engine.kv_cache_file or "",
         )
 
     def run(self, parent_pid: int | None = None) -> None:
@@ -217,6 +218,10 @@ class EngineCore:
                 self._reply(message[1], self.engine.write_cached_blocks, *message[2:])
             elif kind == wire.WRITE_BLOCKS_FROM:
                 self._reply(message[1], self.engine.write_cached_blocks_from, *message[2:])
+            elif kind == wire.HOLD_BLOCKS:
+                self._reply(message[1], self.engine.hold_cached_blocks, *message[2:])
+            elif kind == wire.WRITE_BLOCKS_MAPPED:
+                self._reply(message[1], self.engine.write_cached_blocks_mapped, *message[2:])
             elif kind == wire.STOP:
                 return False
             elif kind == _INPUT_FAILED:
@@ -324,6 +329,7 @@ def build_and_run(
     run until STOP. Both placements, process and thread, start here."""
     inbox = wire.open_pipe_end(context, zmq.PULL, inbox_address, bind=False)
     outbox = wire.open_pipe_end(context, zmq.PUSH, outbox_address, bind=False)
+    engine = None
     try:
         try:
             engine = _build_engine(config)
@@ -338,6 +344,8 @@ def build_and_run(
         outbox.send(wire.pack([wire.READY, wire.facts_to_wire(EngineCore.facts(engine))]))
         EngineCore(engine, inbox, outbox).run(parent_pid)
     finally:
+        if engine is not None:
+            engine.close()
         gc.unfreeze()  # so that what was frozen is collected, not reported leaked, at exit
         # NOTE: LINGER 0 would drop what is still queued; give the last messages time to leave.
         outbox.setsockopt(zmq.LINGER, 5000)

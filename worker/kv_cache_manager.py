@@ -171,12 +171,19 @@ class KVCacheManager:
         """Keep the request's cached blocks from eviction for ``hold_s`` from ``now_s`` (or
         until ``release``), under ``lease_id``; call before ``free(request)``. Returns how many
         blocks are held. A lease id already held is released first."""
-        self.release(lease_id)
         blocks = self._req_to_blocks.get(request.request_id, [])
         held = blocks[: self._req_to_num_cached_blocks.get(request.request_id, 0)]
-        self.pool.touch(held)
-        self._leases[lease_id] = _Lease(held, hold_s, now_s + hold_s)
+        self.hold_blocks(held, lease_id, now_s, hold_s)
         return len(held)
+
+    def hold_blocks(
+        self, blocks: list[KVBlock], lease_id: str, now_s: float, hold_s: float
+    ) -> None:
+        """``hold`` for cached blocks a peer copies; a lease id already held is released
+        first."""
+        self.release(lease_id)
+        self.pool.touch(blocks)
+        self._leases[lease_id] = _Lease(blocks, hold_s, now_s + hold_s)
 
     def extend(self, lease_id: str, now_s: float) -> bool:
         """Start a lease's time again from ``now_s`` (a peer still wants its blocks); False if

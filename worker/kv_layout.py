@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass
 
 SHM_DIR = "/dev/shm"  # where workers on one host hand each other blocks (kv_transfer.shared_file)
 SHM_PREFIX = "kvswitch-blocks-"  # the names of those files: a worker writes into no others
+# A CPU worker's KV cache itself, when it lives in shared memory (``--kv-cache-shm``), is
+# "kvswitch-cache-<pid of its engine core>-<random>": a peer on the host copies blocks straight
+# out of it.
+CACHE_PREFIX = "kvswitch-cache-"
 
 _ELEMENT_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 

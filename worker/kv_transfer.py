@@ -14,14 +14,16 @@ anything.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
+import secrets
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
+from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, SHM_PREFIX, KVLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value [blocks, ...]
 
@@ -124,6 +126,88 @@ def shared_file(path: str, offset: int, size: int, *, writable: bool) -> Iterato
                 yield view
             finally:
                 view.release()
+
+
+def new_cache_file() -> str:
+    """A fresh path for this process's KV cache in shared memory. Files of the same kind whose
+    process is gone (killed before it could remove its own) are removed first."""
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(CACHE_PREFIX):
+            continue
+        pid = name.removeprefix(CACHE_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
+    return os.path.join(SHM_DIR, f"{CACHE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def allocate_shared_caches(
+    path: str, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A KV cache (per layer: key, value, each ``shape``) in a new file of this host's shared
+    memory, zeroed, laid out as ``[layer][key, value]`` tensors one after another, so that a
+    peer can map it (``PeerCache``). OSError when there is no room."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    numel = 2 * num_layers * math.prod(shape)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # NOTE: allocated now: a full /dev/shm fails here, not as a SIGBUS mid-step.
+        os.posix_fallocate(descriptor, 0, numel * element_size)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(descriptor)
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    # NOTE: every page faulted in now, as torch.zeros does for a private cache: faulting them
+    # in one by one as blocks are first written cost 20 times the copy.
+    flat.zero_()
+    tensors = flat.view(2 * num_layers, *shape)
+    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(num_layers)]
+
+
+class PeerCache:
+    """A same-host peer's KV cache file (``allocate_shared_caches``), mapped read-only: blocks
+    are copied straight out of it (``copy_peer_blocks``). ValueError if it cannot be."""
+
+    def __init__(self, path: str, layout: KVLayout, num_blocks: int) -> None:
+        name = os.path.basename(path)
+        if os.path.dirname(path) != SHM_DIR or not name.startswith(CACHE_PREFIX):
+            raise ValueError(f"{path!r} is not a KV cache file ({SHM_DIR}/{CACHE_PREFIX}*)")
+        try:
+            file = open(path, "rb")  # noqa: SIM115 (closed below; the mapping outlives it)
+        except OSError as e:
+            raise ValueError(f"cannot open {path}: {e.strerror}") from None
+        element_size = layout.bytes_per_block // (
+            2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim
+        )
+        size = num_blocks * layout.bytes_per_block
+        with file:
+            if os.fstat(file.fileno()).st_size != size:
+                raise ValueError(f"{path} is not a cache of {num_blocks} blocks of this layout")
+            # NOTE: all its pages mapped at once (MAP_POPULATE), once per peer, not page by
+            # page on each first read.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mapped = mmap.mmap(file.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+        shape = (2 * layout.num_layers, num_blocks, layout.block_size)
+        shape += (layout.num_kv_heads, layout.head_dim)
+        self.tensors = np.ndarray(shape, _BITS[element_size], buffer=self._mapped)
+        self.path = path
+
+    def close(self) -> None:
+        self.tensors = None  # type: ignore[assignment]
+        self._mapped.close()
+
+
+def copy_peer_blocks(
+    kv_caches: KVCaches, block_ids: Sequence[int], peer: PeerCache, peer_block_ids: Sequence[int]
+) -> None:
+    """Copy a same-host peer's blocks ``peer_block_ids`` into ``block_ids``: one copy, no bytes
+    in between."""
+    ids, peer_ids = np.asarray(block_ids), np.asarray(peer_block_ids)
+    for layer, (key_cache, value_cache) in enumerate(kv_caches):
+        _raw(key_cache)[ids] = peer.tensors[2 * layer][peer_ids]
+        _raw(value_cache)[ids] = peer.tensors[2 * layer + 1][peer_ids]
 
 
 # The unsigned integer type of each element size: a cache's bits, whatever its float type

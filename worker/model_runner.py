@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvswitch.worker.attention import AttentionMetadata
+from kvswitch.worker.kv_transfer import allocate_shared_caches
 from kvswitch.worker.model import CausalLM
 
 
@@ -53,7 +54,16 @@ def num_blocks_for_budget(
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        *,
+        kv_cache_file: str | None = None,
+    ) -> None:
+        """``kv_cache_file``: put the KV cache in this new file of the host's shared memory
+        (CPU only), where same-host peers copy blocks straight out of it."""
         config = model.config
         param = next(model.parameters())
         self.model = model
@@ -61,6 +71,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        if kv_cache_file is not None:
+            self.kv_caches = allocate_shared_caches(
+                kv_cache_file, config.num_layers, shape, param.dtype
+            )
+            return
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=param.dtype, device=self.device),

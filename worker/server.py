@@ -91,6 +91,7 @@ class WorkerConfig:
     kv_cache_bytes: int = 256 << 20
     gpu_memory_fraction: float = 0.0  # on CUDA, in (0, 1): size the KV cache from free memory
     enable_prefix_caching: bool = True
+    kv_cache_shm: bool = False  # CPU: the KV cache in shared memory, for same-host peers to copy
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size

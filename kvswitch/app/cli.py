@@ -164,6 +164,9 @@ WORKER_HELP = {
     "gpu_memory_fraction": "on a GPU, a fraction in (0, 1) of the memory left free after "
     "loading the model to use for the KV cache, instead of --kv-cache-bytes; 0 = off",
     "enable_prefix_caching": "reuse the KV blocks of earlier prompts that share a prefix",
+    "kv_cache_shm": "CPU workers: keep the KV cache in a file in /dev/shm (as large as "
+    "--kv-cache-bytes), where workers on the same host copy blocks straight out of it, the "
+    "fastest way blocks move between two workers (docs/DISAGGREGATION.md)",
     "max_num_seqs": "most requests computed together in one step",
     "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
     "prefilled in chunks",

@@ -18,7 +18,8 @@ from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.serving import start_server_process
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.block_transfer import ShmFiles, ShmRefused
-from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX
+from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, SHM_PREFIX, KVLayout
+from kvswitch.worker.kv_transfer import PeerCache
 from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
 
@@ -60,10 +61,11 @@ def pull(
     return taker.stub.PullBlocks(request, timeout=30)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "mapped"])
 def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(transport: str) -> None:
     before = transfer_files()
-    holder, taker = BackgroundWorker(CONFIG), BackgroundWorker(CONFIG)
+    config = dataclasses.replace(CONFIG, kv_cache_shm=transport == "mapped")
+    holder, taker = BackgroundWorker(config), BackgroundWorker(config)
     try:
         pull_and_serve(holder, taker, transport)
     finally:
@@ -73,7 +75,7 @@ def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(transport: str) -> 
 
 
 def transfer_files() -> set[str]:
-    return set(glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*"))
+    return set(glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")) | set(glob.glob(f"{SHM_DIR}/{CACHE_PREFIX}*"))
 
 
 def pull_and_serve(holder: BackgroundWorker, taker: BackgroundWorker, transport: str) -> None:
@@ -162,7 +164,7 @@ def test_blocks_of_another_layout_are_refused(pair) -> None:
         other.close()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "mapped"])
 def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order(
     transport: str,
 ) -> None:
@@ -172,8 +174,9 @@ def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order(
     num_blocks = 512
     prompt = [256, *np.random.default_rng(7).integers(0, 256, num_blocks * BLOCK_SIZE - 1).tolist()]
     kv_cache_bytes = 600 * BLOCK_BYTES
+    mapped = ["--kv-cache-shm"] if transport == "mapped" else []
     holder, address = start_server_process(
-        ["worker", "--port", "0", "--kv-cache-bytes", str(kv_cache_bytes)]
+        ["worker", "--port", "0", "--kv-cache-bytes", str(kv_cache_bytes), *mapped]
     )
     taker = BackgroundWorker(dataclasses.replace(CONFIG, kv_cache_bytes=kv_cache_bytes))
     try:
@@ -228,3 +231,42 @@ def test_no_room_in_shared_memory_is_refused_before_a_peer_writes() -> None:
     finally:
         files.close()
     assert transfer_files() <= before
+
+
+def test_a_mapped_fetch_holds_the_blocks_until_the_asker_releases_them() -> None:
+    holder = BackgroundWorker(dataclasses.replace(CONFIG, kv_cache_shm=True))
+    try:
+        holder.generate(PROMPT, max_tokens=2)
+        request = worker_pb2.FetchBlocksRequest(block_hashes=chain(holder), mapped=True)
+        (chunk,) = list(holder.stub.FetchBlocks(request, timeout=30))
+        assert chunk.cache_file == holder.server.engine.facts.kv_cache_file
+        assert chunk.cache_file.startswith(f"{SHM_DIR}/{CACHE_PREFIX}")
+        assert (chunk.num_blocks, len(chunk.block_ids), chunk.data) == (18, 18, b"")
+        assert chunk.cache_num_blocks == 64 and chunk.lease_id.startswith("fetch-")
+        assert holder.load().num_free_blocks == 64 - 18  # held for the asker to copy
+        holder.stub.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(transfer_id=chunk.lease_id))
+        assert holder.wait_until_idle().num_free_blocks == 64
+    finally:
+        holder.close()
+    assert not glob.glob(chunk.cache_file)  # the cache file went with the worker
+
+
+def test_mapped_falls_back_when_the_holders_cache_is_private(pair) -> None:
+    holder, taker = pair  # neither keeps its cache in shared memory
+    holder.generate(PROMPT, max_tokens=2)
+    with pytest.raises(grpc.RpcError) as error:
+        pull(taker, holder, chain(holder), "mapped")
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not in shared memory (--kv-cache-shm)" in error.value.details()
+    reply = pull(taker, holder, chain(holder))
+    assert (reply.transport, reply.num_transferred_blocks) == ("shm", 18)
+
+
+def test_only_a_kv_cache_file_is_mapped() -> None:
+    layout = KVLayout(2, 16, 4, 32, "float32")
+    with pytest.raises(ValueError, match="is not a KV cache file"):
+        PeerCache("/dev/shm/other", layout, 4)
+    with pytest.raises(ValueError, match="cannot open"):
+        PeerCache(f"{SHM_DIR}/{CACHE_PREFIX}1-gone", layout, 4)
+    with pytest.raises(ValueError, match="kv_cache_shm puts a CPU worker's KV cache"):
+        dataclasses.replace(CONFIG, kv_cache_shm=True, device="cuda")
