@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvswitch.router.policy import WorkerState
 
 ON_TRANSFER_FAILURE = ("recompute", "fail")
-TRANSPORTS = ("", "shm", "grpc")
+TRANSPORTS = ("", "mapped", "shm", "grpc")
 MAX_LEASE_S = 600.0  # what a worker grants at most
 
 
@@ -41,7 +41,7 @@ class DisaggConfig:
     lease_s: float = 5.0
     # When the transfer fails: compute the missing blocks on the decode worker, or fail.
     on_transfer_failure: str = "recompute"
-    # How the blocks travel: "shm", "grpc", or "" (shm when on one host, else gRPC).
+    # How the blocks travel: "mapped", "shm", "grpc", or "" (the first of those that works).
     transport: str = ""
 
     def __post_init__(self) -> None:
@@ -61,7 +61,9 @@ class DisaggConfig:
                 f"got {self.on_transfer_failure!r}"
             )
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be shm, grpc or empty, got {self.transport!r}")
+            raise ValueError(
+                f"transport must be mapped, shm, grpc or empty, got {self.transport!r}"
+            )
 
 
 def prefill_locally(

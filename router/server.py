@@ -73,7 +73,7 @@ class RouterConfig:
     max_prefill_queue_tokens: int = 32768  # a prefill worker this loaded takes no more prompts
     kv_lease_s: float = 5.0  # how long a prefill worker holds the blocks for the decode worker
     on_transfer_failure: str = "recompute"  # or "fail": the request, with ABORTED
-    kv_transport: str = ""  # "shm", "grpc", or "" (shm when on one host, else gRPC)
+    kv_transport: str = ""  # "mapped", "shm", "grpc", or "" (the first of those that works)
     token: str = ""  # if set, clients must send "authorization: Bearer <token>"
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     grace_s: float = 5.0  # on shutdown, how long running requests may finish

@@ -167,7 +167,7 @@ class BlockTransfers:
         cannot be had), ValueError (the peer's blocks do not fit this worker), ``EngineStopped``;
         blocks written before the failure stay cached."""
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be shm, grpc or empty, got {transport!r}")
+            raise ValueError(f"transport must be mapped, shm, grpc or empty, got {transport!r}")
         num_held = await self.num_cached(hashes)
         wanted = hashes[num_held:]  # what is held here already does not move
         if not wanted:

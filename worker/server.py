@@ -338,7 +338,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.transport not in TRANSPORTS:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"transport must be shm, grpc or empty, got {request.transport!r}",
+                f"transport must be mapped, shm, grpc or empty, got {request.transport!r}",
             )
         try:
             pulled = await self._transfers.pull(
@@ -414,7 +414,7 @@ def _check_kv_source(source: worker_pb2.KVSource) -> None:
         raise ValueError("kv_source names no peer_address")
     if source.transport not in TRANSPORTS:
         raise ValueError(
-            f"kv_source.transport must be shm, grpc or empty, not {source.transport!r}"
+            f"kv_source.transport must be mapped, shm, grpc or empty, not {source.transport!r}"
         )
     if source.on_failure not in ("", "recompute", "fail"):
         raise ValueError(

@@ -248,8 +248,9 @@ ROUTER_HELP = {
     "for its decode worker (each fetch restarts it)",
     "on_transfer_failure": "disaggregated prefill: when the KV transfer fails, recompute the "
     "missing blocks on the decode worker, or fail the request (ABORTED)",
-    "kv_transport": "disaggregated prefill: how KV blocks travel: shm (one host), grpc, or "
-    "empty = shm where the workers share a host, else grpc",
+    "kv_transport": "disaggregated prefill: how KV blocks travel: mapped (one host, copied "
+    "straight out of a --kv-cache-shm worker's cache), shm (one host, through a file), grpc, or "
+    "empty = the first of those that works",
     "token": "if set, clients must send 'authorization: Bearer TOKEN'",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
