@@ -49,6 +49,7 @@ class ClusterConfig:
     dtype: str = "float32"
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20  # per worker
+    kv_cache_shm: bool = False  # CPU: KV caches in /dev/shm, blocks copied straight between them
     policy: str = "cost"
     host: str = "127.0.0.1"
     grace_s: float = 5.0
@@ -72,6 +73,8 @@ class ClusterConfig:
             raise ValueError(f"redis must be empty, 'local' or a redis:// URL, got {self.redis!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.kv_cache_shm and self.device != "cpu":
+            raise ValueError("kv_cache_shm is for CPU workers: use it with device cpu")
 
     def worker_roles(self) -> list[tuple[str, str]]:
         """(name, role) of each worker to start."""
@@ -334,6 +337,7 @@ class LocalCluster:
             "--dtype", config.dtype,
             "--block-size", str(config.block_size),
             "--kv-cache-bytes", str(config.kv_cache_bytes),
+            *(["--kv-cache-shm"] if config.kv_cache_shm else []),
             *self._extra_worker_args,
         ]  # fmt: skip
 

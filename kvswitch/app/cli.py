@@ -270,6 +270,7 @@ UP_HELP = {
     "dtype": WORKER_HELP["dtype"],
     "block_size": WORKER_HELP["block_size"],
     "kv_cache_bytes": "KV cache memory per worker, in bytes",
+    "kv_cache_shm": WORKER_HELP["kv_cache_shm"],
     "policy": ROUTER_HELP["policy"],
     "host": "address every process listens on",
     "grace_s": "seconds running requests get to finish when the cluster stops",

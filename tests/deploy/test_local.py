@@ -252,7 +252,9 @@ def test_kvswitch_up_serves_until_sigterm_then_stops_everything() -> None:
 
 
 def test_up_starts_prefill_and_decode_workers_that_split_long_prompts() -> None:
-    config = ClusterConfig(prefill_workers=1, decode_workers=1, port=0, grace_s=1.0)
+    config = ClusterConfig(
+        prefill_workers=1, decode_workers=1, port=0, grace_s=1.0, kv_cache_shm=True
+    )
     assert config.worker_roles() == [("prefill-0", "prefill"), ("decode-0", "decode")]
     prompt = "A long document, line after line of it, for the prefill worker. " * 8
     with running(config) as cluster, Client(cluster.address, timeout_s=60) as client:
