@@ -25,6 +25,7 @@ COMMANDS = [
     ["up"],
     ["generate"],
     ["worker"],
+    ["health"],
     ["bench"],
     ["bench", "pool"],
     ["bench", "hash"],

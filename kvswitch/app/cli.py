@@ -275,6 +275,12 @@ UP_HELP = {
     "host": "address every process listens on",
     "grace_s": "seconds running requests get to finish when the cluster stops",
 }
+HEALTH_HELP = {
+    "target": "the router or worker, HOST:PORT",
+    "service": "the service to ask about: kvswitch.v1.Router, kvswitch.v1.Worker, or empty = "
+    "the server as a whole",
+    "timeout_s": "seconds to wait for the answer",
+}
 LOOKUP_HELP = {
     "num_guesses": "live pending guesses, all on one document",
     "document_blocks": "blocks of that document",
@@ -645,6 +651,21 @@ def _add_generate(commands: argparse._SubParsersAction, name: str, summary: str)
     )
 
 
+def _add_health(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.app import health
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
+        description=_plain(health.__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(sub, health.HealthConfig, HEALTH_HELP)
+    sub.set_defaults(
+        func=lambda args: _exit_with(health.run(config_from_args(health.HealthConfig, args)))
+    )
+
+
 def _add_worker(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
     from kvswitch.worker import server as worker_server
 
@@ -885,6 +906,12 @@ COMMANDS: list[
     ("up", "all", "run a local cluster in the foreground: N workers and a router", _add_up),
     ("generate", None, "send one prompt to a router and stream the output", _add_generate),
     ("worker", "worker", "run a GPU (or CPU) worker: the model behind a gRPC server", _add_worker),
+    (
+        "health",
+        "router",
+        "ask a router or worker whether it serves (gRPC health check): exit 0 if it does",
+        _add_health,
+    ),
     (
         "index",
         "router",

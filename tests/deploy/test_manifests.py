@@ -1,0 +1,211 @@
+"""The deployment files, checked without Docker or Kubernetes: every command a container runs
+parses with the CLI it calls (so each flag exists and takes its value), every environment
+variable it sets is one kvswitch reads, every GPU worker has a GPU of its own, and every
+healthcheck runs a command the image installs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvswitch.app.cli import build_parser
+from kvswitch.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+COMPOSE_FILES = sorted(DEPLOY.glob("docker-compose*.yml"))
+K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
+# What the code reads from the environment (kvswitch/logs.py), and what the image sets for it.
+KNOWN_ENV = {LOG_FORMAT_ENV, LOG_LEVEL_ENV, "HF_HOME"}
+KVSWITCH_IMAGES = ("kvswitch-router", "kvswitch-worker")
+
+
+def substitute(value: str) -> str:
+    """A compose ``${NAME:-default}`` / ``${NAME:?message}`` or a Kubernetes ``$(NAME)`` as a
+    container would see it with the variable unset (compose) or set to an example (pods)."""
+    value = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+    value = re.sub(r"\$\{[A-Z_]+:\?[^}]*\}", "/set/by/the/user", value)
+    return re.sub(r"\$\(([A-Z_]+)\)", lambda m: EXAMPLES[m.group(1)], value)
+
+
+EXAMPLES = {"POD_IP": "10.1.2.3", "POD_NAME": "kvswitch-worker-0"}
+
+
+def parse_command(argv: list[Any]) -> Any:
+    """The CLI's parse of a container's command (its entrypoint is ``kvswitch``); fails the test
+    with argparse's message when a flag does not exist or a value does not fit."""
+    argv = [substitute(str(arg)) for arg in argv]
+    parser = build_parser(argv[0])
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"kvswitch {' '.join(argv)} does not parse (see stderr)")
+
+
+def compose(path: Path, *overrides: Path) -> dict[str, Any]:
+    """The file's services, with ``overrides`` laid over it as compose does for a service's
+    command (the only key they override)."""
+    services = yaml.safe_load(path.read_text())["services"]
+    for override in overrides:
+        for name, service in yaml.safe_load(override.read_text())["services"].items():
+            services[name] = {**services[name], **service}
+    return services
+
+
+def dockerfile_targets() -> dict[str, str]:
+    """Each build target of deploy/Dockerfile and its instructions."""
+    targets: dict[str, str] = {}
+    name = ""
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        match = re.match(r"FROM \S+ AS (\w+)", line)
+        if match:
+            name = match.group(1)
+        if name:
+            targets[name] = targets.get(name, "") + line + "\n"
+    return targets
+
+
+def images_install_kvswitch(image: str) -> bool:
+    target = image.removeprefix("kvswitch-").removesuffix("-cpu")
+    return 'pip install ".[' in dockerfile_targets().get(target, "")
+
+
+COMPOSES = [
+    ("docker-compose.yml", ()),
+    ("docker-compose.yml", ("docker-compose.pd.yml",)),
+    ("docker-compose.cpu.yml", ()),
+]
+
+
+def test_every_compose_file_is_checked() -> None:
+    checked = {name for name, _ in COMPOSES} | {o for _, os in COMPOSES for o in os}
+    assert checked == {path.name for path in COMPOSE_FILES}
+
+
+@pytest.mark.parametrize(("name", "overrides"), COMPOSES, ids=lambda v: str(v))
+def test_compose_services_run_commands_the_cli_takes(name: str, overrides: tuple) -> None:
+    services = compose(DEPLOY / name, *(DEPLOY / o for o in overrides))
+    ours = {n: s for n, s in services.items() if s.get("image", "").startswith(KVSWITCH_IMAGES)}
+    assert {"router"} <= set(ours) and len(ours) >= 3
+    for service_name, service in ours.items():
+        args = parse_command(service["command"])
+        assert args.command in ("router", "worker"), service_name
+        if args.command == "worker":
+            assert args.index == "redis://redis:6379"
+            # Registered as HOSTNAME:PORT, which the router must resolve: its own hostname.
+            assert args.host == "0.0.0.0" and service["hostname"] == service_name
+        assert set(service.get("environment", {})) <= KNOWN_ENV, service_name
+        test = service["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "kvswitch", "health"], service_name
+        health = parse_command(test[2:])
+        assert health.service == f"kvswitch.v1.{args.command.title()}"
+        assert health.target.endswith(f":{args.port}")
+        assert images_install_kvswitch(service["image"])
+        assert service["build"]["target"] in dockerfile_targets()
+        assert service["restart"] == "unless-stopped"
+    # The index is up before anything registers with it.
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert all(s["depends_on"]["redis"]["condition"] == "service_healthy" for s in ours.values())
+
+
+def test_each_gpu_worker_has_a_gpu_of_its_own() -> None:
+    services = compose(DEPLOY / "docker-compose.yml")
+    workers = {n: s for n, s in services.items() if n.startswith("worker")}
+    gpus = []
+    for name, service in workers.items():
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
+        assert len(device["device_ids"]) == 1, name
+        gpus += device["device_ids"]
+        args = parse_command(service["command"])
+        assert (args.device, args.model) == ("cuda", "/models/model")
+        assert any(v.endswith(":/models/model:ro") for v in service["volumes"]), name
+        assert "kv-shm:/dev/shm" in service["volumes"]  # one /dev/shm for the box's workers
+        assert service["healthcheck"]["start_period"] == "600s"  # time to load the model
+    assert len(set(gpus)) == len(gpus) >= 2
+
+
+def test_the_pd_variant_has_a_prefill_and_a_decode_worker() -> None:
+    services = compose(DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.pd.yml")
+    roles = sorted(parse_command(services[n]["command"]).role for n in ("worker-0", "worker-1"))
+    assert roles == ["decode", "prefill"]
+
+
+def test_the_cpu_variant_needs_no_gpu_and_no_checkpoint() -> None:
+    services = compose(DEPLOY / "docker-compose.cpu.yml")
+    for name in ("worker-0", "worker-1"):
+        assert "deploy" not in services[name]
+        args = parse_command(services[name]["command"])
+        assert (args.device, args.model, args.kv_cache_shm) == ("cpu", "", True)
+        assert services[name]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+
+
+def test_the_images_run_as_a_user_and_check_their_health() -> None:
+    targets = dockerfile_targets()
+    assert {"router", "worker"} <= set(targets)
+    for target in ("router", "worker"):
+        lines = targets[target]
+        assert "USER kvswitch" in lines and 'ENTRYPOINT ["kvswitch"]' in lines
+        healthcheck = re.search(r"CMD (\[.*\])", lines.split("HEALTHCHECK", 1)[1]).group(1)
+        parse_command(yaml.safe_load(healthcheck)[1:])
+    assert "useradd --create-home --uid 1000" in targets["base"]
+
+
+# -- Kubernetes -----------------------------------------------------------------------------------
+
+
+def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
+    objects = {}
+    for path in K8S_FILES:
+        for doc in yaml.safe_load_all(path.read_text()):
+            objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    (only,) = obj["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_routers_are_replicated_and_never_all_down_in_an_update() -> None:
+    objects = k8s_objects()
+    router = objects[("Deployment", "kvswitch-router")]
+    assert router["spec"]["replicas"] >= 2
+    assert router["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    args = parse_command(container(router)["args"])
+    assert args.index == "redis://kvswitch-redis:6379"
+    probes = container(router)
+    assert probes["readinessProbe"]["grpc"] == {"port": 50051, "service": "kvswitch.v1.Router"}
+    assert probes["livenessProbe"]["grpc"]["port"] == args.port
+    assert objects[("PodDisruptionBudget", "kvswitch-router")]["spec"]["minAvailable"] == 1
+    assert ("Service", "kvswitch-redis") in objects and ("Service", "kvswitch-router") in objects
+
+
+def test_workers_get_a_gpu_each_and_time_to_load_their_model() -> None:
+    objects = k8s_objects()
+    workers = objects[("StatefulSet", "kvswitch-worker")]
+    spec = container(workers)
+    args = parse_command(spec["args"])
+    assert (args.host, args.worker_id) == (EXAMPLES["POD_IP"], EXAMPLES["POD_NAME"])
+    assert args.device == "cuda" and args.index == "redis://kvswitch-redis:6379"
+    assert {e["name"] for e in spec["env"]} <= KNOWN_ENV | set(EXAMPLES)
+    assert spec["resources"]["limits"]["nvidia.com/gpu"] == 1
+    startup = spec["startupProbe"]
+    assert startup["grpc"] == {"port": args.port, "service": "kvswitch.v1.Worker"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert spec["readinessProbe"]["grpc"]["service"] == "kvswitch.v1.Worker"
+    assert workers["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1}
+    assert objects[("PodDisruptionBudget", "kvswitch-worker")]["spec"]["maxUnavailable"] == 1
+    assert objects[("Service", "kvswitch-worker")]["spec"]["clusterIP"] == "None"
+    shm = next(v for v in workers["spec"]["template"]["spec"]["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+
+
+def test_every_pod_runs_as_a_user() -> None:
+    for (kind, name), obj in k8s_objects().items():
+        if kind in ("Deployment", "StatefulSet") and name != "kvswitch-redis":
+            security = obj["spec"]["template"]["spec"]["securityContext"]
+            assert security["runAsNonRoot"] and security["runAsUser"] == 1000, name
