@@ -14,16 +14,38 @@ from typing import Any
 READY_MARK = "listening on "
 
 
+# Between kvswitch processes (router to worker, worker to worker): a ping every second when
+# the connection is quiet, and one unanswered for a second ends it. A link that dies silently
+# (a cable, a cut network, a host that froze: no RST ever comes) then fails its calls within
+# about 2 s instead of leaving them hanging until their deadline.
+KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# What a server must allow for those pings (by default it answers pings more often than every
+# 5 minutes with GOAWAY).
+KEEPALIVE_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 def announce_ready(what: str, address: str) -> None:
     """Print the line that tells a launcher this server is up and where."""
     print(f"kvswitch {what} {READY_MARK}{address}", flush=True)
 
 
-def start_server_process(args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server_process(
+    args: list[str], prefix: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
     """Run ``kvswitch ARGS`` (a server command) in a process of its own, its stderr dropped, and
-    return it with its address once it says it serves; RuntimeError if it exits first."""
+    return it with its address once it says it serves; RuntimeError if it exits first.
+    ``prefix``: a command that runs it (``ip netns exec NAME``, say)."""
     popen = subprocess.Popen(
-        [sys.executable, "-m", "kvswitch.app.cli", *args],
+        [*(prefix or []), sys.executable, "-m", "kvswitch.app.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -32,6 +32,7 @@ import grpc
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
 from kvswitch.router.policy import WorkerState
+from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,9 @@ class WorkerDirectory:
         self.index = index
         self.config = config or DirectoryConfig()
         self._clock = clock
-        self._channel_options = channel_options or []
+        self._channel_options = (
+            channel_options if channel_options is not None else KEEPALIVE_CHANNEL_OPTIONS
+        )
         self._handles: dict[str, WorkerHandle] = {}
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
@@ -274,8 +277,11 @@ class WorkerDirectory:
                 worker_pb2.GetLoadRequest(), timeout=self.config.rpc_timeout_s
             )
         except grpc.aio.AioRpcError as e:
-            # The request path finds out for itself; a missing report only means stale load.
             logger.debug("GetLoad from %s failed: %s", handle.worker_id, e.code().name)
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # NOTE: unreachable (dead, or its link cut): no new request goes there until a
+                # report comes again. Its running streams fail over when their calls fail.
+                self.mark_down(handle)
 
     async def _every(self, interval_s: float, fn: Callable) -> None:
         while True:

@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
@@ -44,7 +45,10 @@ MAX_CHUNK_BYTES = 32 << 20
 TRANSPORTS = ("", "mapped", "shm", "grpc")
 # How long a mapped fetch's blocks stay held if the asker never says it copied them.
 MAPPED_HOLD_S = 10.0
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20))]
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20)),
+    *KEEPALIVE_CHANNEL_OPTIONS,
+]
 _RELEASE_TIMEOUT_S = 1.0
 
 

@@ -27,7 +27,13 @@ from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.hashing import tokens_from_bytes
 from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
-from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
+from kvswitch.serving import (
+    KEEPALIVE_SERVER_OPTIONS,
+    announce_ready,
+    host_port,
+    run_event_loop,
+    wait_for_stop_signal,
+)
 from kvswitch.tokenizer import (
     IncrementalDecoder,
     Tokenizer,
@@ -520,7 +526,7 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     """Bind the port, start the engine core and serve; ``WorkerStartError`` says why not."""
     # NOTE: without so_reuseport 0, gRPC lets a second server bind the same port and share its
     # traffic. Binding before the model loads makes a taken port fail at once.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
     try:
         port = server.add_insecure_port(host_port(config.host, config.port))
     except RuntimeError as e:

@@ -30,7 +30,7 @@ from kvswitch.router import servicer as servicer_module
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.server import RouterConfig, RouterStartError, start_router
 from kvswitch.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.request import SamplingParams
 from kvswitch.worker.server import WorkerServer
@@ -194,11 +194,11 @@ def test_worker_rejections_reach_the_client(client: Client) -> None:
     assert "outside the vocabulary" in error.value.details
 
 
-def test_a_dead_worker_before_the_first_token_is_skipped(
+def test_a_registered_worker_that_does_not_answer_is_left_out(
     cluster: BackgroundCluster, client: Client, reference: LLMEngine
 ) -> None:
-    """A registered worker that is gone (its port closed) and looks best: the request fails
-    there before any token and is retried on the next best worker."""
+    """A registered worker that is gone (its port closed) and would look best: its first failed
+    load poll leaves it out, and no request is sent there."""
     router = cluster.router.router
     prompt = question(2, 9)
     plan = router.plan(text=prompt)
@@ -207,12 +207,60 @@ def test_a_dead_worker_before_the_first_token_is_skipped(
     cluster.run(router.index.resync("a-dead", 1, plan.block_hashes))
     try:
         deadline = time.monotonic() + 5
-        while "a-dead" not in {h.worker_id for h in router.directory.routable()}:
+        while "a-dead" not in {h.worker_id for h in router.directory.handles()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # Left out after a load poll or two (every 50 ms here), and kept out while it fails.
+        time.sleep(0.3)
+        assert "a-dead" not in {h.worker_id for h in router.directory.routable()}
+        result = client.generate(prompt, max_tokens=5)
+    finally:
+        cluster.run(router.index.deregister("a-dead"))
+    assert result.token_ids == expected(reference, prompt, max_tokens=5)
+    assert result.stats.worker_id in ("w0", "w1")
+    assert not result.route.reason.startswith("failover: ")
+
+
+class _StoppingWorker(worker_pb2_grpc.WorkerServicer):
+    """A worker that reports its load but is shutting down: Generate answers UNAVAILABLE."""
+
+    async def GetLoad(self, request, context):
+        return worker_pb2.WorkerLoad(num_total_blocks=256, num_free_blocks=256)
+
+    async def Generate(self, request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
+
+
+def test_a_worker_that_fails_before_the_first_token_is_skipped(
+    cluster: BackgroundCluster, client: Client, reference: LLMEngine
+) -> None:
+    """It looks best (it holds the prompt) and answers its load polls, but fails the request
+    before any token: the request is retried on the next best worker."""
+    router = cluster.router.router
+    prompt = question(2, 8)
+    plan = router.plan(text=prompt)
+
+    async def serve() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(_StoppingWorker(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = cluster.run(serve())
+    address = f"127.0.0.1:{port}"
+    stopping = WorkerInfo("a-stopping", address, plan.namespace, BLOCK_SIZE, num_blocks=256)
+    cluster.run(router.index.register(stopping, ttl_s=30))
+    cluster.run(router.index.resync("a-stopping", 1, plan.block_hashes))
+    try:
+        deadline = time.monotonic() + 5
+        while "a-stopping" not in {h.worker_id for h in router.directory.routable()}:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         result = client.generate(prompt, max_tokens=5)
     finally:
-        cluster.run(router.index.deregister("a-dead"))
+        cluster.run(router.index.deregister("a-stopping"))
+        cluster.run(server.stop(0))
     assert result.token_ids == expected(reference, prompt, max_tokens=5)
     assert result.stats.worker_id in ("w0", "w1")
     assert result.route.reason.startswith("failover: ")

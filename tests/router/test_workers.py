@@ -127,3 +127,18 @@ def test_a_loop_waiting_for_changes_stops_when_cancelled_as_a_change_comes() -> 
             assert task.cancelled()
 
     asyncio.run(main())
+
+
+def test_a_worker_that_does_not_answer_its_load_poll_is_left_out() -> None:
+    """Unreachable (here: nothing listens at its address), it takes no new request until a
+    report comes again."""
+
+    async def main() -> None:
+        directory = await directory_of("a")
+        [a] = directory.handles()
+        assert directory.routable() == [a]
+        await directory.poll_loads()
+        assert directory.routable() == []
+        await directory.stop()
+
+    asyncio.run(main())
