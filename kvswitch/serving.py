@@ -15,9 +15,10 @@ READY_MARK = "listening on "
 
 
 # Between kvswitch processes (router to worker, worker to worker): a ping every second when
-# the connection is quiet, and one unanswered for a second ends it. A link that dies silently
-# (a cable, a cut network, a host that froze: no RST ever comes) then fails its calls within
-# about 2 s instead of leaving them hanging until their deadline.
+# the connection is quiet, and any ping (those, or the ones gRPC sends on its own while data
+# flows) unanswered for a second ends it. A link that dies silently (a cable, a cut network, a
+# host that froze: no RST ever comes) then fails its calls within about 2 s instead of leaving
+# them hanging until their deadline (tests/deploy/test_multihost.py cuts one).
 KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 1000),
