@@ -81,8 +81,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         )  # fmt: skip
         processes.append(redis)
         deadline = time.monotonic() + 10
-        ping = ("client", "redis-cli", "-h", redis_address, "ping")
-        while hosts.run(*ping).stdout.strip() != "PONG":
+        ping = f"import redis; redis.Redis(host={redis_address!r}, socket_timeout=1).ping()"
+        while hosts.run("client", sys.executable, "-c", ping).returncode != 0:
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.05)
         index = f"redis://{redis_address}:6379"
