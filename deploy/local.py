@@ -338,8 +338,13 @@ class LocalCluster:
             "--block-size", str(config.block_size),
             "--kv-cache-bytes", str(config.kv_cache_bytes),
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
+            *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),
             *self._extra_worker_args,
         ]  # fmt: skip
+
+    def _cpu_threads(self) -> int:
+        """Each CPU worker's share of this machine's cores."""
+        return max((os.cpu_count() or 1) // len(self.config.worker_roles()), 1)
 
     def _worker_env(self, i: int) -> dict[str, str]:
         env = dict(os.environ)

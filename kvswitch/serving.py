@@ -24,6 +24,9 @@ KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # NOTE: a server-streaming call sends no data after its request; without this, gRPC may
+    # wait minutes between two pings of such a connection.
+    ("grpc.http2.min_time_between_pings_ms", 1000),
 ]
 # What a server must allow for those pings (by default it answers pings more often than every
 # 5 minutes with GOAWAY).

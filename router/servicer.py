@@ -452,12 +452,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         its verdicts on the request ``_Refused`` (tell the client); the call is cancelled with
         us."""
         call = handle.stub.Generate(worker_request, timeout=context.time_remaining())
+        # NOTE: a worker cut off without a word (its link down, its process stopped) sends
+        # nothing, not even an error: once its load poll fails, its streams stop waiting.
+        lost = handle.lost
+        watcher = asyncio.get_running_loop().create_task(_cancel_when(lost, call))
         try:
             async for response in call:
                 if response.HasField("chunk"):
                     self._directory.first_token(flight)
                     self._directory.produced(flight, len(response.chunk.token_ids))
                 yield response
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if lost.is_set() and task is not None and not task.cancelling():
+                raise _WorkerFailed(handle, "it stopped answering its load polls") from None
+            raise
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code in _CLIENT_ERRORS:
@@ -470,6 +479,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 engine_failed=code is grpc.StatusCode.INTERNAL,
             ) from None
         finally:
+            watcher.cancel()
             call.cancel()
 
     async def _token_ids(self, request: router_pb2.GenerateRequest) -> TokenIds:
@@ -483,6 +493,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # NOTE: a long prompt would stall every stream this loop relays (about 2.5 us a token
         # with a BPE tokenizer); the tokenizers library lets go of the GIL while it encodes.
         return await asyncio.to_thread(self._router.tokenize, request.text)
+
+
+async def _cancel_when(event: asyncio.Event, call: grpc.aio.Call) -> None:
+    await event.wait()
+    call.cancel()
 
 
 def token_ids_from_proto(token_ids: router_pb2.TokenIds) -> np.ndarray:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -55,6 +55,9 @@ class WorkerHandle:
     num_prefill_tokens: int = 0  # uncached prompt tokens of those not yet past their first token
     num_output_tokens: int = 0  # output tokens those may still produce
     down_until_s: float = 0.0
+    unreachable: bool = False  # its last load poll failed: left out until one answers
+    # Set when a load poll fails: the streams running there stop waiting for it and fail over.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False  # no longer live; the channel closes when nothing is in flight
 
     @property
@@ -140,6 +143,7 @@ class WorkerDirectory:
         )
         self._handles: dict[str, WorkerHandle] = {}
         self._tasks: list[asyncio.Task] = []
+        self._closing: set[asyncio.Task] = set()  # channels of gone workers, being closed
         self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
         self.num_loop_errors = 0  # unexpected errors in the background loops
         self._refresh_warning = Throttled(logger)
@@ -180,6 +184,7 @@ class WorkerDirectory:
             if not h.removed
             and h.info.role in roles
             and h.down_until_s <= now
+            and not h.unreachable
             and h.worker_id not in exclude
         ]
 
@@ -217,7 +222,14 @@ class WorkerDirectory:
         handle = flight.handle
         handle.num_in_flight -= 1
         if handle.removed and handle.num_in_flight == 0:
-            asyncio.get_running_loop().create_task(handle.channel.close())
+            self._close_later(handle)
+
+    def _close_later(self, handle: WorkerHandle) -> None:
+        """Close a gone worker's channel in the background: closing one whose connection died
+        without a word waits for that connection to time out, and nothing should wait on it."""
+        task = asyncio.get_running_loop().create_task(handle.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def mark_down(self, handle: WorkerHandle) -> None:
         handle.down_until_s = self._clock() + self.config.down_s
@@ -240,7 +252,7 @@ class WorkerDirectory:
                 handle.removed = True
                 del self._handles[worker_id]
                 if handle.num_in_flight == 0:
-                    await handle.channel.close()
+                    self._close_later(handle)
         for worker_id, info in live.items():
             handle = self._handles.get(worker_id)
             if handle is None:
@@ -281,7 +293,12 @@ class WorkerDirectory:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # NOTE: unreachable (dead, or its link cut): no new request goes there until a
                 # report comes again. Its running streams fail over when their calls fail.
-                self.mark_down(handle)
+                handle.unreachable = True
+                handle.lost.set()
+        else:
+            handle.unreachable = False
+            if handle.lost.is_set():
+                handle.lost = asyncio.Event()
 
     async def _every(self, interval_s: float, fn: Callable) -> None:
         while True:

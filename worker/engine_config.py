@@ -23,6 +23,10 @@ class EngineConfig:
     kv_cache_shm: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # CPU: threads torch computes a step with; 0 = torch's default (one per core). Several CPU
+    # workers on one host must share the cores: each taking them all, their thread pools spin
+    # against each other and every step slows many times over.
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
@@ -34,6 +38,10 @@ class EngineConfig:
         if not 0.0 <= self.gpu_memory_fraction < 1.0:
             raise ValueError(
                 f"gpu_memory_fraction must be in [0, 1), got {self.gpu_memory_fraction}"
+            )
+        if self.cpu_threads < 0:
+            raise ValueError(
+                f"cpu_threads must be >= 0 (0: torch's default), got {self.cpu_threads}"
             )
         if self.kv_cache_shm and self.device != "cpu":
             raise ValueError(

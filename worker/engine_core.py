@@ -356,6 +356,10 @@ def build_and_run(
 def _build_engine(config: EngineConfig) -> LLMEngine:
     from kvswitch.worker.engine import LLMEngine
 
+    if config.cpu_threads:
+        import torch
+
+        torch.set_num_threads(config.cpu_threads)
     engine = LLMEngine(config)
     device = engine.runner.device
     if device.type == "cuda":

@@ -100,6 +100,7 @@ class WorkerConfig:
     kv_cache_shm: bool = False  # CPU: the KV cache in shared memory, for same-host peers to copy
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    cpu_threads: int = 0  # CPU: torch's threads for a step; 0 = one per core
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
     index: str = ""  # block-hash index URL to publish cache events to; empty = none
     # What the router sends here: whole requests ("both"), prompts to prefill for a decode

@@ -170,6 +170,9 @@ WORKER_HELP = {
     "max_num_seqs": "most requests computed together in one step",
     "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
     "prefilled in chunks",
+    "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
+    "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
+    "them all, they slow each other many times over",
     "max_hashes_per_chunk": "block hashes per message of a cache snapshot, when the "
     "client asks for none",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM before they are "

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -282,3 +283,10 @@ def test_up_counts_its_workers_by_role() -> None:
         ClusterConfig(workers=60, decode_workers=5)
     with pytest.raises(ValueError, match="decode_workers must be >= 0"):
         ClusterConfig(decode_workers=-1)
+
+
+def test_up_gives_each_cpu_worker_its_share_of_the_cores(tmp_path: Path) -> None:
+    cluster = LocalCluster(ClusterConfig(workers=2, port=0), log_dir=tmp_path)
+    argv = cluster._worker_argv("worker-0", "both")
+    threads = int(argv[argv.index("--cpu-threads") + 1])
+    assert threads == max((os.cpu_count() or 1) // 2, 1)

@@ -102,6 +102,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 [
                     "worker", "--host", hosts.hosts[name], "--port", "50061", "--worker-id", name,
                     "--index", index, "--kv-cache-bytes", str(512 * (32 << 10)), "--grace-s", "0",
+                    # NOTE: three CPU workers on this machine's cores: each its share, or their
+                    # thread pools spin against each other and every step slows many times over.
+                    "--cpu-threads", "1",
                 ],
                 prefix=hosts.prefix_for(name),
             )  # fmt: skip
@@ -169,7 +172,7 @@ def test_a_cut_link_is_left_out_within_2_s_and_no_request_is_lost(
     rng = np.random.default_rng(2)
     # Answers long enough that w2 is serving some when its link goes (a client waits for one),
     # few enough that the machine keeps up (each token passes a worker, a router, the client).
-    requests = [request(rng.integers(1, 256, 200).tolist(), 200, i % 2, 0.3 * i) for i in range(24)]
+    requests = [request(rng.integers(1, 256, 200).tolist(), 400, i % 2, 0.4 * i) for i in range(18)]
     started = fleet.start(requests)
     time.sleep(1.0)
     w2 = f"{fleet.hosts.hosts['w2']}:50061"
@@ -191,7 +194,8 @@ def test_a_cut_link_is_left_out_within_2_s_and_no_request_is_lost(
     # What it was serving at the cut was resumed on another worker, within about 2 s.
     resumed = [r for r in results if r["reason"].startswith("failover")]
     assert resumed and "w2" not in {r["worker_id"] for r in resumed}
-    assert all(r["done_s"] < cut_s + DETECTION_S + 5 for r in resumed)
+    late = [(r["sent_s"] - cut_s, r["done_s"] - cut_s) for r in resumed]
+    assert all(done_s < DETECTION_S + 5 for _, done_s in late), late
 
     # Its link back, it serves again.
     wait_for_workers(fleet, {"w2"})

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvswitch.worker.engine import EngineConfig, LLMEngine, kv_cache_budget_bytes
@@ -176,3 +179,20 @@ def test_gpu_memory_fraction_needs_a_gpu_and_a_sane_value() -> None:
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         EngineConfig(device="cuda", gpu_memory_fraction=1.5)
     assert kv_cache_budget_bytes(EngineConfig(kv_cache_bytes=1 << 20)) == 1 << 20
+
+
+def test_cpu_threads_bounds_the_engine_cores_torch_threads() -> None:
+    """Several CPU workers on one host each take a share of the cores (kvswitch up gives them
+    cores // workers)."""
+    code = (
+        "import torch\n"
+        "from kvswitch.worker.engine_config import EngineConfig\n"
+        "from kvswitch.worker.engine_core import _build_engine\n"
+        "_build_engine(EngineConfig(cpu_threads=1, kv_cache_bytes=1 << 20))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "1"
+    with pytest.raises(ValueError, match="cpu_threads must be >= 0"):
+        EngineConfig(cpu_threads=-1)
