@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
