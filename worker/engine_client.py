@@ -314,23 +314,21 @@ class EngineClient:
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
         hold_s: float = 0.0,
+        block_hashes: list[bytes] | None = None,
     ) -> asyncio.Queue[RequestOutput | EngineError]:
         """Queue a request in the engine and return the queue its outputs will arrive on.
         ``hold_s``: once it finished, hold its cached blocks this long for a peer to fetch, under
-        a lease named by ``request_id`` (``release``).
+        a lease named by ``request_id`` (``release``). ``block_hashes``: the prompt's chain
+        (``self.hasher(cache_salt)``), when the caller hashed it already.
 
         Raises ValueError (a message for the user) if the request can never run, and
         ``EngineStopped`` if the engine is stopping or gone; nothing is queued then.
         """
-        facts = self.facts
-        prompt = np.asarray(prompt_token_ids)
-        check_prompt(prompt, facts.vocab_size, facts.max_model_len, num_resumed_tokens)
-        if lora is not None:
-            raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
-        check_hold(hold_s)
-        # Checked, so in range: converted once, for the hashes and the wire alike.
-        prompt = prompt.astype("<u4", copy=False)
-        block_hashes = self.hasher(cache_salt).hash_blocks(prompt)
+        prompt = self.checked_prompt(
+            prompt_token_ids, lora=lora, num_resumed_tokens=num_resumed_tokens, hold_s=hold_s
+        )
+        if block_hashes is None:
+            block_hashes = self.hasher(cache_salt).hash_blocks(prompt)
         message = wire.pack(
             [
                 wire.ADD,
@@ -351,6 +349,25 @@ class EngineClient:
             self._send(message)
             self._streams[request_id] = stream
         return stream.queue
+
+    def checked_prompt(
+        self,
+        prompt_token_ids: np.ndarray | list[int],
+        *,
+        lora: str | None = None,
+        num_resumed_tokens: int = 0,
+        hold_s: float = 0.0,
+    ) -> np.ndarray:
+        """The prompt as little-endian uint32, once a request with it can run; ValueError (a
+        message for the user) if it never can."""
+        facts = self.facts
+        prompt = np.asarray(prompt_token_ids)
+        check_prompt(prompt, facts.vocab_size, facts.max_model_len, num_resumed_tokens)
+        if lora is not None:
+            raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
+        check_hold(hold_s)
+        # Checked, so in range: converted once, for the hashes and the wire alike.
+        return prompt.astype("<u4", copy=False)
 
     def abort(self, request_id: str) -> None:
         """Stop the request and free its blocks, soon, in the core."""

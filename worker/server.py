@@ -217,13 +217,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
         log_extra = {"request_id": request_id}
         num_transferred_blocks = 0
+        block_hashes = None  # hashed here only for a pull; else the engine client hashes
         try:
             prompt_token_ids = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
             if request.HasField("kv_source"):
+                # NOTE: a request that can never run is refused before anything moves for it.
                 _check_kv_source(request.kv_source)
+                prompt = self._engine.checked_prompt(
+                    prompt_token_ids,
+                    lora=request.lora or None,
+                    num_resumed_tokens=request.num_resumed_tokens,
+                    hold_s=request.hold_blocks_ms / 1000,
+                )
+                block_hashes = self._engine.hasher(request.cache_salt or None).hash_blocks(prompt)
                 num_transferred_blocks = await self._take_prefill(
-                    request_id, prompt_token_ids, request.cache_salt, request.kv_source, context
+                    request_id, block_hashes, request.kv_source, context
                 )
             queue = await self._engine.submit(
                 request_id,
@@ -233,6 +242,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 cache_salt=request.cache_salt or None,
                 num_resumed_tokens=request.num_resumed_tokens,
                 hold_s=request.hold_blocks_ms / 1000,
+                block_hashes=block_hashes,
             )
         except EngineStopped as e:
             self._metrics.requests.finished("rejected")
@@ -382,17 +392,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _take_prefill(
         self,
         request_id: str,
-        prompt_token_ids: np.ndarray,
-        cache_salt: str,
+        hashes: list[bytes],
         source: worker_pb2.KVSource,
         context: grpc.aio.ServicerContext,
     ) -> int:
-        """Disaggregated prefill, the decode side: pull the prompt's blocks from the prefill
-        worker before the request runs; how many moved. A failed pull is computed here instead,
-        or ends the request with ABORTED when the source says ``fail``."""
-        hashes = self._engine.hasher(cache_salt or None).hash_blocks(
-            prompt_token_ids.astype("<u4", copy=False)
-        )
+        """Disaggregated prefill, the decode side: pull the prompt's blocks (``hashes``, its
+        chain) from the prefill worker before the request runs; how many moved. A failed pull is
+        computed here instead, or ends the request with ABORTED when the source says ``fail``."""
         timeout_s = context.time_remaining()
         if source.timeout_ms:
             timeout_s = min(timeout_s or math.inf, source.timeout_ms / 1000)

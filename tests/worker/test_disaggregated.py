@@ -146,6 +146,11 @@ def test_a_failed_transfer_is_recomputed_or_fails_as_asked(workers) -> None:
     assert "the KV transfer from 127.0.0.1:1 failed" in error.value.details()
     assert d.wait_until_idle().num_running_requests == 0
 
+    # A request that can never run is refused before anything is pulled for it.
+    with pytest.raises(grpc.RpcError) as error:
+        decode(d, [*prompt, 99_999], expected[0], failing, request_id="out-of-vocabulary")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
     bad = worker_pb2.KVSource(peer_address="127.0.0.1:1", on_failure="retry")
     with pytest.raises(grpc.RpcError) as error:
         decode(d, prompt, expected[0], bad, request_id="bad")
