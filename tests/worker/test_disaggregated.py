@@ -146,15 +146,24 @@ def test_a_failed_transfer_is_recomputed_or_fails_as_asked(workers) -> None:
     assert "the KV transfer from 127.0.0.1:1 failed" in error.value.details()
     assert d.wait_until_idle().num_running_requests == 0
 
-    # A request that can never run is refused before anything is pulled for it.
-    with pytest.raises(grpc.RpcError) as error:
-        decode(d, [*prompt, 99_999], expected[0], failing, request_id="out-of-vocabulary")
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-
     bad = worker_pb2.KVSource(peer_address="127.0.0.1:1", on_failure="retry")
     with pytest.raises(grpc.RpcError) as error:
         decode(d, prompt, expected[0], bad, request_id="bad")
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_request_that_can_never_run_pulls_nothing(workers) -> None:
+    p, d, _ = workers
+    prompt = prompt_of(7)
+    first = prefill(p, prompt, "pd-bad", hold_ms=60_000)
+    source = worker_pb2.KVSource(peer_address=p.server.address, transfer_id="pd-bad")
+    with pytest.raises(grpc.RpcError) as error:  # a token outside the vocabulary
+        decode(d, [*prompt, 99_999], first, source, request_id="out-of-vocabulary")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert num_held(p) == 18  # not fetched: the lease is still held
+    assert not set(hash_prompt_blocks(prompt, BLOCK_SIZE, d.server.engine.namespace)) & cached(d)
+    p.stub.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(transfer_id="pd-bad"))
+    assert wait_for_no_lease(p, timeout_s=5) < 1
 
 
 def test_a_lease_longer_than_the_limit_is_refused(workers) -> None:
