@@ -639,34 +639,32 @@ def _add_up(commands: argparse._SubParsersAction, name: str, summary: str) -> No
     sub.set_defaults(func=_up_command)
 
 
-def _add_generate(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
-    from kvswitch.app import generate
-
+def _add_exit_status_command(
+    commands: argparse._SubParsersAction, name: str, summary: str, module, config_cls, helps
+) -> None:
+    """A command whose ``module.run(config)`` returns the process's exit status."""
     sub = commands.add_parser(
         name,
         help=summary,
-        description=_plain(generate.__doc__),
+        description=_plain(module.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(sub, generate.GenerateConfig, GENERATE_HELP)
-    sub.set_defaults(
-        func=lambda args: _exit_with(generate.run(config_from_args(generate.GenerateConfig, args)))
+    add_config_args(sub, config_cls, helps)
+    sub.set_defaults(func=lambda args: _exit_with(module.run(config_from_args(config_cls, args))))
+
+
+def _add_generate(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.app import generate
+
+    _add_exit_status_command(
+        commands, name, summary, generate, generate.GenerateConfig, GENERATE_HELP
     )
 
 
 def _add_health(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
     from kvswitch.app import health
 
-    sub = commands.add_parser(
-        name,
-        help=summary,
-        description=_plain(health.__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_config_args(sub, health.HealthConfig, HEALTH_HELP)
-    sub.set_defaults(
-        func=lambda args: _exit_with(health.run(config_from_args(health.HealthConfig, args)))
-    )
+    _add_exit_status_command(commands, name, summary, health, health.HealthConfig, HEALTH_HELP)
 
 
 def _add_worker(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
