@@ -108,6 +108,12 @@ class BackgroundCluster:
     def worker(self, worker_id: str) -> WorkerServer:
         return next(w for w in self.workers if w.worker_id == worker_id)
 
+    def __enter__(self) -> BackgroundCluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for worker in list(self.workers):
             self.run(worker.stop(0))

@@ -131,8 +131,7 @@ def test_the_decode_side_dying_mid_transfer_fails_over_with_the_same_tokens(
     blocks too: the client's tokens are one worker's, and no worker is left holding blocks."""
     # NOTE: over gRPC, in chunks of 32 blocks: through shared memory the whole prompt moves in
     # one chunk, and the stop would land after it.
-    cluster = BackgroundCluster(num_workers=0, router_config=STREAMED)
-    try:
+    with BackgroundCluster(num_workers=0, router_config=STREAMED) as cluster:
         cluster.add_worker("p0", role="prefill")
         decoders = [cluster.add_worker(f"d{i}", role="decode") for i in range(2)]
         prompt = [256, *range(1, 256), *DOCUMENT * 70]  # 3686 tokens: 230 blocks
@@ -161,8 +160,6 @@ def test_the_decode_side_dying_mid_transfer_fails_over_with_the_same_tokens(
         assert sorted((a.worker_id, a.num_stale, a.num_missing) for a in audits) == sorted(
             [("p0", 0, 0), (survivor.worker_id, 0, 0)]
         )
-    finally:
-        cluster.close()
 
 
 def test_the_prefill_side_dying_mid_transfer_is_recomputed_with_the_same_tokens(
@@ -172,8 +169,7 @@ def test_the_prefill_side_dying_mid_transfer_is_recomputed_with_the_same_tokens(
     did not arrive (recompute, the default), and the client's tokens are one worker's."""
     # NOTE: over gRPC, in chunks of 32 blocks: through shared memory the whole prompt moves in
     # one chunk, and the stop would land after it.
-    cluster = BackgroundCluster(num_workers=0, router_config=STREAMED)
-    try:
+    with BackgroundCluster(num_workers=0, router_config=STREAMED) as cluster:
         prefiller = cluster.add_worker("p0", role="prefill")
         decoder = cluster.add_worker("d0", role="decode")
         prompt = [256, *range(2, 256), *DOCUMENT * 70]
@@ -195,8 +191,6 @@ def test_the_prefill_side_dying_mid_transfer_is_recomputed_with_the_same_tokens(
         time.sleep(0.3)  # the worker publishes its events every 20 ms
         audits = cluster.run(audit(cluster.router.index))
         assert [(a.worker_id, a.num_stale, a.num_missing) for a in audits] == [("d0", 0, 0)]
-    finally:
-        cluster.close()
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -204,8 +198,7 @@ def test_a_transfer_that_cannot_be_made_is_recomputed_or_fails_as_configured(pol
     """Blocks of another layout (a bfloat16 decode worker, a float32 prefill worker) never
     move: the decode worker computes the prompt itself, or the client gets ABORTED."""
     config = dataclasses.replace(ROUTER_CONFIG, on_transfer_failure=policy)
-    cluster = BackgroundCluster(num_workers=0, router_config=config)
-    try:
+    with BackgroundCluster(num_workers=0, router_config=config) as cluster:
         cluster.add_worker("p0", role="prefill")
         decoder = cluster.add_worker("d0", role="decode", dtype="bfloat16")
         prompt = prompt_of(7)
@@ -224,8 +217,6 @@ def test_a_transfer_that_cannot_be_made_is_recomputed_or_fails_as_configured(pol
                 assert result.stats.decode_worker_id == "d0"
         assert num_held_blocks(cluster.worker("p0")) == 0
         assert num_held_blocks(decoder) == 0
-    finally:
-        cluster.close()
 
 
 def test_chunked_prefill_and_preemption_on_the_decode_side_keep_the_tokens(
@@ -234,8 +225,7 @@ def test_chunked_prefill_and_preemption_on_the_decode_side_keep_the_tokens(
     """Both sides prefill in chunks of 48 tokens; the decode worker holds 40 blocks, too few for
     the four prompts of 18 blocks at once, so it preempts and recomputes some: every client still
     gets one worker's tokens."""
-    cluster = BackgroundCluster(num_workers=0)
-    try:
+    with BackgroundCluster(num_workers=0) as cluster:
         cluster.add_worker("p0", role="prefill", max_num_batched_tokens=48)
         decoder = cluster.add_worker(
             "d0", role="decode", max_num_batched_tokens=48, kv_cache_bytes=40 * BLOCK_BYTES
@@ -257,8 +247,6 @@ def test_chunked_prefill_and_preemption_on_the_decode_side_keep_the_tokens(
         assert decoder.engine.counters.num_preemptions > 0
         assert num_held_blocks(cluster.worker("p0")) == 0
         assert num_held_blocks(decoder) == 0
-    finally:
-        cluster.close()
 
 
 def test_an_idle_worker_takes_a_busy_holders_prefix_instead_of_computing_it(
@@ -267,8 +255,7 @@ def test_an_idle_worker_takes_a_busy_holders_prefix_instead_of_computing_it(
     """Peer block fetch between two workers of role both: the document's holder is busy with a
     long answer, so the next question about it goes to the idle worker, which takes the
     document's blocks from the holder and computes only the question."""
-    cluster = BackgroundCluster(num_workers=2)
-    try:
+    with BackgroundCluster(num_workers=2) as cluster:
         document = prompt_of(20)
         fetch = {"fetch_token_cost": 0.01, "fetch_latency_tokens": 1.0}
         with (
@@ -299,8 +286,6 @@ def test_an_idle_worker_takes_a_busy_holders_prefix_instead_of_computing_it(
         assert asked.route.reason.endswith("its prefix taken from a peer")
         assert asked.stats.num_transferred_blocks == 18
         assert asked.stats.num_cached_tokens == 18 * BLOCK_SIZE
-    finally:
-        cluster.close()
 
 
 @pytest.mark.parametrize(
