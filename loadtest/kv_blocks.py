@@ -83,24 +83,12 @@ class KVBlocks:
 
     def num_held(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of the chain cached here."""
-        get = self.pool.get_cached_block
-        return next((i for i, h in enumerate(block_hashes) if get(h) is None), len(block_hashes))
+        return len(self.pool.cached_prefix(block_hashes))
 
     def take(self, block_hashes: Sequence[bytes]) -> int:
-        """Blocks a peer computed, into the cache as a finished request leaves its blocks
-        (``LLMEngine.write_cached_blocks``): those cached here already are skipped, the new ones
-        take free blocks (evicting), the leading ones first while free blocks last. Returns how
-        many were new."""
-        pool = self.pool
-        held = [b for b in map(pool.get_cached_block, block_hashes) if b is not None]
-        new = [h for h in block_hashes if pool.get_cached_block(h) is None]
-        pool.touch(held)  # so that taking new blocks cannot evict them
-        new = new[: pool.num_free_blocks]
-        blocks = pool.get_new_blocks(len(new))
-        pool.cache_full_blocks(blocks, new)
-        pool.free_blocks(reversed(blocks))
-        pool.free_blocks(reversed(held))
-        return len(new)
+        """Blocks a peer computed, into the cache (``BlockPool.take_cached_blocks``, as
+        ``LLMEngine.write_cached_blocks`` takes them); how many were new."""
+        return self.pool.take_cached_blocks(block_hashes)
 
     def free(self, table: BlockTable) -> None:
         """Release every block of the request, end of the chain first."""

@@ -11,7 +11,7 @@ The pool does no I/O. Every change to the set of cached hashes appends a cache e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 
@@ -156,6 +156,17 @@ class BlockPool:
         """The cached block named ``block_hash``, if any. Does not modify the pool."""
         return self._hash_to_block.get(block_hash)
 
+    def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[KVBlock]:
+        """The cached blocks of the chain's leading cached run. Does not modify the pool."""
+        blocks = []
+        get = self._hash_to_block.get
+        for block_hash in block_hashes:
+            block = get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
     def cached_block_hashes(self) -> list[bytes]:
         """Every hash cached in the pool, each once."""
         return list(self._hash_to_block)
@@ -234,6 +245,35 @@ class BlockPool:
             if block.ref_cnt == 0:
                 released.append(block)
         self.free_queue.append_n(released)
+
+    def take_cached_blocks(
+        self,
+        block_hashes: Sequence[bytes],
+        write: Callable[[list[int], list[KVBlock]], None] | None = None,
+    ) -> int:
+        """Cache blocks computed elsewhere as a request that computed and then freed them would
+        have left them (evictable, the end of the chain first): hashes cached here already are
+        skipped, the new ones take free blocks (evicting), the leading ones first while free
+        blocks last. ``write(positions in block_hashes, blocks)`` puts their KV in before they
+        are cached; if it raises, nothing is cached. Returns how many blocks were new."""
+        held = [b for b in map(self.get_cached_block, block_hashes) if b is not None]
+        new = [i for i, h in enumerate(block_hashes) if self.get_cached_block(h) is None]
+        # NOTE: held while new blocks are taken, so that taking them cannot evict these.
+        self.touch(held)
+        try:
+            new = new[: self.num_free_blocks]
+            blocks = self.get_new_blocks(len(new))
+            if write is not None:
+                try:
+                    write(new, blocks)
+                except BaseException:
+                    self.free_blocks(blocks)  # uncached: nothing names their half-written KV
+                    raise
+            self.cache_full_blocks(blocks, [block_hashes[i] for i in new])
+            self.free_blocks(reversed(blocks))
+        finally:
+            self.free_blocks(reversed(held))
+        return len(new)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use."""

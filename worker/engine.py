@@ -232,12 +232,7 @@ class LLMEngine:
         under ``lease_id`` (a lease of that id held already is extended instead) for a same-host
         peer to copy out of this engine's cache file; ``release_lease`` lets them go."""
         check_hold(hold_s)
-        blocks = []
-        for block_hash in block_hashes:
-            block = self.kv_cache.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self.kv_cache.pool.cached_prefix(block_hashes)
         now = time.monotonic()
         if not self.kv_cache.extend(lease_id, now):
             self.kv_cache.hold_blocks(blocks, lease_id, now, hold_s)
@@ -292,12 +287,7 @@ class LLMEngine:
         """
         if lease_id is not None:
             self.kv_cache.extend(lease_id, time.monotonic())
-        block_ids = []
-        for block_hash in block_hashes:
-            block = self.kv_cache.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            block_ids.append(block.block_id)
+        block_ids = [block.block_id for block in self.kv_cache.pool.cached_prefix(block_hashes)]
         if not with_data:
             return len(block_ids), b""
         if into is None:
@@ -344,29 +334,13 @@ class LLMEngine:
     def _put_cached_blocks(
         self, block_hashes: Sequence[bytes], copy: Callable[[list[int], list[int]], None]
     ) -> int:
-        """Take new blocks for the hashes not cached here, ``copy(positions in block_hashes,
-        block ids)`` their KV in, cache them and free them, end of the chain first; how many were
-        new. Nothing is cached if the copy raises."""
+        """``BlockPool.take_cached_blocks`` with ``copy(positions in block_hashes, block ids)``
+        writing their KV; how many were new."""
         if not self.kv_cache.enable_caching:
             raise ValueError("prefix caching is off on this worker: it cannot take cached blocks")
-        pool = self.kv_cache.pool
-        held = [b for b in map(pool.get_cached_block, block_hashes) if b is not None]
-        new = [i for i, h in enumerate(block_hashes) if pool.get_cached_block(h) is None]
-        # NOTE: held while new blocks are taken, so that taking them cannot evict these.
-        pool.touch(held)
-        try:
-            new = new[: pool.num_free_blocks]
-            blocks = pool.get_new_blocks(len(new))
-            try:
-                copy(new, [b.block_id for b in blocks])
-            except BaseException:
-                pool.free_blocks(blocks)  # uncached: nothing names their half-written KV
-                raise
-            pool.cache_full_blocks(blocks, [block_hashes[i] for i in new])
-            pool.free_blocks(reversed(blocks))
-        finally:
-            pool.free_blocks(reversed(held))
-        return len(new)
+        return self.kv_cache.pool.take_cached_blocks(
+            block_hashes, lambda positions, blocks: copy(positions, [b.block_id for b in blocks])
+        )
 
     # -- the loop --------------------------------------------------------------------------------
 

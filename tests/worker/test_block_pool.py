@@ -506,3 +506,38 @@ def test_evictions_of_one_allocation_are_one_event_in_queue_order() -> None:
     with pytest.raises(ValueError):
         pool.get_new_blocks(-1)
     pool.check_integrity()
+
+
+def test_blocks_taken_from_a_peer_are_cached_as_a_freed_request_leaves_them() -> None:
+    pool = BlockPool(5)
+    pool.cache_full_blocks(pool.get_new_blocks(1), [b"h1"])  # block 0 holds h1 already
+    pool.free_blocks(pool.blocks[:1])
+    pool.take_events()
+    written = []
+    num_new = pool.take_cached_blocks(
+        [b"h0", b"h1", b"h2"], lambda positions, blocks: written.append((positions, blocks))
+    )
+    assert num_new == 2
+    assert [(p, [b.block_id for b in bs]) for p, bs in written] == [([0, 2], [1, 2])]
+    assert pool.cached_prefix([b"h0", b"h1", b"h2", b"h3"]) == [
+        pool.blocks[1],
+        pool.blocks[0],
+        pool.blocks[2],
+    ]
+    # Evictable, the end of the chain first; the held h1 went back behind them.
+    assert pool.free_queue.block_ids() == [3, 4, 2, 1, 0]
+    assert pool.take_events() == [BlockStored((b"h0", b"h2"))]
+    pool.check_integrity()
+
+
+def test_blocks_whose_write_failed_are_not_cached() -> None:
+    pool = BlockPool(3)
+
+    def fail(positions, blocks) -> None:
+        raise RuntimeError("the copy broke")
+
+    with pytest.raises(RuntimeError, match="the copy broke"):
+        pool.take_cached_blocks([b"h0", b"h1"], fail)
+    assert pool.cached_prefix([b"h0"]) == [] and pool.num_free_blocks == 3
+    assert pool.take_events() == []
+    pool.check_integrity()
