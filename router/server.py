@@ -23,8 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvswitch.cache_index.connect import connect_index, redacted
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX
+from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.disagg import DisaggConfig
+from kvswitch.router.limits import RequestLimits
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
@@ -75,6 +77,12 @@ class RouterConfig:
     on_transfer_failure: str = "recompute"  # or "fail": the request, with ABORTED
     kv_transport: str = ""  # "mapped", "shm", "grpc", or "" (the first of those that works)
     token: str = ""  # if set, clients must send "authorization: Bearer <token>"
+    # What one client may ask (router/limits.py); 0 = no limit.
+    max_prompt_tokens: int = 131072
+    max_output_tokens: int = 32768  # the most a request's sampling.max_tokens may be
+    max_stop_token_ids: int = 256
+    max_streams_per_client: int = 1024  # open streams per client address
+    max_message_bytes: int = 4 << 20  # a larger request is refused (RESOURCE_EXHAUSTED)
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
 
@@ -99,6 +107,16 @@ class RouterConfig:
             raise ValueError(f"pending_ttl_s must be positive, got {self.pending_ttl_s}")
         self.directory_config()
         self.disagg_config()
+        self.limits()
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_output_tokens=self.max_output_tokens,
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_streams_per_client=self.max_streams_per_client,
+            max_message_bytes=self.max_message_bytes,
+        )
 
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig(
@@ -131,29 +149,6 @@ class RouterConfig:
 
     def directory_config(self) -> DirectoryConfig:
         return DirectoryConfig(refresh_s=self.refresh_s, load_poll_s=self.load_poll_s)
-
-
-# -- authentication --------------------------------------------------------------------------
-
-
-class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses Router calls without ``authorization: Bearer <token>``. Health checks and the
-    CacheIndex service (workers, on the private network) pass without one."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
-
-    async def intercept_service(self, continuation, handler_call_details):
-        if not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
-            return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
-            return await continuation(handler_call_details)
-        return grpc.unary_stream_rpc_method_handler(_unauthenticated)
-
-
-async def _unauthenticated(request, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -202,8 +197,16 @@ async def start_router(config: RouterConfig) -> RouterServer:
         tokenizer, no_tokenizer_reason = _load_tokenizer(config.model)
     except (ValueError, OSError, TokenizerFileError) as e:
         raise RouterStartError(str(e)) from e
-    interceptors = [_BearerTokenInterceptor(config.token)] if config.token else []
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    # NOTE: health checks and the CacheIndex service (workers, on the private network) take
+    # any caller; the Router service, a client with the token.
+    guard = ServerGuard({SERVICE_NAME: config.token} if config.token else {})
+    server = grpc.aio.server(
+        interceptors=[guard],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+        ],
+    )
     address = host_port(config.host, config.port)
     try:
         port = server.add_insecure_port(address)
@@ -248,6 +251,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         max_failovers=config.max_failovers,
         wait_for_worker_s=config.wait_for_worker_s,
         disagg=config.disagg_config(),
+        limits=config.limits(),
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

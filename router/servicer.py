@@ -25,6 +25,13 @@ import numpy as np
 
 from kvswitch.cache_index.hashing import TokenIds, tokens_from_bytes, tokens_to_bytes
 from kvswitch.router.disagg import DisaggConfig
+from kvswitch.router.limits import (
+    ClientStreams,
+    RequestLimits,
+    check_prompt_length,
+    check_request,
+    client_of,
+)
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.policy import Decision
 from kvswitch.router.router import NoTokenizerError, NoWorkerError, Route, RoutePlan, Router
@@ -159,8 +166,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_failovers: int = 3,
         wait_for_worker_s: float = 0.0,
         disagg: DisaggConfig | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self._router = router
+        self._limits = limits if limits is not None else RequestLimits()
+        self._client_streams = ClientStreams(self._limits.max_streams_per_client)
+        self._running_ids: set[str] = set()  # client-chosen ids of the requests streaming now
         self._disagg = disagg if disagg is not None else DisaggConfig()
         self._directory = router.directory
         self._metrics = metrics or RouterMetrics()
@@ -173,13 +184,51 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # NOTE: written with context.write, not as an async generator, so that a cancelled RPC
         # raises CancelledError in here and the worker's call is cancelled with it.
         outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}", self._metrics)
+        client = client_of(context.peer())
+        if not self._client_streams.open(client):
+            await _abort(
+                context,
+                outcome,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this client has {self._client_streams.num_open(client)} streams open, the "
+                "most this router takes from one client; retry once one has ended",
+            )
+        running_id = ""  # this call's entry in the running ids, once it made one
         try:
+            running_id = await self._admit(request, context, outcome)
             await self._generate(request, context, outcome)
         except asyncio.CancelledError:
             outcome.finish_reason = "abort"
             raise
         finally:
+            self._client_streams.close(client)
+            self._running_ids.discard(running_id)
             outcome.record()  # unless the end already did
+
+    async def _admit(
+        self,
+        request: router_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        outcome: _Outcome,
+    ) -> str:
+        """Refuse (INVALID_ARGUMENT) a request out of bounds or one whose id is running; the id
+        it now runs under ("" for a request that named none)."""
+        try:
+            check_request(request, self._limits)
+        except ValueError as e:
+            await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not request.request_id:
+            return ""
+        if request.request_id in self._running_ids:
+            await _abort(
+                context,
+                outcome,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id {request.request_id!r} is already running on this router; "
+                "request ids must be unique",
+            )
+        self._running_ids.add(request.request_id)
+        return request.request_id
 
     async def _generate(
         self,
@@ -249,8 +298,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 route = await self._when_a_worker_serves(
                     choose, wait_until_s if not failed else 0.0
                 )
-            except ValueError as e:
-                await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except ValueError as e:  # the request's routing overrides
+                field = "routing.weights" if request.routing.weights else "routing.policy"
+                await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}")
             except NoWorkerError as e:
                 await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
             self._metrics.index_lookup(self._router.last_lookup_s)
@@ -487,12 +537,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if kind is None:
             raise ValueError("the request has no prompt: set text or token_ids")
         if kind == "token_ids":
-            return token_ids_from_proto(request.token_ids)
-        if len(request.text) <= _INLINE_TOKENIZE_CHARS:
-            return self._router.tokenize(request.text)
-        # NOTE: a long prompt would stall every stream this loop relays (about 2.5 us a token
-        # with a BPE tokenizer); the tokenizers library lets go of the GIL while it encodes.
-        return await asyncio.to_thread(self._router.tokenize, request.text)
+            token_ids = token_ids_from_proto(request.token_ids)
+        elif len(request.text) <= _INLINE_TOKENIZE_CHARS:
+            token_ids = self._router.tokenize(request.text)
+        else:
+            # NOTE: a long prompt would stall every stream this loop relays (about 2.5 us a
+            # token with a BPE tokenizer); the tokenizers library lets go of the GIL meanwhile.
+            token_ids = await asyncio.to_thread(self._router.tokenize, request.text)
+        check_prompt_length(len(token_ids), kind, self._limits)
+        return token_ids
 
 
 async def _cancel_when(event: asyncio.Event, call: grpc.aio.Call) -> None:
@@ -507,7 +560,10 @@ def token_ids_from_proto(token_ids: router_pb2.TokenIds) -> np.ndarray:
     if packed and token_ids.ids:
         raise ValueError("token_ids sets both ids and ids_u32le; set one")
     if packed:
-        return tokens_from_bytes(packed)
+        try:
+            return tokens_from_bytes(packed)
+        except ValueError as e:
+            raise ValueError(f"token_ids.ids_u32le: {e}") from None
     if not token_ids.ids:
         raise ValueError("the prompt is empty: token_ids sets neither ids nor ids_u32le")
     return np.array(token_ids.ids, np.uint32)

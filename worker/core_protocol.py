@@ -121,6 +121,7 @@ class CoreCounters:
     num_steps: int = 0
     num_preemptions: int = 0
     num_failed_steps: int = 0
+    num_integrity_checks: int = 0  # with EngineConfig.check_integrity: checks passed
 
 
 def open_pipe_end(context: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Socket:

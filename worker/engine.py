@@ -168,7 +168,7 @@ class LLMEngine:
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len, num_resumed_tokens)
         if lora is not None:
-            raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
+            raise ValueError(f"lora: unknown adapter {lora!r}; this worker serves none")
         request = Request(
             request_id,
             prompt,

@@ -364,7 +364,7 @@ class EngineClient:
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, facts.vocab_size, facts.max_model_len, num_resumed_tokens)
         if lora is not None:
-            raise ValueError(f"unknown LoRA adapter {lora!r}: this worker serves no adapters")
+            raise ValueError(f"lora: unknown adapter {lora!r}; this worker serves none")
         check_hold(hold_s)
         # Checked, so in range: converted once, for the hashes and the wire alike.
         return prompt.astype("<u4", copy=False)

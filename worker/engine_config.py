@@ -27,6 +27,10 @@ class EngineConfig:
     # workers on one host must share the cores: each taking them all, their thread pools spin
     # against each other and every step slows many times over.
     cpu_threads: int = 0
+    # Check the KV cache's invariants (block_pool.check_integrity) each time the engine falls
+    # idle; a broken one stops the engine core, loudly. For tests and fault drills: it walks
+    # every block.
+    check_integrity: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):

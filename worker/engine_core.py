@@ -70,6 +70,7 @@ class EngineCore:
         self._input = threading.Thread(target=self._read, name="engine-core-input", daemon=True)
         engine.max_model_len  # noqa: B018  (computed once here, read by the input thread)
         self._num_failed_steps = 0
+        self._num_integrity_checks = 0
         self._outputs = StepOutputs()  # of the one step since the last STEP message
         self._failed: list[list[Any]] = []
         # From the end of a step that left work behind to the start of the next one: what
@@ -137,6 +138,11 @@ class EngineCore:
                 idle = engine.stats.num_steps == num_steps
                 # Only a step that leaves work behind starts a gap: the wait for new work is not.
                 self._last_step_end = time.perf_counter() if engine.has_unfinished() else None
+            if engine.config.check_integrity and not engine.has_unfinished():
+                # NOTE: raises on a broken invariant, which ends the core: a bug, not a request's
+                # fault, and nothing it computes after can be trusted.
+                engine.kv_cache.check_integrity()
+                self._num_integrity_checks += 1
             self._send_step()
 
     # -- commands ---------------------------------------------------------------------------------
@@ -296,7 +302,12 @@ class EngineCore:
             engine.kv_cache.pool.num_blocks,
             engine.config.block_size,
         ]
-        counters = [engine.stats.num_steps, engine.stats.num_preemptions, self._num_failed_steps]
+        counters = [
+            engine.stats.num_steps,
+            engine.stats.num_preemptions,
+            self._num_failed_steps,
+            self._num_integrity_checks,
+        ]
         events = wire.events_to_wire(engine.take_events())
         gap = [self._step_gap_s, self._commands_s]
         outputs = wire.outputs_to_wire(self._outputs)

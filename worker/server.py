@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.hashing import tokens_from_bytes
 from kvswitch.cache_index.index import ROLES, WorkerInfo
+from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.serving import (
     KEEPALIVE_SERVER_OPTIONS,
@@ -101,6 +102,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     cpu_threads: int = 0  # CPU: torch's threads for a step; 0 = one per core
+    check_integrity: bool = False  # check the KV cache's invariants whenever the engine is idle
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
     index: str = ""  # block-hash index URL to publish cache events to; empty = none
     # What the router sends here: whole requests ("both"), prompts to prefill for a decode
@@ -142,14 +144,18 @@ class WorkerConfig:
 
 
 def sampling_params_from_proto(sampling: common_pb2.SamplingParams) -> SamplingParams:
-    """The engine's params; 0 means the default for max_tokens and top_p. ValueError if invalid."""
-    return SamplingParams(
-        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p or 1.0,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop_token_ids=tuple(sampling.stop_token_ids),
-    )
+    """The engine's params; 0 means the default for max_tokens and top_p. ValueError, naming
+    the field, if invalid."""
+    try:
+        return SamplingParams(
+            max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p or 1.0,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+        )
+    except ValueError as e:  # its messages start with the field's name
+        raise ValueError(f"sampling.{e}") from None
 
 
 def prompt_from_proto(request: worker_pb2.WorkerGenerateRequest) -> np.ndarray:
@@ -533,7 +539,10 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     """Bind the port, start the engine core and serve; ``WorkerStartError`` says why not."""
     # NOTE: without so_reuseport 0, gRPC lets a second server bind the same port and share its
     # traffic. Binding before the model loads makes a taken port fail at once.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
+    server = grpc.aio.server(
+        interceptors=[ServerGuard()],
+        options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS],
+    )
     try:
         port = server.add_insecure_port(host_port(config.host, config.port))
     except RuntimeError as e:

@@ -173,6 +173,9 @@ WORKER_HELP = {
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
     "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
     "them all, they slow each other many times over",
+    "check_integrity": "check the KV cache's invariants each time the engine falls idle; a "
+    "broken one stops the worker with the traceback (for tests and fault drills: it walks every "
+    "block)",
     "max_hashes_per_chunk": "block hashes per message of a cache snapshot, when the "
     "client asks for none",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM before they are "
@@ -255,6 +258,14 @@ ROUTER_HELP = {
     "straight out of a --kv-cache-shm worker's cache), shm (one host, through a file), grpc, or "
     "empty = the first of those that works",
     "token": "if set, clients must send 'authorization: Bearer TOKEN'",
+    "max_prompt_tokens": "longest prompt a client may send, in tokens (INVALID_ARGUMENT past "
+    "it); 0 = no limit",
+    "max_output_tokens": "most tokens a request may ask for (sampling.max_tokens); 0 = no limit",
+    "max_stop_token_ids": "most stop token ids a request may list; 0 = no limit",
+    "max_streams_per_client": "most streams one client address may hold open at once "
+    "(RESOURCE_EXHAUSTED past it); 0 = no limit",
+    "max_message_bytes": "largest request message accepted, in bytes (gRPC refuses a larger "
+    "one with RESOURCE_EXHAUSTED)",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",

@@ -152,7 +152,7 @@ def test_abort_frees_blocks() -> None:
         ([], GREEDY, {}, "prompt is empty"),
         ([1, 257], GREEDY, {}, "outside the vocabulary"),
         ([1, -1], GREEDY, {}, "outside the vocabulary"),
-        ([1, 2], GREEDY, {"lora": "sql-adapter"}, "unknown LoRA adapter"),
+        ([1, 2], GREEDY, {"lora": "sql-adapter"}, "lora: unknown adapter"),
         ([1] * 20000, GREEDY, {}, "context length"),
         ([1, 2], GREEDY, {"num_resumed_tokens": 2}, "num_resumed_tokens"),
         ([1, 2], GREEDY, {"num_resumed_tokens": -1}, "num_resumed_tokens"),

@@ -97,7 +97,7 @@ def test_admission_refuses_what_can_never_run_before_the_core_sees_it() -> None:
                 await engine.submit("bad", np.array(prompt, np.int64), SamplingParams())
         with pytest.raises(ValueError, match="token ids must be integers, got float64"):
             await engine.submit("bad", [1.5, 2], SamplingParams())
-        with pytest.raises(ValueError, match="unknown LoRA adapter 'x'"):
+        with pytest.raises(ValueError, match="lora: unknown adapter 'x'"):
             await engine.submit("bad", [1, 2], SamplingParams(), lora="x")
         with pytest.raises(ValueError, match=r"num_resumed_tokens must be in \[0, 2\)"):
             await engine.submit("bad", [1, 2], SamplingParams(), num_resumed_tokens=2)

@@ -106,7 +106,7 @@ def test_generate_streams_the_engines_tokens(
         (PROMPT, {"temperature": -0.5}, "temperature must be a finite number >= 0"),
         (PROMPT, {"top_p": 1.5}, "top_p must be in (0, 1]"),
         ([256] + [65] * 1100, {}, "the prompt has 1101 tokens; this worker's context length is"),
-        (PROMPT, {"lora": "sql-adapter"}, "unknown LoRA adapter 'sql-adapter'"),
+        (PROMPT, {"lora": "sql-adapter"}, "lora: unknown adapter 'sql-adapter'"),
     ],
     ids=["empty", "vocab", "temperature", "top_p", "too-long", "lora"],
 )
