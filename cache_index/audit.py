@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -32,9 +33,11 @@ class WorkerAudit:
     error: str = ""  # the worker could not be asked
 
 
-async def fetch_snapshot(address: str, timeout_s: float = 10.0) -> tuple[int, set[bytes]]:
+async def fetch_snapshot(
+    address: str, timeout_s: float = 10.0, security: FleetSecurity = PLAINTEXT
+) -> tuple[int, set[bytes]]:
     """A worker's ``(event_seq, cached block hashes)`` over gRPC."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         event_seq, hashes = 0, set()
         async for chunk in stub.Snapshot(worker_pb2.SnapshotRequest(), timeout=timeout_s):
@@ -43,10 +46,12 @@ async def fetch_snapshot(address: str, timeout_s: float = 10.0) -> tuple[int, se
         return event_seq, hashes
 
 
-async def audit_worker(index: BlockIndex, info: WorkerInfo) -> WorkerAudit:
+async def audit_worker(
+    index: BlockIndex, info: WorkerInfo, security: FleetSecurity = PLAINTEXT
+) -> WorkerAudit:
     before = await index.worker_block_hashes(info.worker_id)
     try:
-        _, on_worker = await fetch_snapshot(info.address)
+        _, on_worker = await fetch_snapshot(info.address, security=security)
     except grpc.aio.AioRpcError as e:
         return WorkerAudit(info.worker_id, info.address, len(before), 0, 0, 0, e.details() or "")
     after = await index.worker_block_hashes(info.worker_id)
@@ -61,15 +66,23 @@ async def audit_worker(index: BlockIndex, info: WorkerInfo) -> WorkerAudit:
     )
 
 
-async def audit(index: BlockIndex) -> list[WorkerAudit]:
+async def audit(index: BlockIndex, security: FleetSecurity = PLAINTEXT) -> list[WorkerAudit]:
+    """Each live worker's cache against the index: what it holds that the index lacks, and the
+    reverse (``security``: how the workers are reached)."""
     workers = await index.live_workers()
-    return list(await asyncio.gather(*(audit_worker(index, w) for w in workers)))
+    return list(await asyncio.gather(*(audit_worker(index, w, security) for w in workers)))
 
 
 @dataclass(frozen=True)
 class IndexToolConfig:
     index: str = ""
     prefix: str = "kvswitch"
+    # How the fleet's routers and workers are reached (kvswitch/security.py).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_client_auth: bool = False
+    fleet_token: str = ""
 
     def __post_init__(self) -> None:
         if not self.index:
@@ -79,12 +92,16 @@ class IndexToolConfig:
                 "an embedded (memory://) index lives inside its process: give a Redis URL, or "
                 "grpc://ROUTER_HOST:PORT for a router's embedded index"
             )
+        self.security()
+
+    def security(self) -> FleetSecurity:
+        return FleetSecurity.of(self)
 
 
 async def stats_report(config: IndexToolConfig) -> dict:
     from kvswitch.cache_index.connect import connect_index
 
-    index = await connect_index(config.index, prefix=config.prefix)
+    index = await connect_index(config.index, prefix=config.prefix, security=config.security())
     try:
         stats = await index.stats()
         workers = await index.live_workers()
@@ -112,9 +129,10 @@ async def stats_report(config: IndexToolConfig) -> dict:
 async def audit_report(config: IndexToolConfig) -> dict:
     from kvswitch.cache_index.connect import connect_index
 
-    index = await connect_index(config.index, prefix=config.prefix)
+    security = config.security()
+    index = await connect_index(config.index, prefix=config.prefix, security=security)
     try:
-        audits = await audit(index)
+        audits = await audit(index, security)
     finally:
         await index.close()
     return {

@@ -11,6 +11,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from kvswitch.cache_index.index import BlockIndex
+from kvswitch.security import PLAINTEXT, FleetSecurity
 
 DEFAULT_PREFIX = "kvswitch"
 SCHEMES = "memory://, redis://, rediss://, redis+cluster://, rediss+cluster:// or grpc://"
@@ -20,9 +21,12 @@ class IndexUnreachable(ConnectionError):
     """No block index answers at the URL (refused, timed out, a cluster with no reachable node)."""
 
 
-async def connect_index(url: str, *, prefix: str = DEFAULT_PREFIX) -> BlockIndex:
+async def connect_index(
+    url: str, *, prefix: str = DEFAULT_PREFIX, security: FleetSecurity = PLAINTEXT
+) -> BlockIndex:
     """The index ``url`` names, connected; ValueError for a URL that names none,
-    ``IndexUnreachable`` (a ConnectionError) when it does not answer."""
+    ``IndexUnreachable`` (a ConnectionError) when it does not answer. ``security``: how a
+    ``grpc://`` index (a router's) is reached."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ValueError(f"index URL {url!r} has no scheme: use {SCHEMES}")
@@ -46,7 +50,7 @@ async def connect_index(url: str, *, prefix: str = DEFAULT_PREFIX) -> BlockIndex
         if not rest:
             raise ValueError(f"index URL {url!r} names no server: use grpc://host:port")
         try:
-            return await GrpcIndex.connect(rest)
+            return await GrpcIndex.connect(rest, security=security)
         except GrpcIndex.unavailable_errors as e:
             raise IndexUnreachable(str(e)) from e
     raise ValueError(f"unknown index URL scheme {scheme!r}: use {SCHEMES}")

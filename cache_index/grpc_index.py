@@ -30,6 +30,7 @@ import grpc
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from kvswitch.cache_index.hashing import HASH_BYTES
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo
+from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.v1 import index_pb2, index_pb2_grpc
 
 SERVICE_NAME = "kvswitch.v1.CacheIndex"  # its health-check name
@@ -156,19 +157,31 @@ class GrpcIndex(BlockIndex):
 
     unavailable_errors = (grpc.RpcError, OSError)
 
-    def __init__(self, target: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        security: FleetSecurity = PLAINTEXT,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.target = target  # host:port
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = security.channel(target, _CHANNEL_OPTIONS)
         self._stub = index_pb2_grpc.CacheIndexStub(self._channel)
 
     @classmethod
-    async def connect(cls, target: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> GrpcIndex:
+    async def connect(
+        cls,
+        target: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        security: FleetSecurity = PLAINTEXT,
+    ) -> GrpcIndex:
         """Open a channel to ``host:port`` and wait until it is up: a server that does not answer
         within ``timeout_s`` fails here, with ``ConnectionError``."""
-        index = cls(target, timeout_s=timeout_s)
+        index = cls(target, timeout_s=timeout_s, security=security)
         try:
             async with asyncio.timeout(timeout_s):  # (wait_for may lose a cancel)
                 await index._channel.channel_ready()

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvswitch.cache_index import grpc_index
 from kvswitch.cache_index.connect import connect_index, redacted
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX
@@ -33,6 +34,7 @@ from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
 from kvswitch.router.router import Router
 from kvswitch.router.servicer import RouterServicer
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
+from kvswitch.security import FleetSecurity
 from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.tokenizer import Tokenizer, TokenizerFileError, load_tokenizer
 from kvswitch.v1 import router_pb2_grpc
@@ -83,6 +85,13 @@ class RouterConfig:
     max_stop_token_ids: int = 256
     max_streams_per_client: int = 1024  # open streams per client address
     max_message_bytes: int = 4 << 20  # a larger request is refused (RESOURCE_EXHAUSTED)
+    # Every gRPC hop (kvswitch/security.py): TLS when tls_cert is set, mutual with
+    # tls_client_auth; fleet_token: what routers and workers present to each other.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_client_auth: bool = False
+    fleet_token: str = ""
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
 
@@ -108,6 +117,10 @@ class RouterConfig:
         self.directory_config()
         self.disagg_config()
         self.limits()
+        self.security()
+
+    def security(self) -> FleetSecurity:
+        return FleetSecurity.of(self)
 
     def limits(self) -> RequestLimits:
         return RequestLimits(
@@ -199,7 +212,8 @@ async def start_router(config: RouterConfig) -> RouterServer:
         raise RouterStartError(str(e)) from e
     # NOTE: health checks and the CacheIndex service (workers, on the private network) take
     # any caller; the Router service, a client with the token.
-    guard = ServerGuard({SERVICE_NAME: config.token} if config.token else {})
+    security = config.security()
+    guard = ServerGuard({SERVICE_NAME: config.token, grpc_index.SERVICE_NAME: config.fleet_token})
     server = grpc.aio.server(
         interceptors=[guard],
         options=[
@@ -209,7 +223,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
     )
     address = host_port(config.host, config.port)
     try:
-        port = server.add_insecure_port(address)
+        port = security.add_port(server, address)
     except RuntimeError as e:
         raise RouterStartError(
             f"cannot listen on {address}: the port is taken or the address is not one of this "
@@ -221,7 +235,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
     except (ValueError, OSError) as e:
         raise RouterStartError(str(e)) from e
 
-    directory = WorkerDirectory(index, config.directory_config())
+    directory = WorkerDirectory(index, config.directory_config(), security=security)
     router = Router(
         index,
         directory,
@@ -259,8 +273,6 @@ async def start_router(config: RouterConfig) -> RouterServer:
     for service in (SERVICE_NAME, ""):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.index.startswith("memory://"):
-        from kvswitch.cache_index import grpc_index
-
         # NOTE: serving from the start: workers must register here before the router can serve.
         grpc_index.add_index_service(server, index)
         await health_servicer.set(grpc_index.SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

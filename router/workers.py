@@ -32,6 +32,7 @@ import grpc
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
 from kvswitch.router.policy import WorkerState
+from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
@@ -134,8 +135,10 @@ class WorkerDirectory:
         *,
         clock: Callable[[], float] = time.monotonic,
         channel_options: list[tuple[str, object]] | None = None,
+        security: FleetSecurity = PLAINTEXT,
     ) -> None:
         self.index = index
+        self._security = security  # how the workers are reached
         self.config = config or DirectoryConfig()
         self._clock = clock
         self._channel_options = (
@@ -258,7 +261,7 @@ class WorkerDirectory:
             if handle is None:
                 changed = True
                 logger.info("worker %s joined at %s (%s)", worker_id, info.address, info.role)
-                channel = grpc.aio.insecure_channel(info.address, options=self._channel_options)
+                channel = self._security.channel(info.address, self._channel_options)
                 self._handles[worker_id] = WorkerHandle(
                     info, channel, worker_pb2_grpc.WorkerStub(channel)
                 )
@@ -293,9 +296,17 @@ class WorkerDirectory:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # NOTE: unreachable (dead, or its link cut): no new request goes there until a
                 # report comes again. Its running streams fail over when their calls fail.
+                if not handle.unreachable:
+                    logger.warning(
+                        "worker %s stopped answering its load polls (%s): left out",
+                        handle.worker_id,
+                        e.code().name,
+                    )
                 handle.unreachable = True
                 handle.lost.set()
         else:
+            if handle.unreachable:
+                logger.info("worker %s answers its load polls again", handle.worker_id)
             handle.unreachable = False
             if handle.lost.is_set():
                 handle.lost = asyncio.Event()

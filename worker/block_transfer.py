@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine_client import EngineClient
@@ -67,9 +68,9 @@ class ShmRefused(Exception):
 class BlockTransfers:
     """This worker's side of every block transfer: what it sends and what it pulls."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, security: FleetSecurity = PLAINTEXT) -> None:
         self._engine = engine
-        self._peers = PeerChannels()
+        self._peers = PeerChannels(security)
         self._shm = ShmFiles()
         self._tasks: set[asyncio.Task] = set()  # releases sent, not waited for
 
@@ -323,15 +324,14 @@ class PeerChannels:
     """One channel to each peer worker, opened on first use and kept: a connection is set up
     once per peer, not once per transfer."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: FleetSecurity = PLAINTEXT) -> None:
+        self._security = security
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=_CHANNEL_OPTIONS
-            )
+            channel = self._channels[address] = self._security.channel(address, _CHANNEL_OPTIONS)
         return worker_pb2_grpc.WorkerStub(channel)
 
     async def close(self) -> None:

@@ -28,6 +28,7 @@ from kvswitch.cache_index.hashing import tokens_from_bytes
 from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
+from kvswitch.security import FleetSecurity
 from kvswitch.serving import (
     KEEPALIVE_SERVER_OPTIONS,
     announce_ready,
@@ -113,6 +114,13 @@ class WorkerConfig:
     # Run the engine core on a thread of the serving process instead of a process of its own:
     # one process to debug or profile, at the cost of sharing its GIL with token streaming.
     engine_in_process: bool = False
+    # Every gRPC hop (kvswitch/security.py): TLS when tls_cert is set, mutual with
+    # tls_client_auth; fleet_token: what routers and workers present to each other.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_client_auth: bool = False
+    fleet_token: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -132,7 +140,11 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         # The engine's own configs check the rest, with their messages.
         self.engine_config()
+        self.security()
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def security(self) -> FleetSecurity:
+        return FleetSecurity.of(self)
 
     def engine_config(self) -> EngineConfig:
         """The engine's config: every ``EngineConfig`` field has a field of the same name here."""
@@ -540,11 +552,11 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     # NOTE: without so_reuseport 0, gRPC lets a second server bind the same port and share its
     # traffic. Binding before the model loads makes a taken port fail at once.
     server = grpc.aio.server(
-        interceptors=[ServerGuard()],
+        interceptors=[ServerGuard({SERVICE_NAME: config.fleet_token})],
         options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS],
     )
     try:
-        port = server.add_insecure_port(host_port(config.host, config.port))
+        port = config.security().add_port(server, host_port(config.host, config.port))
     except RuntimeError as e:
         raise WorkerStartError(
             f"cannot listen on {host_port(config.host, config.port)}: the port is taken or the "
@@ -592,7 +604,7 @@ async def _serve_engine(
             raise WorkerStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
-    transfers = BlockTransfers(engine)
+    transfers = BlockTransfers(engine, config.security())
     servicer = WorkerServicer(
         engine,
         worker_id=worker_id,
@@ -609,7 +621,7 @@ async def _serve_engine(
     await server.start()
     if config.index:
         try:
-            index = await connect_index(config.index)
+            index = await connect_index(config.index, security=config.security())
         except (ValueError, OSError) as e:
             if metrics_server is not None:
                 metrics_server.stop()

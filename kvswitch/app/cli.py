@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -108,10 +109,22 @@ INDEX_HELP = {
     "num_event_batches": "event batches applied to time ingestion (128 block events each)",
     "seed": "random seed",
 }
+SECURITY_HELP = {
+    "tls_cert": "PEM certificate chain this process presents; turns TLS on for every gRPC hop "
+    "it serves and calls (docs/SECURITY.md)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_ca": "PEM CA bundle that verifies the routers and workers this process calls (and, "
+    "with --tls-client-auth, its callers); empty = the system's roots",
+    "tls_client_auth": "mutual TLS: callers must present a certificate signed by --tls-ca, and "
+    "this process presents its own when it calls",
+    "fleet_token": "bearer token routers and workers present to each other; workers (and the "
+    "router's embedded index) refuse calls without it; or set KVSWITCH_FLEET_TOKEN",
+}
 INDEX_TOOL_HELP = {
     "index": "the index: redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT, or "
     "grpc://ROUTER_HOST:PORT for a router's embedded index",
     "prefix": "key prefix of the deployment (several may share one Redis)",
+    **SECURITY_HELP,
 }
 ROUTER_BENCH_HELP = {
     "num_prompt_tokens": "prompt length in tokens, sent as token ids",
@@ -192,6 +205,7 @@ WORKER_HELP = {
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
     "engine_in_process": "run the engine core on a thread of the serving process instead of a "
     "process of its own: one process to debug or profile, sharing one GIL with token streaming",
+    **SECURITY_HELP,
 }
 DEMO_HELP = {
     "workers": "CPU workers in the local cluster",
@@ -257,7 +271,7 @@ ROUTER_HELP = {
     "kv_transport": "disaggregated prefill: how KV blocks travel: mapped (one host, copied "
     "straight out of a --kv-cache-shm worker's cache), shm (one host, through a file), grpc, or "
     "empty = the first of those that works",
-    "token": "if set, clients must send 'authorization: Bearer TOKEN'",
+    "token": "if set, clients must send 'authorization: Bearer TOKEN'; or set KVSWITCH_TOKEN",
     "max_prompt_tokens": "longest prompt a client may send, in tokens (INVALID_ARGUMENT past "
     "it); 0 = no limit",
     "max_output_tokens": "most tokens a request may ask for (sampling.max_tokens); 0 = no limit",
@@ -269,6 +283,7 @@ ROUTER_HELP = {
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
+    **SECURITY_HELP,
 }
 UP_HELP = {
     "workers": "number of workers that prefill and decode (role both); -1 = 2, or 0 when "
@@ -294,6 +309,9 @@ HEALTH_HELP = {
     "service": "the service to ask about: kvswitch.v1.Router, kvswitch.v1.Worker, or empty = "
     "the server as a whole",
     "timeout_s": "seconds to wait for the answer",
+    "tls_ca": "a server with TLS: PEM CA bundle that verifies it",
+    "tls_cert": "a server with mutual TLS: PEM certificate this probe presents",
+    "tls_key": "PEM private key of --tls-cert",
 }
 LOOKUP_HELP = {
     "num_guesses": "live pending guesses, all on one document",
@@ -460,12 +478,22 @@ def _kernels_compile_command(args: argparse.Namespace) -> None:
 def _worker_command(args: argparse.Namespace) -> None:
     from kvswitch.worker import server as worker_server
 
-    config = config_from_args(worker_server.WorkerConfig, args)
+    config = config_from_args(worker_server.WorkerConfig, _tokens_from_env(args))
     _configure_logging()
     try:
         worker_server.run(config)
     except (worker_server.WorkerStartError, worker_server.WorkerFailed) as e:
         sys.exit(f"kvswitch worker: {e}")
+
+
+def _tokens_from_env(args: argparse.Namespace) -> argparse.Namespace:
+    """Tokens not given as options, from the environment (a command line shows in ps)."""
+    from kvswitch.security import FLEET_TOKEN_ENV, TOKEN_ENV
+
+    for name, env in (("token", TOKEN_ENV), ("fleet_token", FLEET_TOKEN_ENV)):
+        if hasattr(args, name) and not getattr(args, name):
+            setattr(args, name, os.environ.get(env, ""))
+    return args
 
 
 def _configure_logging() -> None:
@@ -479,7 +507,7 @@ def _configure_logging() -> None:
 def _router_command(args: argparse.Namespace) -> None:
     from kvswitch.router import server as router_server
 
-    config = config_from_args(router_server.RouterConfig, args)
+    config = config_from_args(router_server.RouterConfig, _tokens_from_env(args))
     _configure_logging()
     try:
         router_server.run(config)
@@ -540,7 +568,7 @@ def _index_command(report: Callable) -> Callable:
 
         from kvswitch.cache_index.audit import IndexToolConfig
 
-        config = config_from_args(IndexToolConfig, args)
+        config = config_from_args(IndexToolConfig, _tokens_from_env(args))
         try:
             result = asyncio.run(report(config))
         except (ValueError, ConnectionError) as e:
