@@ -14,7 +14,7 @@ import grpc
 from kvswitch.client.channel import TlsOption, call_metadata, channel_credentials, check_timeout_s
 from kvswitch.client.request import GenerateOptions, GenerateParams
 from kvswitch.client.result import Chunk, GenerateResult, ResultBuilder
-from kvswitch.client.retry import Attempts, RetryPolicy
+from kvswitch.client.retry import Attempts, RetryBudget, RetryPolicy
 from kvswitch.v1 import router_pb2, router_pb2_grpc
 
 
@@ -35,6 +35,7 @@ class AsyncClient:
         self._metadata = call_metadata(token)
         self._timeout_s = check_timeout_s(timeout_s)
         self._retry = RetryPolicy(max_retries=max_retries, initial_backoff_s=initial_backoff_s)
+        self.retry_budget = RetryBudget()  # shared by all its requests
         credentials = channel_credentials(tls)
         self._channel = (
             grpc.aio.insecure_channel(target)
@@ -69,7 +70,7 @@ class AsyncClient:
         before anything is sent (``ValueError``)."""
         request = GenerateParams.from_options(prompt, options).to_request()
         timeout_s = check_timeout_s(timeout_s) or self._timeout_s
-        attempts = Attempts(request.request_id, self._retry, timeout_s)
+        attempts = Attempts(request.request_id, self._retry, timeout_s, self.retry_budget)
         return AsyncStream(self._stub, request, self._metadata, attempts)
 
     async def close(self) -> None:
@@ -153,6 +154,7 @@ class AsyncStream:
                 self._call = None
                 self._result = self._builder.finish()
                 return None
+            self._attempts.answered()
             chunk = self._builder.add(response)
             if chunk is not None:
                 return chunk

@@ -4,14 +4,50 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 
 import grpc
 
 from kvswitch.client.errors import KvswitchTimeoutError, error_from_rpc
+from kvswitch.serving import RETRY_AFTER_KEY
 
 # Transient failures: the router is unreachable, or it (or every worker) is busy for a moment.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class RetryBudget:
+    """Retries as a share of the requests that get through, shared by every request of a
+    client (gRPC's retry throttling, gRFC A6): a failed attempt spends a token, a request the
+    server answers earns ``ratio`` of one, and retries stop while half the ``max_tokens`` or
+    fewer are left. A client facing an overloaded fleet then sends about ``1 + ratio`` attempts
+    per request, not ``1 + max_retries``: its retries do not turn overload into a storm."""
+
+    def __init__(self, max_tokens: float = 10.0, ratio: float = 0.1) -> None:
+        if not (max_tokens > 0 and 0 < ratio <= max_tokens):
+            raise ValueError(
+                f"the retry budget needs max_tokens > 0 and ratio in (0, max_tokens], got "
+                f"{max_tokens} and {ratio}"
+            )
+        self.max_tokens = max_tokens
+        self.ratio = ratio
+        self._tokens = max_tokens
+        self._lock = threading.Lock()  # (a sync client is shared between threads)
+
+    @property
+    def tokens(self) -> float:
+        return self._tokens
+
+    def failed(self) -> bool:
+        """Count a failed attempt; whether a retry is still allowed."""
+        with self._lock:
+            self._tokens = max(self._tokens - 1, 0.0)
+            return self._tokens > self.max_tokens / 2
+
+    def answered(self) -> None:
+        """Count a request the server answered."""
+        with self._lock:
+            self._tokens = min(self._tokens + self.ratio, self.max_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +95,18 @@ class RetryPolicy:
 class Attempts:
     """The attempts of one request: the deadline that bounds them all, and the retries so far."""
 
-    def __init__(self, request_id: str, policy: RetryPolicy, timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        policy: RetryPolicy,
+        timeout_s: float | None,
+        budget: RetryBudget | None = None,
+    ) -> None:
         self.request_id = request_id
         self.policy = policy
+        self.budget = budget
         self.num_retries = 0
+        self._answered = False
         self._deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
 
     def timeout_s(self) -> float | None:
@@ -86,7 +130,32 @@ class Attempts:
             num_messages=num_messages,
             remaining_s=remaining_s,
         )
+        retryable = error.code() in RETRYABLE_CODES  # type: ignore[attr-defined]
+        if retryable and self.budget is not None and not self.budget.failed():
+            backoff_s = None  # the client's retries are spent: the fleet is in trouble
+        if backoff_s is not None:
+            backoff_s = max(backoff_s, _retry_after_s(error))
+            if remaining_s is not None and backoff_s >= remaining_s:
+                backoff_s = None
         if backoff_s is None:
             raise error_from_rpc(error, self.request_id) from error
         self.num_retries += 1
         return backoff_s
+
+    def answered(self) -> None:
+        """The server answered (a first message came): the retry budget earns its share."""
+        if not self._answered and self.budget is not None:
+            self._answered = True
+            self.budget.answered()
+
+
+def _retry_after_s(error: grpc.RpcError) -> float:
+    """The wait an overloaded server asked for (0 if none)."""
+    trailing = getattr(error, "trailing_metadata", None)
+    for key, value in (trailing() if trailing else None) or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(float(value) / 1000, 0.0)
+            except ValueError:
+                return 0.0
+    return 0.0

@@ -12,7 +12,7 @@ import grpc
 from kvswitch.client.channel import TlsOption, call_metadata, channel_credentials, check_timeout_s
 from kvswitch.client.request import GenerateOptions, GenerateParams
 from kvswitch.client.result import Chunk, GenerateResult, ResultBuilder
-from kvswitch.client.retry import Attempts, RetryPolicy
+from kvswitch.client.retry import Attempts, RetryBudget, RetryPolicy
 from kvswitch.v1 import router_pb2, router_pb2_grpc
 
 
@@ -39,6 +39,7 @@ class Client:
         self._metadata = call_metadata(token)
         self._timeout_s = check_timeout_s(timeout_s)
         self._retry = RetryPolicy(max_retries=max_retries, initial_backoff_s=initial_backoff_s)
+        self.retry_budget = RetryBudget()  # shared by all its requests
         credentials = channel_credentials(tls)
         self._channel = (
             grpc.insecure_channel(target)
@@ -73,7 +74,7 @@ class Client:
         before anything is sent (``ValueError``)."""
         request = GenerateParams.from_options(prompt, options).to_request()
         timeout_s = check_timeout_s(timeout_s) or self._timeout_s
-        attempts = Attempts(request.request_id, self._retry, timeout_s)
+        attempts = Attempts(request.request_id, self._retry, timeout_s, self.retry_budget)
         return Stream(self._stub, request, self._metadata, attempts)
 
     def close(self) -> None:
@@ -155,6 +156,7 @@ class Stream:
                 self._call = None
                 self._result = self._builder.finish()
                 return None
+            self._attempts.answered()
             chunk = self._builder.add(response)
             if chunk is not None:
                 return chunk

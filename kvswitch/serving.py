@@ -13,6 +13,10 @@ from typing import Any
 # launched it reads the address from that line.
 READY_MARK = "listening on "
 
+# Trailing metadata of a RESOURCE_EXHAUSTED from an overloaded router or worker: the least a
+# caller should wait before trying it again, in milliseconds.
+RETRY_AFTER_KEY = "retry-after-ms"
+
 
 # Between kvswitch processes (router to worker, worker to worker): a ping every second when
 # the connection is quiet, and any ping (those, or the ones gRPC sends on its own while data

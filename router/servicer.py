@@ -36,6 +36,7 @@ from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.policy import Decision
 from kvswitch.router.router import NoTokenizerError, NoWorkerError, Route, RoutePlan, Router
 from kvswitch.router.workers import InFlight, WorkerHandle
+from kvswitch.serving import RETRY_AFTER_KEY
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ _RECHECK_S = 0.25
 # Longer text prompts are tokenized on a thread, shorter ones on the loop (cheaper than the hop).
 _INLINE_TOKENIZE_CHARS = 1024
 _ANSWER_MARGIN_S = 0.1  # a waiting request gives up this long before its deadline
+_CLIENT_RETRY_AFTER_MS = 100  # asked of a client at its limit of open streams
 # A request whose worker's engine raised (INTERNAL) is retried elsewhere once: if it breaks a
 # second engine too, the request itself is the likely cause, and it would break every worker.
 MAX_ENGINE_FAILURES = 2
@@ -78,6 +80,15 @@ class _WorkerFailed(Exception):
         self.engine_failed = engine_failed
 
 
+class _WorkerBusy(Exception):
+    """A worker is at its queue limit (RESOURCE_EXHAUSTED): another may take the request."""
+
+    def __init__(self, handle: WorkerHandle, retry_after_ms: int) -> None:
+        super().__init__(f"worker {handle.worker_id} is at its queue limit")
+        self.handle = handle
+        self.retry_after_ms = retry_after_ms
+
+
 class _Refused(Exception):
     """The worker judged the request itself (bad input, deadline passed): tell the client."""
 
@@ -98,6 +109,7 @@ _FINISH_REASON_BY_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "abort",
     **{code: "rejected" for code in _CLIENT_ERRORS},
     grpc.StatusCode.ABORTED: "error",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected",
 }
 
 
@@ -186,6 +198,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}", self._metrics)
         client = client_of(context.peer())
         if not self._client_streams.open(client):
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(_CLIENT_RETRY_AFTER_MS)),))
             await _abort(
                 context,
                 outcome,
@@ -268,6 +281,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         progress = _Progress(outcome)
         sent = progress.sent  # output tokens already relayed to the client
         failed: set[str] = set()
+        busy: set[str] = set()  # workers at their queue limit: not tried again for this request
+        retry_after_ms = 0  # the longest wait those asked for
         num_engine_failures = 0
         # Disaggregated: the worker that prefilled the prompt (and holds its blocks), its final.
         prefilled: tuple[WorkerHandle, worker_pb2.WorkerGenerateFinal] | None = None
@@ -288,7 +303,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     resumed,  # noqa: B023 (awaited within this iteration)
                     policy=request.routing.policy,
                     weights=dict(request.routing.weights),
-                    exclude=failed,
+                    exclude=failed | busy,
                     # NOTE: only a prompt not prefilled yet is: a resumed stream goes to one worker.
                     disagg=self._disagg if not sent else None,
                 )
@@ -296,12 +311,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             try:
                 # NOTE: only the first choice waits: a failover has the others to go to now.
                 route = await self._when_a_worker_serves(
-                    choose, wait_until_s if not failed else 0.0
+                    choose, wait_until_s if not (failed or busy) else 0.0
                 )
             except ValueError as e:  # the request's routing overrides
                 field = "routing.weights" if request.routing.weights else "routing.policy"
                 await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}")
             except NoWorkerError as e:
+                if busy:
+                    await self._overloaded(context, outcome, busy, retry_after_ms)
                 await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
             self._metrics.index_lookup(self._router.last_lookup_s)
             decision, handle = route.decision, route.handle
@@ -385,6 +402,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return
             except _Refused as e:
                 await _abort(context, outcome, e.code, e.details)
+            except _WorkerBusy as e:
+                busy.add(e.handle.worker_id)
+                retry_after_ms = max(retry_after_ms, e.retry_after_ms)
+                logger.debug("%s; trying another", e, **log)
             except _WorkerFailed as e:
                 failed.add(e.handle.worker_id)
                 self._directory.mark_down(e.handle)
@@ -412,6 +433,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     f"resuming after {len(sent)} tokens" if sent else "retrying",
                     **log,
                 )
+
+    async def _overloaded(
+        self,
+        context: grpc.aio.ServicerContext,
+        outcome: _Outcome,
+        busy: set[str],
+        retry_after_ms: int,
+    ) -> None:
+        """End the request with RESOURCE_EXHAUSTED: every worker that could take it is full."""
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_ms)),))
+        await _abort(
+            context,
+            outcome,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"every worker that could take the request is at its queue limit "
+            f"({', '.join(sorted(busy))}); retry in {retry_after_ms} ms",
+        )
 
     async def _prefill(
         self,
@@ -521,6 +559,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             code = e.code()
             if code in _CLIENT_ERRORS:
                 raise _Refused(code, e.details() or code.name) from None
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _WorkerBusy(handle, _retry_after_ms(e)) from None
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise _Refused(code, "the request's deadline passed") from None
             raise _WorkerFailed(
@@ -546,6 +586,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             token_ids = await asyncio.to_thread(self._router.tokenize, request.text)
         check_prompt_length(len(token_ids), kind, self._limits)
         return token_ids
+
+
+def _retry_after_ms(error: grpc.aio.AioRpcError) -> int:
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY and value.isdigit():
+            return int(value)
+    return 0
 
 
 async def _cancel_when(event: asyncio.Event, call: grpc.aio.Call) -> None:

@@ -279,6 +279,11 @@ class EngineClient:
         self._on_death.append(callback)
 
     @property
+    def num_requests(self) -> int:
+        """Requests submitted and not finished: running in the core or waiting there."""
+        return len(self._streams)
+
+    @property
     def pid(self) -> int | None:
         """The engine core's process id; None when it runs on a thread."""
         return getattr(self._core, "pid", None)

@@ -31,6 +31,7 @@ from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.security import FleetSecurity
 from kvswitch.serving import (
     KEEPALIVE_SERVER_OPTIONS,
+    RETRY_AFTER_KEY,
     announce_ready,
     host_port,
     run_event_loop,
@@ -74,6 +75,9 @@ __all__ = [
 
 SERVICE_NAME = "kvswitch.v1.Worker"  # its health-check name
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this
+# A worker at its queue limit asks callers to wait this long before trying it again (trailing
+# metadata of its RESOURCE_EXHAUSTED).
+RETRY_AFTER_MS = 100
 # 64K hashes of 16 bytes make a 1 MiB message, well under gRPC's default 4 MiB limit.
 MAX_HASHES_PER_CHUNK = 65536
 
@@ -102,6 +106,9 @@ class WorkerConfig:
     kv_cache_shm: bool = False  # CPU: the KV cache in shared memory, for same-host peers to copy
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Requests that may wait for a place in the batch; past them, Generate answers
+    # RESOURCE_EXHAUSTED (the router tries another worker) instead of queueing without bound.
+    max_waiting_requests: int = 256
     cpu_threads: int = 0  # CPU: torch's threads for a step; 0 = one per core
     check_integrity: bool = False  # check the KV cache's invariants whenever the engine is idle
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
@@ -136,6 +143,8 @@ class WorkerConfig:
             )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         # The engine's own configs check the rest, with their messages.
@@ -219,7 +228,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics: WorkerMetrics,
         max_hashes_per_chunk: int = 4096,
         transfers: BlockTransfers | None = None,
+        max_requests: int = 0,
     ) -> None:
+        self._max_requests = max_requests  # running and waiting; 0 = no limit
         self._engine = engine
         self._transfers = transfers if transfers is not None else BlockTransfers(engine)
         self._worker_id = worker_id
@@ -236,6 +247,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log_extra = {"request_id": request_id}
         num_transferred_blocks = 0
         block_hashes = None  # hashed here only for a pull; else the engine client hashes
+        if self._max_requests and self._engine.num_requests >= self._max_requests:
+            self._metrics.requests.finished("rejected")
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request {request_id}: this worker runs and queues {self._engine.num_requests} "
+                f"requests, its most; retry in {RETRY_AFTER_MS} ms or elsewhere",
+            )
         try:
             prompt_token_ids = prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling)
@@ -612,6 +631,7 @@ async def _serve_engine(
         metrics=metrics,
         max_hashes_per_chunk=config.max_hashes_per_chunk,
         transfers=transfers,
+        max_requests=config.max_num_seqs + config.max_waiting_requests,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -181,6 +181,9 @@ WORKER_HELP = {
     "--kv-cache-bytes), where workers on the same host copy blocks straight out of it, the "
     "fastest way blocks move between two workers (docs/DISAGGREGATION.md)",
     "max_num_seqs": "most requests computed together in one step",
+    "max_waiting_requests": "requests that may wait for a place in the batch (beyond "
+    "--max-num-seqs); past them the worker answers RESOURCE_EXHAUSTED and the router tries "
+    "another worker",
     "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
     "prefilled in chunks",
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "

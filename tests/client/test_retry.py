@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from kvswitch.client.errors import KvswitchError, KvswitchTimeoutError
-from kvswitch.client.retry import Attempts, RetryPolicy
+from kvswitch.client.retry import Attempts, RetryBudget, RetryPolicy
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -94,3 +94,53 @@ def test_a_deadline_error_from_the_server_is_a_timeout_error() -> None:
 def test_bad_policies_are_value_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         RetryPolicy(**kwargs)
+
+
+class PushbackError(FakeRpcError):
+    def __init__(self, retry_after_ms: str) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        self._retry_after_ms = retry_after_ms
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("retry-after-ms", self._retry_after_ms),)
+
+
+def test_the_retry_budget_stops_retries_once_half_is_spent_and_refills_with_answers() -> None:
+    budget = RetryBudget(max_tokens=10, ratio=0.5)
+    policy = RetryPolicy(max_retries=3, initial_backoff_s=0.0, max_backoff_s=0.0)
+    error = FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+    num_retried = 0
+    for n in range(10):
+        attempts = Attempts(f"r{n}", policy, None, budget)
+        try:
+            attempts.backoff_s(error, num_messages=0)
+            num_retried += 1
+        except KvswitchError:
+            pass
+    # Tokens 10 -> 9 ... 6 allow a retry; at 5 (half) they stop, and every later failure too.
+    assert num_retried == 4 and budget.tokens == 0
+    for n in range(14):  # 14 answered requests: 7 tokens; a failure leaves 6, past half
+        Attempts(f"ok{n}", policy, None, budget).answered()
+    assert Attempts("again", policy, None, budget).backoff_s(error, num_messages=0) == 0.0
+    assert budget.tokens == 6.0
+    # One answer per request, however many messages it streams.
+    attempts = Attempts("stream", policy, None, budget)
+    attempts.answered()
+    attempts.answered()
+    assert budget.tokens == 6.5
+
+
+def test_a_retry_waits_at_least_what_the_server_asked() -> None:
+    policy = RetryPolicy(max_retries=1, initial_backoff_s=0.0, max_backoff_s=0.0)
+    assert Attempts("r", policy, None).backoff_s(PushbackError("250"), num_messages=0) == 0.25
+    assert Attempts("r", policy, None).backoff_s(PushbackError("soon"), num_messages=0) == 0.0
+    # A wait past the deadline is no retry.
+    with pytest.raises(KvswitchError):
+        Attempts("r", policy, 0.1).backoff_s(PushbackError("5000"), num_messages=0)
+
+
+def test_a_retry_budget_needs_sane_figures() -> None:
+    with pytest.raises(ValueError, match="retry budget"):
+        RetryBudget(max_tokens=0)
+    with pytest.raises(ValueError, match="retry budget"):
+        RetryBudget(ratio=0)
