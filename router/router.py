@@ -42,6 +42,10 @@ class NoWorkerError(Exception):
     """No live worker can take the request (none registered, or every one failed)."""
 
 
+class FleetFullError(Exception):
+    """Every worker that could take the request refused one lately at its queue limit."""
+
+
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     """A request as the router routes it."""
@@ -172,6 +176,13 @@ class Router:
                 f"no live worker serves {plan.namespace!r}"
                 + (f" apart from {', '.join(sorted(exclude))}, which failed" if exclude else "")
             )
+        # NOTE: refused here, without a call: a full fleet answers at once, and an overloaded
+        # router spends nothing on requests it cannot place.
+        handles = {worker_id: h for worker_id, h in handles.items() if not h.full}
+        if not handles:
+            raise FleetFullError(
+                f"every worker that serves {plan.namespace!r} is at its queue limit"
+            )
         started_s = time.perf_counter()
         try:
             index_matches = await self.index.match(plan.namespace, plan.block_hashes)
@@ -180,6 +191,12 @@ class Router:
             self._lookup_warning.warning("the index cannot answer (%s); routing on load alone", e)
             index_matches = {}
         self.last_lookup_s = time.perf_counter() - started_s
+        # NOTE: workers may have left while the lookup ran (a Redis that came back empty lists
+        # none until they register again), and a gone worker's channel is closed: a call on it
+        # would raise, not fail over.
+        handles = {worker_id: h for worker_id, h in handles.items() if not h.removed}
+        if not handles:
+            raise NoWorkerError(f"the workers serving {plan.namespace!r} left the index")
         matches = self.pending.match(plan.block_hashes, index_matches)
         request = RouteRequest(
             len(plan.token_ids),

@@ -34,7 +34,14 @@ from kvswitch.router.limits import (
 )
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.policy import Decision
-from kvswitch.router.router import NoTokenizerError, NoWorkerError, Route, RoutePlan, Router
+from kvswitch.router.router import (
+    FleetFullError,
+    NoTokenizerError,
+    NoWorkerError,
+    Route,
+    RoutePlan,
+    Router,
+)
 from kvswitch.router.workers import InFlight, WorkerHandle
 from kvswitch.serving import RETRY_AFTER_KEY
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -51,6 +58,7 @@ _RECHECK_S = 0.25
 _INLINE_TOKENIZE_CHARS = 1024
 _ANSWER_MARGIN_S = 0.1  # a waiting request gives up this long before its deadline
 _CLIENT_RETRY_AFTER_MS = 100  # asked of a client at its limit of open streams
+_FLEET_FULL_RETRY_AFTER_MS = 100  # asked while every worker refused lately (until a load poll)
 # A request whose worker's engine raised (INTERNAL) is retried elsewhere once: if it breaks a
 # second engine too, the request itself is the likely cause, and it would break every worker.
 MAX_ENGINE_FAILURES = 2
@@ -316,9 +324,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except ValueError as e:  # the request's routing overrides
                 field = "routing.weights" if request.routing.weights else "routing.policy"
                 await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}")
+            except FleetFullError as e:
+                await self._overloaded(context, outcome, str(e), _FLEET_FULL_RETRY_AFTER_MS)
             except NoWorkerError as e:
                 if busy:
-                    await self._overloaded(context, outcome, busy, retry_after_ms)
+                    why = f"every worker that could take the request ({', '.join(sorted(busy))}) "
+                    await self._overloaded(
+                        context, outcome, why + "is at its queue limit", retry_after_ms
+                    )
                 await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
             self._metrics.index_lookup(self._router.last_lookup_s)
             decision, handle = route.decision, route.handle
@@ -403,6 +416,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except _Refused as e:
                 await _abort(context, outcome, e.code, e.details)
             except _WorkerBusy as e:
+                e.handle.full = True
                 busy.add(e.handle.worker_id)
                 retry_after_ms = max(retry_after_ms, e.retry_after_ms)
                 logger.debug("%s; trying another", e, **log)
@@ -438,7 +452,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self,
         context: grpc.aio.ServicerContext,
         outcome: _Outcome,
-        busy: set[str],
+        why: str,
         retry_after_ms: int,
     ) -> None:
         """End the request with RESOURCE_EXHAUSTED: every worker that could take it is full."""
@@ -447,8 +461,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             context,
             outcome,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"every worker that could take the request is at its queue limit "
-            f"({', '.join(sorted(busy))}); retry in {retry_after_ms} ms",
+            f"{why}; retry in {retry_after_ms} ms",
         )
 
     async def _prefill(

@@ -57,6 +57,9 @@ class WorkerHandle:
     num_output_tokens: int = 0  # output tokens those may still produce
     down_until_s: float = 0.0
     unreachable: bool = False  # its last load poll failed: left out until one answers
+    # It refused a request at its queue limit: no request goes there until one of its requests
+    # ends or its next load poll.
+    full: bool = False
     # Set when a load poll fails: the streams running there stop waiting for it and fail over.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False  # no longer live; the channel closes when nothing is in flight
@@ -224,6 +227,9 @@ class WorkerDirectory:
         flight.finished = True
         handle = flight.handle
         handle.num_in_flight -= 1
+        # NOTE: a request that ends frees a place there (one the worker refused is marked full
+        # again right after this).
+        handle.full = False
         if handle.removed and handle.num_in_flight == 0:
             self._close_later(handle)
 
@@ -308,6 +314,7 @@ class WorkerDirectory:
             if handle.unreachable:
                 logger.info("worker %s answers its load polls again", handle.worker_id)
             handle.unreachable = False
+            handle.full = False
             if handle.lost.is_set():
                 handle.lost = asyncio.Event()
 

@@ -108,7 +108,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     # Requests that may wait for a place in the batch; past them, Generate answers
     # RESOURCE_EXHAUSTED (the router tries another worker) instead of queueing without bound.
-    max_waiting_requests: int = 256
+    # NOTE: a request admitted behind a full batch waits about max_waiting_requests /
+    # max_num_seqs request times: as many as run, it is at most twice as slow as at capacity.
+    max_waiting_requests: int = 64
     cpu_threads: int = 0  # CPU: torch's threads for a step; 0 = one per core
     check_integrity: bool = False  # check the KV cache's invariants whenever the engine is idle
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size

@@ -359,6 +359,16 @@ PD_HELP = {
     "kv_cache_bytes": "KV cache memory per worker, in bytes",
     "seed": "random seed of the prompts and arrivals",
 }
+OVERLOAD_HELP = {
+    "num_workers": "CPU workers in the fleet",
+    "max_num_seqs": "requests each worker runs at once",
+    "max_waiting_requests": "requests each worker queues beyond those; past them it refuses",
+    "prompt_tokens": "random prompt length of every request, in tokens",
+    "output_tokens": "tokens each request generates",
+    "duration_s": "seconds of each phase (capacity, then overload)",
+    "overload": "arrival rate of the overload phase, as a multiple of the measured capacity",
+    "seed": "random seed of the prompts and arrivals",
+}
 SIM_HELP = {
     "trace": "JSON-lines trace to replay (Mooncake format: timestamp ms, input_length, "
     "output_length, hash_ids)",
@@ -798,6 +808,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
     from kvswitch.benchmarks import index as index_bench
     from kvswitch.benchmarks import kernels as kernel_bench
     from kvswitch.benchmarks import lookup as lookup_bench
+    from kvswitch.benchmarks import overload as overload_bench
     from kvswitch.benchmarks import pd as pd_bench
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import router as router_bench
@@ -901,6 +912,14 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             PD_HELP,
             "disaggregated prefill against one-worker serving: decode ITL and TTFT while long "
             "prompts arrive",
+        ),
+        (
+            "overload",
+            overload_bench.run,
+            overload_bench.OverloadBenchConfig,
+            OVERLOAD_HELP,
+            "a fleet at ten times its capacity: what it refuses, how fast, and the latency of "
+            "what it admits",
         ),
         (
             "routing",
