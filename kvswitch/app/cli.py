@@ -445,8 +445,9 @@ GENERATE_HELP = {
     "seed": "sampling seed; -1 = none",
     "policy": "routing policy for this request; empty = the router's default",
     "cache_salt": "isolates prefix-cache reuse (e.g. per tenant); empty = none",
-    "token": "bearer token, if the router requires one",
+    "token": "bearer token, if the router requires one; or set KVSWITCH_TOKEN",
     "timeout_s": "deadline in seconds; 0 = none",
+    "tls_ca": "a router that listens with TLS: PEM CA bundle that verifies it",
 }
 
 
@@ -702,7 +703,11 @@ def _add_exit_status_command(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(sub, config_cls, helps)
-    sub.set_defaults(func=lambda args: _exit_with(module.run(config_from_args(config_cls, args))))
+    sub.set_defaults(
+        func=lambda args: _exit_with(
+            module.run(config_from_args(config_cls, _tokens_from_env(args)))
+        )
+    )
 
 
 def _add_generate(commands: argparse._SubParsersAction, name: str, summary: str) -> None:

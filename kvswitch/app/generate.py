@@ -25,6 +25,7 @@ class GenerateConfig:
     cache_salt: str = ""
     token: str = ""
     timeout_s: float = 0.0  # 0 = no deadline
+    tls_ca: str = ""  # a router that listens with TLS: the CA bundle that verifies it
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -34,7 +35,12 @@ class GenerateConfig:
 
 
 def run(config: GenerateConfig) -> int:
-    with Client(config.target, token=config.token or None, timeout_s=config.timeout_s or None) as c:
+    with Client(
+        config.target,
+        token=config.token or None,
+        tls=config.tls_ca or None,
+        timeout_s=config.timeout_s or None,
+    ) as c:
         try:
             stream = c.stream(
                 config.prompt,

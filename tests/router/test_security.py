@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvswitch.app import health
+from kvswitch.app import generate, health
 from kvswitch.cache_index.audit import audit
 from kvswitch.cache_index.grpc_index import GrpcIndex
 from kvswitch.cache_index.index import WorkerInfo
@@ -172,3 +172,11 @@ def test_half_a_tls_setup_is_refused() -> None:
         FleetSecurity(tls_client_auth=True)
     with pytest.raises(ValueError, match="no such file"):
         FleetSecurity(tls_cert="/nonexistent.crt", tls_key="/nonexistent.key")
+
+
+def test_kvswitch_generate_speaks_tls(cluster: BackgroundCluster, ca: TestCA) -> None:
+    config = generate.GenerateConfig(
+        target=cluster.address, prompt="Hi", max_tokens=2, token=CLIENT_TOKEN, tls_ca=ca.cert
+    )
+    # It presents no certificate: served over TLS, refused where the router asks for one.
+    assert generate.run(config) == (1 if cluster.mutual else 0)  # type: ignore[attr-defined]
