@@ -40,6 +40,7 @@ COMMANDS = [
     ["bench", "admission"],
     ["bench", "transfer"],
     ["bench", "pd"],
+    ["bench", "overload"],
     ["bench", "routing"],
     ["index"],
     ["index", "stats"],
