@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index import grpc_index
-from kvswitch.cache_index.connect import connect_index, redacted
+from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index, redacted
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX
 from kvswitch.guard import ServerGuard
@@ -53,6 +53,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = a free port chosen by the OS
     index: str = "memory://"  # memory:// = embedded, served to workers on this port
+    index_prefix: str = DEFAULT_PREFIX  # a Redis index's keys start with it (fleets share a Redis)
     model: str = ""  # checkpoint directory whose tokenizer to use; empty = the built-in model's
     namespace: str = ""  # the model to route for; empty = the one the live workers serve
     policy: str = "cost"
@@ -231,7 +232,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         ) from e
     address = host_port(config.host, port)
     try:
-        index = await connect_index(config.index)
+        index = await connect_index(config.index, prefix=config.index_prefix)
     except (ValueError, OSError) as e:
         raise RouterStartError(str(e)) from e
 

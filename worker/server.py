@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index
 from kvswitch.cache_index.hashing import tokens_from_bytes
 from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.guard import ServerGuard
@@ -115,6 +115,7 @@ class WorkerConfig:
     check_integrity: bool = False  # check the KV cache's invariants whenever the engine is idle
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
     index: str = ""  # block-hash index URL to publish cache events to; empty = none
+    index_prefix: str = DEFAULT_PREFIX  # a Redis index's keys start with it (fleets share a Redis)
     # What the router sends here: whole requests ("both"), prompts to prefill for a decode
     # worker ("prefill"), or requests whose prompt another worker prefilled ("decode").
     role: str = "both"
@@ -643,7 +644,9 @@ async def _serve_engine(
     await server.start()
     if config.index:
         try:
-            index = await connect_index(config.index, security=config.security())
+            index = await connect_index(
+                config.index, prefix=config.index_prefix, security=config.security()
+            )
         except (ValueError, OSError) as e:
             if metrics_server is not None:
                 metrics_server.stop()

@@ -199,6 +199,8 @@ WORKER_HELP = {
     "index": "block-hash index to publish this worker's cache to: grpc://ROUTER_HOST:PORT (a "
     "router's embedded index), redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT; "
     "empty = publish nothing",
+    "index_prefix": "a Redis index: the prefix of every key it writes; fleets with different "
+    "prefixes share one Redis without seeing each other (docs/SECURITY.md)",
     "role": "what the router sends here: both = whole requests; prefill = prompts to compute "
     "for a decode worker, which takes their KV blocks from here; decode = requests whose prompt "
     "a prefill worker computed, or short prompts it prefills itself (docs/DISAGGREGATION.md)",
@@ -235,6 +237,8 @@ ROUTER_HELP = {
     "port": "TCP port to listen on; 0 picks a free one (the address is printed at start)",
     "index": "block-hash index: memory:// (embedded, served to workers on this port), "
     "redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT",
+    "index_prefix": "a Redis index: the prefix of every key it writes; fleets with different "
+    "prefixes share one Redis without seeing each other (docs/SECURITY.md)",
     "model": "checkpoint directory whose tokenizer turns text prompts into tokens; empty = the "
     "built-in model's byte tokenizer",
     "namespace": "the model to route for, as the workers name it; empty = the one every live "

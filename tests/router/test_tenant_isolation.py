@@ -12,16 +12,24 @@ exactly 64 cached tokens and a miss exactly 0.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.client import Client, GenerateResult
 from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.request import SamplingParams
-from tests.router.harness import BLOCK_BYTES, BLOCK_SIZE, BackgroundCluster
+from tests.router.harness import (
+    BLOCK_BYTES,
+    BLOCK_SIZE,
+    ROUTER_CONFIG,
+    WORKER_CONFIG,
+    BackgroundCluster,
+)
 
 NUM_FULL_BLOCKS = 4
 NUM_PROMPT_TOKENS = NUM_FULL_BLOCKS * BLOCK_SIZE + 5
@@ -208,3 +216,30 @@ def test_salts_hold_disjoint_blocks_in_the_pool_and_one_salt_shares(engine: LLME
     while engine.has_unfinished():
         engine.step()
     engine.kv_cache.check_integrity()
+
+
+def test_two_fleets_share_a_redis_apart_under_their_key_prefixes() -> None:
+    """Each fleet's router sees only its own workers and its own cached blocks."""
+    prompt = [256] + [70 + i % 20 for i in range(68)]
+    with LocalRedis() as redis_server:
+        fleets = []
+        try:
+            for prefix in ("fleet-a", "fleet-b"):
+                router = dataclasses.replace(
+                    ROUTER_CONFIG, index=redis_server.url, index_prefix=prefix
+                )
+                worker = dataclasses.replace(WORKER_CONFIG, index_prefix=prefix)
+                fleets.append(BackgroundCluster(0, router, worker))
+                fleets[-1].add_worker(f"{prefix}-w0")
+            for fleet, prefix in zip(fleets, ("fleet-a", "fleet-b"), strict=True):
+                directory = fleet.router.router.directory
+                assert [h.worker_id for h in directory.handles()] == [f"{prefix}-w0"]
+            with Client(fleets[0].address) as client:
+                client.generate(prompt_token_ids=prompt, max_tokens=1)
+            with Client(fleets[1].address) as client:
+                # The same prompt on the other fleet: nothing of fleet A's cache is seen there.
+                result = client.generate(prompt_token_ids=prompt, max_tokens=1)
+            assert result.stats.num_cached_tokens == 0 and result.route.num_matched_blocks == 0
+        finally:
+            for fleet in fleets:
+                fleet.close()
