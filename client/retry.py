@@ -17,11 +17,12 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOUR
 
 
 class RetryBudget:
-    """Retries as a share of the requests that get through, shared by every request of a
-    client (gRPC's retry throttling, gRFC A6): a failed attempt spends a token, a request the
-    server answers earns ``ratio`` of one, and retries stop while half the ``max_tokens`` or
-    fewer are left. A client facing an overloaded fleet then sends about ``1 + ratio`` attempts
-    per request, not ``1 + max_retries``: its retries do not turn overload into a storm."""
+    """Retries of overloaded requests (RESOURCE_EXHAUSTED) as a share of the requests that get
+    through, shared by every request of a client (gRPC's retry throttling, gRFC A6): such a
+    failure spends a token, a request the server answers earns ``ratio`` of one, and those
+    retries stop while half the ``max_tokens`` or fewer are left. A client facing an
+    overloaded fleet then sends about ``1 + ratio`` attempts per request, not
+    ``1 + max_retries``: its retries do not turn overload into a storm."""
 
     def __init__(self, max_tokens: float = 10.0, ratio: float = 0.1) -> None:
         if not (max_tokens > 0 and 0 < ratio <= max_tokens):
@@ -130,9 +131,11 @@ class Attempts:
             num_messages=num_messages,
             remaining_s=remaining_s,
         )
-        retryable = error.code() in RETRYABLE_CODES  # type: ignore[attr-defined]
-        if retryable and self.budget is not None and not self.budget.failed():
-            backoff_s = None  # the client's retries are spent: the fleet is in trouble
+        # NOTE: only overload spends the budget. An unreachable router (restarting, say) costs
+        # nothing to ask again, and is retried up to max_retries with backoff.
+        overloaded = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        if overloaded and self.budget is not None and not self.budget.failed():
+            backoff_s = None  # the client's retries are spent: the fleet is overloaded
         if backoff_s is not None:
             backoff_s = max(backoff_s, _retry_after_s(error))
             if remaining_s is not None and backoff_s >= remaining_s:

@@ -127,9 +127,14 @@ class LocalCluster:
         self.workers: list[Child] = []
         self.extra_routers: list[Child] = []
         self.index_url = ""
+        self._router_index = ""  # what the router reads: the index URL, or memory://
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._restarting: set[str] = set()  # workers started again, not yet listening
+        # Held while the router or the local redis-server is being restarted on purpose, so that
+        # the supervisor does not take that death for a crash.
+        self._router_lock = threading.Lock()
+        self._redis_lock = threading.Lock()
         self.router_died = threading.Event()
 
     @property
@@ -157,14 +162,14 @@ class LocalCluster:
     def start(self) -> None:
         """Start every process and return once the router routes to every worker."""
         config = self.config
-        router_index = "memory://"
+        self._router_index = "memory://"
         if config.redis == "local":
             self._redis = LocalRedis()
             self._redis.start()
-            router_index = self.index_url = self._redis.url
+            self._router_index = self.index_url = self._redis.url
         elif config.redis:
-            router_index = self.index_url = config.redis
-        self.router = self._child("router", [*_KVSWITCH, *self._router_args(router_index)])
+            self._router_index = self.index_url = config.redis
+        self.router = self._child("router", [*_KVSWITCH, *self._router_args(self._router_index)])
         self.router.launch()
         self._wait_ready(self.router)
         if not self.index_url:
@@ -195,6 +200,41 @@ class LocalCluster:
         router.launch()
         self.extra_routers.append(router)
         return self._wait_ready(router)
+
+    def restart_router(self, *, kill: bool = False) -> str:
+        """Stop the router and start it again on the same port; returns once it serves (its
+        workers may not have joined it yet: ``wait_for_registration``). SIGTERM lets it finish
+        its requests within ``grace_s``; ``kill`` is SIGKILL, which breaks them. An embedded
+        index comes back empty, and the workers register with it again."""
+        assert self.router is not None, "start the cluster first"
+        port = int(self.router.address.rsplit(":", 1)[1])
+        with self._router_lock:
+            if kill:
+                self.router.kill()
+            else:
+                self.router.terminate()
+                self.router.wait(self.config.grace_s + 10.0)
+            # NOTE: the same port: clients, and workers publishing to an embedded index, keep
+            # their address for it.
+            self.router.argv = [*_KVSWITCH, *self._router_args(self._router_index, port=port)]
+            self.router.num_restarts += 1
+            self.router.launch()
+        return self._wait_ready(self.router)
+
+    @contextlib.contextmanager
+    def redis_outage(self) -> Iterator[None]:
+        """The cluster's own redis-server (``--redis local``) killed for as long as the block
+        runs, then started again, empty, on the same port: an outage of a chosen length, where
+        the supervisor alone would restart it at once."""
+        if self._redis is None:
+            raise ClusterError("the cluster runs no redis-server of its own (--redis local)")
+        with self._redis_lock:
+            self._redis.stop()
+        try:
+            yield
+        finally:
+            with self._redis_lock:
+                self._redis.restart()
 
     def wait(self) -> None:
         """Block until the router dies (supervised clusters only)."""
@@ -263,16 +303,19 @@ class LocalCluster:
     def supervise_once(self) -> bool:
         """Restart what died; True when the router died, which ends the cluster."""
         assert self.router is not None
-        if self.router.returncode is not None:
-            self._say(f"the router exited with code {self.router.returncode}; stopping")
+        with self._router_lock:
+            returncode = self.router.returncode
+        if returncode is not None:
+            self._say(f"the router exited with code {returncode}; stopping")
             self.router_died.set()
             return True
-        if self._redis is not None and self._redis.exited:
-            self._say("redis-server exited; starting a new one on the same port")
-            try:
-                self._redis.restart()
-            except RuntimeError as e:
-                self._say(f"redis-server did not restart ({e}); trying again")
+        with self._redis_lock:
+            if self._redis is not None and self._redis.exited:
+                self._say("redis-server exited; starting a new one on the same port")
+                try:
+                    self._redis.restart()
+                except RuntimeError as e:
+                    self._say(f"redis-server did not restart ({e}); trying again")
         now = time.monotonic()
         for worker in self.workers:
             self._supervise_worker(worker, now)

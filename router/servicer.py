@@ -552,7 +552,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """The worker's responses. Its own failures raise ``_WorkerFailed`` (try another worker),
         its verdicts on the request ``_Refused`` (tell the client); the call is cancelled with
         us."""
-        call = handle.stub.Generate(worker_request, timeout=context.time_remaining())
+        try:
+            call = handle.stub.Generate(worker_request, timeout=context.time_remaining())
+        except grpc.aio.UsageError:  # its channel closed: it left after it was chosen
+            raise _WorkerFailed(handle, "it left the fleet") from None
         # NOTE: a worker cut off without a word (its link down, its process stopped) sends
         # nothing, not even an error: once its load poll fails, its streams stop waiting.
         lost = handle.lost

@@ -297,6 +297,12 @@ class WorkerDirectory:
             handle.load = await handle.stub.GetLoad(
                 worker_pb2.GetLoadRequest(), timeout=self.config.rpc_timeout_s
             )
+        except asyncio.CancelledError:
+            if handle.removed and not _being_cancelled():
+                # NOTE: the worker left and its channel was closed under the call (closing a
+                # channel cancels its calls). Only the directory's own stop may end the loop.
+                return
+            raise
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad from %s failed: %s", handle.worker_id, e.code().name)
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -323,8 +329,21 @@ class WorkerDirectory:
             await asyncio.sleep(interval_s)
             try:
                 await fn()
+            except asyncio.CancelledError:
+                if _being_cancelled():
+                    raise
+                # NOTE: a call cancelled from under the round (its channel closed) must not end
+                # the loop either.
+                self.num_loop_errors += 1
+                logger.error("%s was cancelled; trying again in %g s", fn.__name__, interval_s)
             except Exception:
                 # NOTE: a bug in one round must not end the loop: the router would go on routing
                 # on a frozen view of its workers without a word.
                 self.num_loop_errors += 1
                 logger.exception("%s failed; trying again in %g s", fn.__name__, interval_s)
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (not a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -55,7 +55,10 @@ class Backoff:
     """Exponential backoff with jitter between reconnection attempts."""
 
     initial_s: float = 0.05
-    max_s: float = 5.0
+    # NOTE: the index is rebuilt at most this long after it comes back; with 5 s, a Redis down
+    # for 10 s was rebuilt up to 5.7 s after (docs/RELIABILITY.md). A try is one connection
+    # attempt, cheap for the server even from many workers.
+    max_s: float = 1.0
     attempt: int = 0
 
     def next_delay_s(self) -> float:

@@ -108,7 +108,7 @@ class PushbackError(FakeRpcError):
 def test_the_retry_budget_stops_retries_once_half_is_spent_and_refills_with_answers() -> None:
     budget = RetryBudget(max_tokens=10, ratio=0.5)
     policy = RetryPolicy(max_retries=3, initial_backoff_s=0.0, max_backoff_s=0.0)
-    error = FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+    error = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED)
     num_retried = 0
     for n in range(10):
         attempts = Attempts(f"r{n}", policy, None, budget)
@@ -127,6 +127,10 @@ def test_the_retry_budget_stops_retries_once_half_is_spent_and_refills_with_answ
     attempts = Attempts("stream", policy, None, budget)
     attempts.answered()
     attempts.answered()
+    assert budget.tokens == 6.5
+    # An unreachable router spends nothing: asking it again costs the fleet nothing.
+    unreachable = FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+    assert Attempts("down", policy, None, budget).backoff_s(unreachable, num_messages=0) == 0.0
     assert budget.tokens == 6.5
 
 

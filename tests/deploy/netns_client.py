@@ -10,6 +10,10 @@ SPEC is a JSON file: ``{"routers": ["HOST:PORT", ...], "requests": [{"prompt": [
 
 ``python tests/deploy/netns_client.py --wait-busy WORKER_ADDRESS`` returns once that worker runs
 a request (its GetLoad says so), or fails after 30 s.
+
+``python tests/deploy/netns_client.py --check-quiet INDEX_URL ID=ADDRESS ...`` writes, as JSON on
+stdout, each quiet worker's leaked KV blocks and whether the index agrees with every worker
+(``kvswitch.loadtest.fleet_checks``).
 """
 
 from __future__ import annotations
@@ -70,8 +74,19 @@ def wait_busy(address: str) -> None:
             time.sleep(0.005)
 
 
+def check_quiet(index_url: str, workers: dict[str, str]) -> None:
+    from kvswitch.loadtest.fleet_checks import leaked_blocks, wait_for_index
+
+    leaks = {worker_id: leaked_blocks(address) for worker_id, address in workers.items()}
+    seconds, check = wait_for_index(index_url, lambda: workers, timeout_s=15)
+    report = {"leaked_blocks": leaks, "index_clean": seconds is not None}
+    print(json.dumps({**report, "index": check.to_json() if check else None}))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--wait-busy":
         wait_busy(sys.argv[2])
+    elif sys.argv[1] == "--check-quiet":
+        check_quiet(sys.argv[2], dict(arg.split("=", 1) for arg in sys.argv[3:]))
     else:
         main(sys.argv[1], sys.argv[2])

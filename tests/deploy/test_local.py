@@ -23,6 +23,8 @@ from kvswitch.app.demo import DemoConfig, document_questions
 from kvswitch.client import Client, GenerateResult
 from kvswitch.deploy.local import ClusterConfig, LocalCluster, running
 from kvswitch.deploy.processes import RestartPolicy
+from kvswitch.loadtest.faults import registered_workers
+from kvswitch.loadtest.fleet_checks import leaked_blocks, wait_for_index
 from kvswitch.tokenizer import ByteTokenizer
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine import EngineConfig, LLMEngine
@@ -174,6 +176,12 @@ def test_a_worker_killed_mid_load_loses_no_request_and_comes_back(victim_part: s
         with ThreadPoolExecutor(len(new_prompts)) as pool:
             fresh = list(pool.map(lambda p: client.generate(p, max_tokens=24), new_prompts))
         client.close()
+        # Quiet now: every worker has all its blocks back, and the index agrees with each.
+        assert {w.name: leaked_blocks(w.address) for w in cluster.workers} == {
+            w.name: 0 for w in cluster.workers
+        }
+        seconds, check = wait_for_index(cluster.index_url, lambda: registered_workers(cluster))
+        assert seconds is not None, check
 
     assert received == expected
     assert [r.token_ids for r in results if r is not None] == expected

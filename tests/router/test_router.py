@@ -131,3 +131,50 @@ def test_a_conversation_stays_with_its_history_while_its_shared_prompt_spreads()
     # Valued like a shared prefix, A's history moves: 64 + 600 against 256.
     picks = asyncio.run(go({"private_weight": 1}))
     assert [worker_id for worker_id, _ in picks] == ["w0", "w0", "w1", "w1"]
+
+
+def test_a_worker_that_leaves_during_the_index_lookup_is_not_chosen() -> None:
+    """A Redis that comes back empty lists no worker until each registers again: the router's
+    refresh drops them all, and closes their channels, while a lookup may be under way."""
+    import asyncio
+    import math
+
+    import pytest
+
+    from kvswitch.cache_index.hashing import BlockHasher
+    from kvswitch.cache_index.index import WorkerInfo
+    from kvswitch.router.router import NoWorkerError, RoutePlan
+    from kvswitch.router.workers import WorkerHandle
+
+    hasher = BlockHasher("m", 16)
+    tokens = list(range(1, 65))
+    plan = RoutePlan(tokens, "m", 16, hasher.hash_blocks(tokens))
+
+    class LeavingDuringLookup(MemoryIndex):
+        def __init__(self, leaving: list[WorkerHandle]) -> None:
+            super().__init__()
+            self.leaving = leaving
+
+        async def match(self, namespace, chain):
+            for handle in self.leaving:
+                handle.removed = True  # as WorkerDirectory.refresh does, then closes its channel
+            return await super().match(namespace, chain)
+
+    async def go(num_leaving: int) -> str:
+        handles = [
+            WorkerHandle(WorkerInfo(f"w{k}", f"x:{k}", "m", 16, num_blocks=1000), None, None)
+            for k in range(2)
+        ]
+        handles[1].num_output_tokens = 1000  # w0 would be chosen: it is idle
+        index = LeavingDuringLookup(handles[:num_leaving])
+        for handle in handles:
+            await index.register(handle.info, ttl_s=math.inf)
+        router = Router(index, _Fleet(index, handles), None)
+        decision, handle = await router.choose(plan)
+        assert handle.worker_id == decision.worker_id
+        return decision.worker_id
+
+    assert asyncio.run(go(0)) == "w0"
+    assert asyncio.run(go(1)) == "w1"
+    with pytest.raises(NoWorkerError, match="left the index"):
+        asyncio.run(go(2))

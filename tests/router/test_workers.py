@@ -142,3 +142,53 @@ def test_a_worker_that_does_not_answer_its_load_poll_is_left_out() -> None:
         await directory.stop()
 
     asyncio.run(main())
+
+
+def test_load_polls_go_on_after_a_worker_leaves_with_a_poll_unanswered() -> None:
+    """A stalled worker's registration lapses while its load poll waits for an answer: the
+    directory drops it and closes its channel, which cancels that poll. The polling loop must
+    go on for the others (it once ended there, and with it every stall's detection)."""
+    import grpc
+
+    from kvswitch.v1 import worker_pb2_grpc
+
+    class Silent(worker_pb2_grpc.WorkerServicer):
+        async def GetLoad(self, request, context):
+            await asyncio.sleep(3600)
+
+    class Answering(worker_pb2_grpc.WorkerServicer):
+        async def GetLoad(self, request, context):
+            return worker_pb2.WorkerLoad(num_free_blocks=7)
+
+    async def serve(servicer: worker_pb2_grpc.WorkerServicer) -> tuple[grpc.aio.Server, str]:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, f"127.0.0.1:{port}"
+
+    async def main() -> None:
+        (silent, silent_address), (answering, answering_address) = [
+            await serve(Silent()),
+            await serve(Answering()),
+        ]
+        index = MemoryIndex()
+        await index.register(WorkerInfo("a", silent_address, "m", 16, num_blocks=64), ttl_s=60)
+        config = DirectoryConfig(refresh_s=0.02, load_poll_s=0.02, rpc_timeout_s=60)
+        directory = WorkerDirectory(index, config)
+        await directory.start()
+        await asyncio.sleep(0.2)  # a poll of a is under way; it is never answered
+        await index.deregister("a")
+        await asyncio.sleep(0.2)  # the directory drops a and closes its channel
+        await index.register(WorkerInfo("b", answering_address, "m", 16, num_blocks=64), 60)
+        deadline_s = asyncio.get_running_loop().time() + 5
+        while not (handles := directory.handles()) or handles[0].load is None:
+            assert asyncio.get_running_loop().time() < deadline_s, "b's load was never polled"
+            await asyncio.sleep(0.02)
+        assert [(h.worker_id, h.load.num_free_blocks) for h in handles] == [("b", 7)]
+        assert directory.num_loop_errors == 0
+        await directory.stop()
+        await silent.stop(0)
+        await answering.stop(0)
+
+    asyncio.run(main())
