@@ -56,6 +56,14 @@ class BackgroundWorker:
     def load(self) -> worker_pb2.WorkerLoad:
         return self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
 
+    def wait_for_free_blocks(self, num_free: int, timeout_s: float = 5.0) -> int:
+        """The free blocks once ``num_free`` are (or when ``timeout_s`` has passed): a load
+        report follows the engine's step that changed it, not the RPC that asked for it."""
+        deadline = time.monotonic() + timeout_s
+        while (free := self.load().num_free_blocks) != num_free and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return free
+
     def wait_until_idle(self, timeout_s: float = 5.0) -> worker_pb2.WorkerLoad:
         deadline = time.monotonic() + timeout_s
         while True:

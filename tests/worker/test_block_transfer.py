@@ -243,7 +243,7 @@ def test_a_mapped_fetch_holds_the_blocks_until_the_asker_releases_them() -> None
         assert chunk.cache_file.startswith(f"{SHM_DIR}/{CACHE_PREFIX}")
         assert (chunk.num_blocks, len(chunk.block_ids), chunk.data) == (18, 18, b"")
         assert chunk.cache_num_blocks == 64 and chunk.lease_id.startswith("fetch-")
-        assert holder.load().num_free_blocks == 64 - 18  # held for the asker to copy
+        assert holder.wait_for_free_blocks(64 - 18) == 64 - 18  # held for the asker to copy
         holder.stub.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(transfer_id=chunk.lease_id))
         assert holder.wait_until_idle().num_free_blocks == 64
     finally:
