@@ -12,8 +12,16 @@ import grpc
 from kvswitch.client.errors import KvswitchTimeoutError, error_from_rpc
 from kvswitch.serving import RETRY_AFTER_KEY
 
-# Transient failures: the router is unreachable, or it (or every worker) is busy for a moment.
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Transient failures: the router is unreachable, or it (or every worker) is busy for a moment,
+# or it cancelled the call as it stopped (a call arriving as a router shuts down gets CANCELLED
+# from its server; one this client cancels itself is never retried: its stream is closed).
+RETRYABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 class RetryBudget:

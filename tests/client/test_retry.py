@@ -148,3 +148,12 @@ def test_a_retry_budget_needs_sane_figures() -> None:
         RetryBudget(max_tokens=0)
     with pytest.raises(ValueError, match="retry budget"):
         RetryBudget(ratio=0)
+
+
+def test_a_call_the_server_cancelled_before_any_message_is_retried() -> None:
+    """A router cancels the calls that reach it as it shuts down: none of them ran."""
+    policy = RetryPolicy(max_retries=1, initial_backoff_s=0.0, max_backoff_s=0.0)
+    cancelled = FakeRpcError(grpc.StatusCode.CANCELLED, "CANCELLED")
+    assert Attempts("r", policy, None).backoff_s(cancelled, num_messages=0) == 0.0
+    with pytest.raises(KvswitchError):  # tokens arrived: a retry would repeat them
+        Attempts("r", policy, None).backoff_s(cancelled, num_messages=2)
