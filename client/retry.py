@@ -10,7 +10,7 @@ import time
 import grpc
 
 from kvswitch.client.errors import KvswitchTimeoutError, error_from_rpc
-from kvswitch.serving import RETRY_AFTER_KEY
+from kvswitch.serving import retry_after_ms
 
 # Transient failures: the router is unreachable, or it (or every worker) is busy for a moment,
 # or it cancelled the call as it stopped (a call arriving as a router shuts down gets CANCELLED
@@ -163,10 +163,4 @@ class Attempts:
 def _retry_after_s(error: grpc.RpcError) -> float:
     """The wait an overloaded server asked for (0 if none)."""
     trailing = getattr(error, "trailing_metadata", None)
-    for key, value in (trailing() if trailing else None) or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return max(float(value) / 1000, 0.0)
-            except ValueError:
-                return 0.0
-    return 0.0
+    return retry_after_ms(trailing() if trailing else None) / 1000

@@ -39,6 +39,10 @@ class ServerGuard(grpc.aio.ServerInterceptor):
     so that a malformed one ends with INVALID_ARGUMENT and a message naming the bad field."""
 
     service_to_token: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Each method's parsing handler, built on its first call (a servicer's handlers never change).
+    _method_to_handler: dict[str, grpc.RpcMethodHandler] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method  # "/kvswitch.v1.Router/Generate"
@@ -46,10 +50,14 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         token = self.service_to_token.get(service)
         if token and not _has_token(handler_call_details.invocation_metadata, token):
             return _refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        parsing = self._method_to_handler.get(method)
+        if parsing is not None:
+            return parsing
         handler = await continuation(handler_call_details)
         if handler is None or not service.startswith(GUARDED_PACKAGE):
             return handler
-        return _parsing_handler(handler)
+        parsing = self._method_to_handler[method] = _parsing_handler(handler)
+        return parsing
 
 
 def _has_token(metadata: Any, token: str) -> bool:

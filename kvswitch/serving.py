@@ -18,6 +18,14 @@ READY_MARK = "listening on "
 RETRY_AFTER_KEY = "retry-after-ms"
 
 
+def retry_after_ms(trailing_metadata: Any) -> int:
+    """The wait a RESOURCE_EXHAUSTED asked for in its trailing metadata; 0 if none (or garbled)."""
+    for key, value in trailing_metadata or ():
+        if key == RETRY_AFTER_KEY:
+            return int(value) if isinstance(value, str) and value.isdigit() else 0
+    return 0
+
+
 # Between kvswitch processes (router to worker, worker to worker): a ping every second when
 # the connection is quiet, and any ping (those, or the ones gRPC sends on its own while data
 # flows) unanswered for a second ends it. A link that dies silently (a cable, a cut network, a

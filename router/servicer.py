@@ -43,7 +43,7 @@ from kvswitch.router.router import (
     Router,
 )
 from kvswitch.router.workers import InFlight, WorkerHandle
-from kvswitch.serving import RETRY_AFTER_KEY
+from kvswitch.serving import RETRY_AFTER_KEY, retry_after_ms
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -576,7 +576,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if code in _CLIENT_ERRORS:
                 raise _Refused(code, e.details() or code.name) from None
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise _WorkerBusy(handle, _retry_after_ms(e)) from None
+                raise _WorkerBusy(handle, retry_after_ms(e.trailing_metadata())) from None
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise _Refused(code, "the request's deadline passed") from None
             raise _WorkerFailed(
@@ -602,13 +602,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             token_ids = await asyncio.to_thread(self._router.tokenize, request.text)
         check_prompt_length(len(token_ids), kind, self._limits)
         return token_ids
-
-
-def _retry_after_ms(error: grpc.aio.AioRpcError) -> int:
-    for key, value in error.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY and value.isdigit():
-            return int(value)
-    return 0
 
 
 async def _cancel_when(event: asyncio.Event, call: grpc.aio.Call) -> None:
