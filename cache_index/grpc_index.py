@@ -286,13 +286,20 @@ def worker_info_to_proto(info: WorkerInfo) -> index_pb2.WorkerInfo:
         block_size=info.block_size,
         role=info.role,
         num_blocks=info.num_blocks,
+        max_model_len=info.max_model_len,
     )
 
 
 def worker_info_from_proto(info: index_pb2.WorkerInfo) -> WorkerInfo:
     """Raises ValueError for an empty id, an unknown role or a zero block size."""
     return WorkerInfo(
-        info.worker_id, info.address, info.namespace, info.block_size, info.role, info.num_blocks
+        info.worker_id,
+        info.address,
+        info.namespace,
+        info.block_size,
+        info.role,
+        info.num_blocks,
+        info.max_model_len,
     )
 
 

@@ -42,6 +42,7 @@ class WorkerInfo:
     block_size: int
     role: str = "both"
     num_blocks: int = 0  # KV cache capacity in blocks
+    max_model_len: int = 0  # longest context (prompt plus output) in tokens; 0 = unknown
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -52,6 +53,8 @@ class WorkerInfo:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
 
 
 class ApplyStatus(enum.Enum):

@@ -437,7 +437,7 @@ def _events_to_args(events: Sequence[CacheEvent]) -> list[bytes | str | int]:
     return args
 
 
-_INFO_FIELDS = ("address", "namespace", "block_size", "role", "num_blocks")
+_INFO_FIELDS = ("address", "namespace", "block_size", "role", "num_blocks", "max_model_len")
 
 
 def _info_to_fields(info: WorkerInfo) -> list[str | int]:
@@ -453,4 +453,6 @@ def _info_from_fields(worker_id: str, meta: dict[bytes, bytes]) -> WorkerInfo:
         block_size=int(fields["block_size"]),
         role=fields["role"],
         num_blocks=int(fields["num_blocks"]),
+        # NOTE: absent from a worker registered by an older kvswitch: unknown.
+        max_model_len=int(fields.get("max_model_len", 0)),
     )

@@ -4,8 +4,9 @@ Each per-worker script names only that worker's keys, which share the hash tag `
 (see docs/INDEX.md), so it is atomic on a single Redis and on a Redis Cluster alike. The worker's
 keys, in the order every per-worker script takes them::
 
-    KEYS[1] - meta:   HASH address, namespace, block_size, role, num_blocks, last_seq, trusted,
-                      epoch, and on a single Redis slot (its bit in the namespace's map)
+    KEYS[1] - meta:   HASH address, namespace, block_size, role, num_blocks, max_model_len,
+                      last_seq, trusted, epoch, and on a single Redis slot (its bit in the
+                      namespace's map)
     KEYS[2] - alive:  STRING "1" with a PEXPIRE; its absence means the registration lapsed
     KEYS[3] - blocks: SET of 16-byte block hashes
 

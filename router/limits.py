@@ -84,6 +84,15 @@ def check_prompt_length(num_tokens: int, field: str, limits: RequestLimits) -> N
         )
 
 
+def output_budget(max_tokens: int, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The most output tokens a request can get: its ``max_tokens``, cut to what the model's
+    context leaves after the prompt (``max_model_len`` 0 = unknown, no cut). The router counts
+    a worker's outstanding work from this, not from what a client asked for."""
+    if not max_model_len:
+        return max_tokens
+    return max(min(max_tokens, max_model_len - num_prompt_tokens), 1)
+
+
 def _check_name(field: str, value: str) -> None:
     if len(value) > MAX_NAME_CHARS:
         raise ValueError(f"{field} must be at most {MAX_NAME_CHARS} characters, got {len(value)}")

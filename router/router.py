@@ -57,6 +57,8 @@ class RoutePlan:
     block_hashes: list[bytes]  # one per full block of token_ids
     lora: str | None = None
     cache_salt: str | None = None
+    # The longest context (prompt plus output) a worker of the model takes; 0 = unknown.
+    max_model_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +123,15 @@ class Router:
         if not len(ids):
             raise ValueError("the prompt is empty")
         namespace, block_size = self._served_model()
+        max_model_len = self._max_model_len(namespace, block_size)
+        if max_model_len and len(ids) >= max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the model's context length is "
+                f"{max_model_len} tokens, prompt and output together"
+            )
         hasher = BlockHasher(namespace, block_size, lora=lora, cache_salt=cache_salt)
         block_hashes = hasher.hash_blocks(ids)
-        return RoutePlan(ids, namespace, block_size, block_hashes, lora, cache_salt)
+        return RoutePlan(ids, namespace, block_size, block_hashes, lora, cache_salt, max_model_len)
 
     def tokenize(self, text: str) -> list[int]:
         """The prompt's token ids; NoTokenizerError when the model has no tokenizer."""
@@ -141,7 +149,7 @@ class Router:
             plan.namespace, plan.block_size, lora=plan.lora, cache_salt=plan.cache_salt
         )
         hashes = plan.block_hashes + hasher.hash_blocks(ids, plan.block_hashes)
-        return RoutePlan(ids, plan.namespace, plan.block_size, hashes, plan.lora, plan.cache_salt)
+        return dataclasses.replace(plan, token_ids=ids, block_hashes=hashes)
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -273,12 +281,26 @@ class Router:
 
     @staticmethod
     def _serving(plan: RoutePlan, handles: list[WorkerHandle]) -> dict[str, WorkerHandle]:
-        """The workers among ``handles`` that serve the plan's model with its block size."""
+        """The workers among ``handles`` that serve the plan's model with its block size, and
+        whose context holds its prompt and a token more."""
+        num_tokens = len(plan.token_ids)
         return {
             h.worker_id: h
             for h in handles
-            if h.info.namespace == plan.namespace and h.info.block_size == plan.block_size
+            if h.info.namespace == plan.namespace
+            and h.info.block_size == plan.block_size
+            and not 0 < h.info.max_model_len <= num_tokens
         }
+
+    def _max_model_len(self, namespace: str, block_size: int) -> int:
+        """The longest context a live worker of this model takes; 0 if one does not say (an
+        older worker), so that nothing is refused or capped on a guess."""
+        contexts = [
+            h.info.max_model_len
+            for h in self.directory.handles()
+            if h.info.namespace == namespace and h.info.block_size == block_size
+        ]
+        return 0 if not contexts or 0 in contexts else max(contexts)
 
     def _served_model(self) -> tuple[str, int]:
         """The namespace and block size to hash with: the configured namespace, else the one

@@ -31,6 +31,7 @@ from kvswitch.router.limits import (
     check_prompt_length,
     check_request,
     client_of,
+    output_budget,
 )
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.policy import Decision
@@ -277,7 +278,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
 
             plan = await self._when_a_worker_serves(plan_request, wait_until_s)
-            max_tokens = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
+            max_tokens = output_budget(
+                request.sampling.max_tokens or DEFAULT_MAX_TOKENS,
+                len(plan.token_ids),
+                plan.max_model_len,
+            )
         except ValueError as e:
             await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoTokenizerError as e:
@@ -397,7 +402,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     source = self._kv_source(route.fetch_handle, "")
                     source.on_failure = "recompute"
                     worker_request.kv_source.CopyFrom(source)
-                flight = self._directory.begin(handle, num_uncached, max_tokens - len(sent))
+                # NOTE: what this worker's context leaves, which may be less than the fleet's.
+                num_output_left = output_budget(
+                    max_tokens - len(sent), len(resumed.token_ids), handle.info.max_model_len
+                )
+                flight = self._directory.begin(handle, num_uncached, num_output_left)
                 try:
                     worker_final = await self._stream(
                         worker_request, handle, flight, context, progress

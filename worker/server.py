@@ -658,6 +658,7 @@ async def _serve_engine(
             config.block_size,
             config.role,
             engine.facts.num_blocks,
+            engine.facts.max_model_len,
         )
         publisher = EventPublisher(index, engine, info)
         publisher.start()

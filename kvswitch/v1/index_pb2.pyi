@@ -21,20 +21,22 @@ APPLY_STATUS_NEEDS_RESYNC: ApplyStatus
 APPLY_STATUS_UNKNOWN_WORKER: ApplyStatus
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "namespace", "block_size", "role", "num_blocks")
+    __slots__ = ("worker_id", "address", "namespace", "block_size", "role", "num_blocks", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     namespace: str
     block_size: int
     role: str
     num_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., namespace: _Optional[str] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., namespace: _Optional[str] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker", "ttl_s")

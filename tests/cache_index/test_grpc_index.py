@@ -24,7 +24,7 @@ from tests.worker.test_publisher import FAST, generate, index_matches_worker, st
 NS = "model-a"
 TTL_S = 30.0
 CHAIN = hash_prompt_blocks(list(range(32)), 4, NS)  # 8 blocks
-WORKER = WorkerInfo("w", "127.0.0.1:50051", NS, 4, "both", 64)
+WORKER = WorkerInfo("w", "127.0.0.1:50051", NS, 4, "both", 64, 256)
 
 
 def many_hashes(n: int) -> list[bytes]:

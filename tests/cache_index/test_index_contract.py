@@ -24,7 +24,9 @@ OTHER = hash_prompt_blocks(list(range(100, 132)), 4, NS)  # 8 blocks, a differen
 
 
 def worker(worker_id: str, namespace: str = NS) -> WorkerInfo:
-    return WorkerInfo(worker_id, f"127.0.0.1:{50000 + len(worker_id)}", namespace, 4, "both", 128)
+    return WorkerInfo(
+        worker_id, f"127.0.0.1:{50000 + len(worker_id)}", namespace, 4, "both", 128, 2048
+    )
 
 
 def stored(hashes: list[bytes]) -> BlockStored:

@@ -27,7 +27,7 @@ CHAIN = hash_prompt_blocks(list(range(64)), 4, NS)  # 16 blocks
 
 
 def worker(worker_id: str, namespace: str = NS) -> WorkerInfo:
-    return WorkerInfo(worker_id, "127.0.0.1:50051", namespace, 4, "prefill", 256)
+    return WorkerInfo(worker_id, "127.0.0.1:50051", namespace, 4, "prefill", 256, 1024)
 
 
 def stored(hashes: Iterable[bytes]) -> BlockStored:
@@ -89,6 +89,7 @@ def test_keys_follow_the_documented_schema(redis_url: str) -> None:
             b"block_size": b"4",
             b"role": b"prefill",
             b"num_blocks": b"256",
+            b"max_model_len": b"1024",
             b"last_seq": b"1",
             b"trusted": b"1",
             b"epoch": b"1",
