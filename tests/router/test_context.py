@@ -103,8 +103,9 @@ def test_a_long_prompt_goes_only_to_a_worker_whose_context_holds_it(
                 assert result.stats.worker_id == "long"
             # a short one may go to either; round robin sends two of them one to each
             served = {
-                client.generate(prompt_token_ids=prompt(20, 20 + seed), policy="round_robin")
-                .stats.worker_id
+                client.generate(
+                    prompt_token_ids=prompt(20, 20 + seed), policy="round_robin"
+                ).stats.worker_id
                 for seed in range(2)
             }
             assert served == {"w0", "long"}
