@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TypedDict
 
+from kvswitch.serving import check_name
 from kvswitch.v1 import common_pb2, router_pb2
 
 _UINT32_END = 1 << 32
@@ -76,6 +77,7 @@ class GenerateParams:
                 raise ValueError(f"prompt must be a str, got {type(self.prompt).__name__}")
             if not self.prompt:
                 raise ValueError("prompt is empty")
+            _check_utf8("prompt", self.prompt)
         if self.prompt_token_ids is not None:
             if len(self.prompt_token_ids) == 0:
                 raise ValueError("prompt_token_ids is empty")
@@ -97,6 +99,8 @@ class GenerateParams:
                 raise ValueError(f"weights[{term!r}] must be a finite number, got {weight}")
         if self.request_id is not None and not self.request_id:
             raise ValueError("request_id is empty; pass None to have one generated")
+        for name in ("request_id", "lora", "cache_salt"):
+            _check_name(name, getattr(self, name))
 
     def to_request(self) -> router_pb2.GenerateRequest:
         """The request to send; a ``request_id`` of None becomes a fresh uuid4 hex."""
@@ -123,6 +127,25 @@ class GenerateParams:
             ids = self.prompt_token_ids or ()
             request.token_ids.ids_u32le = struct.pack(f"<{len(ids)}I", *ids)
         return request
+
+
+def _check_utf8(name: str, text: str) -> None:
+    """A str with a lone surrogate (from a bad decode, say) has no UTF-8 form to send."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+            f"{e.start}"
+        ) from None
+
+
+def _check_name(name: str, value: str | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+    check_name(name, value)
 
 
 def _is_int(value: object) -> bool:

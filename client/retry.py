@@ -15,6 +15,8 @@ from kvswitch.serving import retry_after_ms
 # Transient failures: the router is unreachable, or it (or every worker) is busy for a moment,
 # or it cancelled the call as it stopped (a call arriving as a router shuts down gets CANCELLED
 # from its server; one this client cancels itself is never retried: its stream is closed).
+# A busy server says how long to wait (``retry-after-ms``); a RESOURCE_EXHAUSTED without that
+# is a limit the request broke (a message larger than gRPC takes), and is never retried.
 RETRYABLE_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -142,10 +144,13 @@ class Attempts:
         # NOTE: only overload spends the budget. An unreachable router (restarting, say) costs
         # nothing to ask again, and is retried up to max_retries with backoff.
         overloaded = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-        if overloaded and self.budget is not None and not self.budget.failed():
+        retry_after_s = _retry_after_s(error)
+        if overloaded and not retry_after_s:
+            backoff_s = None  # not load but a limit: the same request would fail the same way
+        elif overloaded and self.budget is not None and not self.budget.failed():
             backoff_s = None  # the client's retries are spent: the fleet is overloaded
         if backoff_s is not None:
-            backoff_s = max(backoff_s, _retry_after_s(error))
+            backoff_s = max(backoff_s, retry_after_s)
             if remaining_s is not None and backoff_s >= remaining_s:
                 backoff_s = None
         if backoff_s is None:

@@ -6,6 +6,9 @@ services alike::
     call -> bearer token of its service? -- no --> UNAUTHENTICATED
                  | yes
                  v
+            within the service's size? --- no --> INVALID_ARGUMENT, the size, the limit and
+                 | yes                            the largest field
+                 v
             request parses? -------------- no --> INVALID_ARGUMENT, naming the bad field
                  | yes
                  v
@@ -39,6 +42,9 @@ class ServerGuard(grpc.aio.ServerInterceptor):
     so that a malformed one ends with INVALID_ARGUMENT and a message naming the bad field."""
 
     service_to_token: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # The largest request a service takes, in bytes, and the option that sets it (for the
+    # message); a service not in it takes what gRPC lets through.
+    service_to_max_bytes: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
     # Each method's parsing handler, built on its first call (a servicer's handlers never change).
     _method_to_handler: dict[str, grpc.RpcMethodHandler] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
@@ -56,7 +62,8 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not service.startswith(GUARDED_PACKAGE):
             return handler
-        parsing = self._method_to_handler[method] = _parsing_handler(handler)
+        max_bytes, option = self.service_to_max_bytes.get(service, (0, ""))
+        parsing = self._method_to_handler[method] = _parsing_handler(handler, max_bytes, option)
         return parsing
 
 
@@ -78,12 +85,15 @@ def _refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
 # -- parsing ---------------------------------------------------------------------------------
 
 
-def _parsing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """``handler`` taking its request as bytes, parsed here with its own deserializer."""
+def _parsing_handler(
+    handler: grpc.RpcMethodHandler, max_bytes: int = 0, option: str = ""
+) -> grpc.RpcMethodHandler:
+    """``handler`` taking its request as bytes, parsed here with its own deserializer, and
+    refused when longer than ``max_bytes`` (0 = any length)."""
     deserialize = handler.request_deserializer
     if deserialize is None:
         return handler
-    parse = _parser(deserialize)
+    parse = _parser(deserialize, max_bytes, option)
     if handler.request_streaming:
         behavior = handler.stream_stream or handler.stream_unary
         wrapped = _with_parsed_stream(behavior, parse)
@@ -106,12 +116,16 @@ def _parsing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 Parse = Callable[[bytes, grpc.aio.ServicerContext], Any]
 
 
-def _parser(deserialize: Callable[[bytes], Message]) -> Parse:
+def _parser(deserialize: Callable[[bytes], Message], max_bytes: int, option: str) -> Parse:
     descriptor: Descriptor | None = getattr(
         getattr(deserialize, "__self__", None), "DESCRIPTOR", None
     )
 
     async def parse(data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        if max_bytes and len(data) > max_bytes:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, _too_large(descriptor, data, max_bytes, option)
+            )
         try:
             return deserialize(data)
         except DecodeError as e:
@@ -157,6 +171,42 @@ def _with_parsed_stream(behavior: Callable, parse: Parse) -> Callable:
         return await behavior(requests(raw, context), context)
 
     return call
+
+
+def _too_large(descriptor: Descriptor | None, data: bytes, max_bytes: int, option: str) -> str:
+    name = descriptor.full_name if descriptor is not None else "the request"
+    why = f"{name} is {len(data)} bytes; this server takes at most {max_bytes}"
+    if option:
+        why += f" ({option})"
+    largest = largest_field(descriptor, data) if descriptor is not None else None
+    if largest is not None:
+        why += f"; its field {largest[0]} is {largest[1]} bytes of it"
+    return why
+
+
+def largest_field(descriptor: Descriptor, data: bytes) -> tuple[str, int] | None:
+    """The name and length of the longest top-level length-delimited field of ``data`` (the
+    prompt, in a request too large), or None if it has none (or is malformed)."""
+    pos, largest = 0, None
+    while pos < len(data):
+        try:
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == _VARINT:
+                _, pos = _varint(data, pos)
+            elif wire_type in (_FIXED64, _FIXED32):
+                pos += 8 if wire_type == _FIXED64 else 4
+            elif wire_type == _LENGTH_DELIMITED:
+                length, pos = _varint(data, pos)
+                pos += length
+                if largest is None or length > largest[1]:
+                    field = descriptor.fields_by_number.get(number)
+                    largest = (field.name if field is not None else f"<{number}>", length)
+            else:
+                return largest
+        except _Truncated:
+            return largest
+    return largest
 
 
 # -- which field is malformed ----------------------------------------------------------------

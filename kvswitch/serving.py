@@ -13,6 +13,20 @@ from typing import Any
 # launched it reads the address from that line.
 READY_MARK = "listening on "
 
+# request_id, lora and cache_salt are names, not payloads: this many characters at most, all
+# printable (they reach log lines, where a newline would forge a line of its own). The router
+# refuses others; the client SDK checks them before sending.
+MAX_NAME_CHARS = 256
+
+
+def check_name(field: str, value: str) -> None:
+    """ValueError naming ``field`` unless ``value`` is a name a request may carry."""
+    if len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"{field} must be at most {MAX_NAME_CHARS} characters, got {len(value)}")
+    if not value.isprintable():
+        raise ValueError(f"{field} must be printable characters, got {value!r}")
+
+
 # Trailing metadata of a RESOURCE_EXHAUSTED from an overloaded router or worker: the least a
 # caller should wait before trying it again, in milliseconds.
 RETRY_AFTER_KEY = "retry-after-ms"

@@ -13,9 +13,11 @@ import dataclasses
 import math
 
 from kvswitch.router.policy import POLICIES
+from kvswitch.serving import check_name
 from kvswitch.v1 import router_pb2
 
-MAX_NAME_CHARS = 256  # request_id, lora, cache_salt: names, not payloads
+# What a request holds besides its prompt, at most: names, sampling, stop ids, routing weights.
+MESSAGE_OVERHEAD_BYTES = 16 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +28,7 @@ class RequestLimits:
     max_output_tokens: int = 32768  # the most sampling.max_tokens may be
     max_stop_token_ids: int = 256
     max_streams_per_client: int = 1024  # open Generate streams per client address
-    max_message_bytes: int = 4 << 20  # a request larger than this is refused by gRPC itself
+    max_message_bytes: int = 4 << 20  # a larger request is refused, with its size
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -36,12 +38,19 @@ class RequestLimits:
             raise ValueError(
                 f"max_message_bytes must be at least 1024, got {self.max_message_bytes}"
             )
+        # NOTE: a prompt of max_prompt_tokens must fit, as token ids (4 bytes each) at least.
+        needed = 4 * self.max_prompt_tokens + MESSAGE_OVERHEAD_BYTES
+        if self.max_prompt_tokens and self.max_message_bytes < needed:
+            raise ValueError(
+                f"max_message_bytes {self.max_message_bytes} cannot hold a prompt of "
+                f"max_prompt_tokens {self.max_prompt_tokens} token ids; it needs at least {needed}"
+            )
 
 
 def check_request(request: router_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """ValueError naming the first field of ``request`` that is out of bounds or ill-formed."""
     for name in ("request_id", "lora", "cache_salt"):
-        _check_name(name, getattr(request, name))
+        check_name(name, getattr(request, name))
     sampling = request.sampling
     if limits.max_output_tokens and sampling.max_tokens > limits.max_output_tokens:
         raise ValueError(
@@ -91,14 +100,6 @@ def output_budget(max_tokens: int, num_prompt_tokens: int, max_model_len: int) -
     if not max_model_len:
         return max_tokens
     return max(min(max_tokens, max_model_len - num_prompt_tokens), 1)
-
-
-def _check_name(field: str, value: str) -> None:
-    if len(value) > MAX_NAME_CHARS:
-        raise ValueError(f"{field} must be at most {MAX_NAME_CHARS} characters, got {len(value)}")
-    # NOTE: these names reach log lines; a newline in one would forge a line of its own.
-    if not value.isprintable():
-        raise ValueError(f"{field} must be printable characters, got {value!r}")
 
 
 class ClientStreams:

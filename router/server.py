@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "kvswitch.v1.Router"  # its health-check name
 HEALTH_RECHECK_S = 0.25  # between looks at whether a worker is routable, without a change
 RECLAIM_INTERVAL_S = 5.0
+MESSAGE_READ_FACTOR = 4  # requests up to 4x max_message_bytes are read to be refused by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ class RouterConfig:
     max_output_tokens: int = 32768  # the most a request's sampling.max_tokens may be
     max_stop_token_ids: int = 256
     max_streams_per_client: int = 1024  # open streams per client address
-    max_message_bytes: int = 4 << 20  # a larger request is refused (RESOURCE_EXHAUSTED)
+    max_message_bytes: int = 4 << 20  # a larger request is refused (INVALID_ARGUMENT)
     # Every gRPC hop (kvswitch/security.py): TLS when tls_cert is set, mutual with
     # tls_client_auth; fleet_token: what routers and workers present to each other.
     tls_cert: str = ""
@@ -214,12 +215,20 @@ async def start_router(config: RouterConfig) -> RouterServer:
     # NOTE: health checks and the CacheIndex service (workers, on the private network) take
     # any caller; the Router service, a client with the token.
     security = config.security()
-    guard = ServerGuard({SERVICE_NAME: config.token, grpc_index.SERVICE_NAME: config.fleet_token})
+    guard = ServerGuard(
+        {SERVICE_NAME: config.token, grpc_index.SERVICE_NAME: config.fleet_token},
+        {SERVICE_NAME: (config.max_message_bytes, "--max-message-bytes")},
+    )
     server = grpc.aio.server(
         interceptors=[guard],
         options=[
             ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
+            # NOTE: gRPC reads a request up to this size, so that the guard can answer one over
+            # max_message_bytes with its size and the limit; a larger one gRPC cuts off itself.
+            (
+                "grpc.max_receive_message_length",
+                MESSAGE_READ_FACTOR * config.max_message_bytes,
+            ),
         ],
     )
     address = host_port(config.host, config.port)

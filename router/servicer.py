@@ -465,6 +465,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         retry_after_ms: int,
     ) -> None:
         """End the request with RESOURCE_EXHAUSTED: every worker that could take it is full."""
+        # NOTE: never 0: a RESOURCE_EXHAUSTED without a wait is a limit, which clients never
+        # retry (client/retry.py).
+        retry_after_ms = max(retry_after_ms, 1)
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_ms)),))
         await _abort(
             context,

@@ -75,6 +75,9 @@ __all__ = [
 
 SERVICE_NAME = "kvswitch.v1.Worker"  # its health-check name
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this
+# A request holds its prompt as token ids, 4 bytes each: this takes a context of 16M tokens
+# (the router refuses larger prompts first, and the engine any its context cannot hold).
+MAX_REQUEST_BYTES = 64 << 20
 # A worker at its queue limit asks callers to wait this long before trying it again (trailing
 # metadata of its RESOURCE_EXHAUSTED).
 RETRY_AFTER_MS = 100
@@ -575,7 +578,11 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     # traffic. Binding before the model loads makes a taken port fail at once.
     server = grpc.aio.server(
         interceptors=[ServerGuard({SERVICE_NAME: config.fleet_token})],
-        options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            *KEEPALIVE_SERVER_OPTIONS,
+        ],
     )
     try:
         port = config.security().add_port(server, host_port(config.host, config.port))

@@ -77,6 +77,7 @@ class Script:
     final: router_pb2.GenerateFinal | None = dataclasses.field(default_factory=lambda: FINAL)
     num_failures: int = 0  # the first calls fail with failure_code before sending anything
     failure_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    failure_retry_after_ms: int | None = None  # a failure's retry-after-ms trailer, if any
     fail_after_chunks: int | None = None  # every call fails after sending this many chunks
     hang_after_chunks: int | None = None  # every call waits (until cancelled) after this many
 
@@ -110,6 +111,10 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         num_calls = len(self.calls)
         script = self.script
         if num_calls <= script.num_failures:
+            if script.failure_retry_after_ms is not None:
+                context.set_trailing_metadata(
+                    (("retry-after-ms", str(script.failure_retry_after_ms)),)
+                )
             await context.abort(script.failure_code, f"scripted failure {num_calls}")
         for num_sent, chunk in enumerate(script.chunks):
             if num_sent == script.fail_after_chunks:

@@ -48,6 +48,10 @@ def test_bad_prompts_are_value_errors(kwargs: dict, message: str) -> None:
         ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
         ({"seed": -1}, "seed must be an int in [0, 2**64), got -1"),
         ({"weights": {"cache": float("inf")}}, "weights['cache'] must be a finite number, got inf"),
+        ({"request_id": "r" * 257}, "request_id must be at most 256 characters, got 257"),
+        ({"cache_salt": "s" * 300}, "cache_salt must be at most 256 characters, got 300"),
+        ({"cache_salt": 7}, "cache_salt must be a str, got int"),
+        ({"lora": "a\nb"}, "lora must be printable characters, got 'a\\nb'"),
         ({"request_id": ""}, "request_id is empty; pass None to have one generated"),
     ],
 )
@@ -55,6 +59,15 @@ def test_bad_options_are_value_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as error:
         GenerateParams("a", **kwargs)
     assert str(error.value) == message
+
+
+def test_a_prompt_with_a_lone_surrogate_is_named_before_it_is_sent() -> None:
+    # What a bad decode (errors="surrogateescape") leaves: no UTF-8 form exists to send.
+    with pytest.raises(ValueError) as error:
+        GenerateParams("ok \udc80 no")
+    assert str(error.value) == (
+        "prompt is not valid Unicode: a lone surrogate '\\udc80' at character 3"
+    )
 
 
 def test_an_unknown_option_is_named_with_the_known_ones() -> None:

@@ -108,7 +108,7 @@ class PushbackError(FakeRpcError):
 def test_the_retry_budget_stops_retries_once_half_is_spent_and_refills_with_answers() -> None:
     budget = RetryBudget(max_tokens=10, ratio=0.5)
     policy = RetryPolicy(max_retries=3, initial_backoff_s=0.0, max_backoff_s=0.0)
-    error = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    error = PushbackError("1")
     num_retried = 0
     for n in range(10):
         attempts = Attempts(f"r{n}", policy, None, budget)
@@ -121,7 +121,7 @@ def test_the_retry_budget_stops_retries_once_half_is_spent_and_refills_with_answ
     assert num_retried == 4 and budget.tokens == 0
     for n in range(14):  # 14 answered requests: 7 tokens; a failure leaves 6, past half
         Attempts(f"ok{n}", policy, None, budget).answered()
-    assert Attempts("again", policy, None, budget).backoff_s(error, num_messages=0) == 0.0
+    assert Attempts("again", policy, None, budget).backoff_s(error, num_messages=0) == 0.001
     assert budget.tokens == 6.0
     # One answer per request, however many messages it streams.
     attempts = Attempts("stream", policy, None, budget)
@@ -137,7 +137,14 @@ def test_the_retry_budget_stops_retries_once_half_is_spent_and_refills_with_answ
 def test_a_retry_waits_at_least_what_the_server_asked() -> None:
     policy = RetryPolicy(max_retries=1, initial_backoff_s=0.0, max_backoff_s=0.0)
     assert Attempts("r", policy, None).backoff_s(PushbackError("250"), num_messages=0) == 0.25
-    assert Attempts("r", policy, None).backoff_s(PushbackError("soon"), num_messages=0) == 0.0
+    # No wait asked (or none that reads as one): a limit the request broke, not load.
+    for hint in ("soon", "0"):
+        with pytest.raises(KvswitchError):
+            Attempts("r", policy, None).backoff_s(PushbackError(hint), num_messages=0)
+    with pytest.raises(KvswitchError):
+        Attempts("r", policy, None).backoff_s(
+            FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED), num_messages=0
+        )
     # A wait past the deadline is no retry.
     with pytest.raises(KvswitchError):
         Attempts("r", policy, 0.1).backoff_s(PushbackError("5000"), num_messages=0)

@@ -105,12 +105,22 @@ def test_unavailable_before_the_first_chunk_is_retried_with_the_same_id(
     assert len(result.request_id) == 32 and int(result.request_id, 16) >= 0
 
 
-def test_resource_exhausted_is_retried(router: ScriptedRouter) -> None:
+def test_resource_exhausted_with_a_wait_is_retried(router: ScriptedRouter) -> None:
     router.script.num_failures = 1
     router.script.failure_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    router.script.failure_retry_after_ms = 10
     with Client(router.address, initial_backoff_s=0.01) as client:
         assert client.generate("a").text == "Hello"
     assert len(router.calls) == 2
+
+
+def test_a_message_over_the_routers_size_limit_is_not_retried(router: ScriptedRouter) -> None:
+    # gRPC's own refusal (RESOURCE_EXHAUSTED, no wait asked): the same upload would fail again.
+    router.script.num_failures = 1
+    router.script.failure_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with Client(router.address, initial_backoff_s=0.01) as client, pytest.raises(KvswitchError):
+        client.generate("a")
+    assert len(router.calls) == 1
 
 
 def test_no_retry_once_a_chunk_has_arrived(router: ScriptedRouter) -> None:

@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 
 from kvswitch.cache_index.audit import audit
 from kvswitch.cache_index.hashing import tokens_to_bytes
+from kvswitch.router.server import MESSAGE_READ_FACTOR
+from kvswitch.serving import retry_after_ms
 from kvswitch.v1 import common_pb2, router_pb2, worker_pb2
-from tests.router.harness import ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
+from tests.router.harness import BLOCK_BYTES, ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
 
 ROUTER_GENERATE = "/kvswitch.v1.Router/Generate"
 WORKER_GENERATE = "/kvswitch.v1.Worker/Generate"
@@ -54,7 +56,11 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[BackgroundCluster]:
-    worker = dataclasses.replace(WORKER_CONFIG, check_integrity=True)
+    # NOTE: a context of 512 tokens: fuzzed bytes may ask a worker for any max_tokens, and
+    # none of them may run long enough to miss the call's deadline on a loaded machine.
+    worker = dataclasses.replace(
+        WORKER_CONFIG, check_integrity=True, kv_cache_bytes=32 * BLOCK_BYTES
+    )
     with BackgroundCluster(2, ROUTER, worker) as cluster:
         yield cluster
 
@@ -76,6 +82,7 @@ class Answer:
     code: grpc.StatusCode
     details: str
     num_messages: int
+    trailing_metadata: tuple = ()
 
 
 def call(channel: grpc.Channel, method: str, data: bytes, timeout_s: float = 20.0) -> Answer:
@@ -86,7 +93,7 @@ def call(channel: grpc.Channel, method: str, data: bytes, timeout_s: float = 20.
         for _ in stream(data, timeout=timeout_s):
             num_messages += 1
     except grpc.RpcError as e:
-        return Answer(e.code(), e.details() or "", num_messages)
+        return Answer(e.code(), e.details() or "", num_messages, e.trailing_metadata() or ())
     return Answer(grpc.StatusCode.OK, "", num_messages)
 
 
@@ -169,13 +176,25 @@ def test_a_malformed_worker_request_is_invalid_argument_naming_the_field(
     )
 
 
-def test_a_message_over_the_size_limit_is_resource_exhausted(
+def test_a_message_over_the_size_limit_says_its_size_the_limit_and_the_field(
     router_channel: grpc.Channel,
 ) -> None:
-    huge = router_request(text="a" * MAX_MESSAGE_BYTES).SerializeToString()
+    large = router_request(text="a" * MAX_MESSAGE_BYTES).SerializeToString()
+    answer = call(router_channel, ROUTER_GENERATE, large)
+    assert answer.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert answer.details == (
+        f"kvswitch.v1.GenerateRequest is {len(large)} bytes; this server takes at most "
+        f"{MAX_MESSAGE_BYTES} (--max-message-bytes); its field text is {MAX_MESSAGE_BYTES} "
+        "bytes of it"
+    )
+
+
+def test_a_message_far_over_the_limit_is_cut_off_by_grpc(router_channel: grpc.Channel) -> None:
+    # Past 4x the limit gRPC stops reading; a client must not retry it (no retry-after-ms).
+    huge = router_request(text="a" * (MESSAGE_READ_FACTOR * MAX_MESSAGE_BYTES)).SerializeToString()
     answer = call(router_channel, ROUTER_GENERATE, huge)
     assert answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert str(MAX_MESSAGE_BYTES) in answer.details
+    assert retry_after_ms(answer.trailing_metadata) == 0
 
 
 # -- values out of bounds --------------------------------------------------------------------
