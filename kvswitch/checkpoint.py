@@ -3,7 +3,9 @@ random weights (``random:NAME``, a preset shape; none at all means the built-in 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 RANDOM_PREFIX = "random:"
 
@@ -11,3 +13,22 @@ RANDOM_PREFIX = "random:"
 def is_random(model_dir: str | Path | None) -> bool:
     """Whether ``model_dir`` names a model with random weights (None or ``random:NAME``)."""
     return model_dir is None or str(model_dir).startswith(RANDOM_PREFIX)
+
+
+def token_ids(value: Any, field: str = "config.json: eos_token_id") -> tuple[int, ...]:
+    """An ``eos_token_id`` entry (null, an id or a list of ids) as a tuple; ValueError naming
+    ``field`` for anything else."""
+    values = value if isinstance(value, list) else ([] if value is None else [value])
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{field} must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def generation_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The EOS ids a checkpoint's ``generation_config.json`` lists (Llama 3's instruct models
+    list their end-of-turn tokens only there); none without that file."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    generation = json.loads(path.read_text())
+    return token_ids(generation.get("eos_token_id"), "generation_config.json: eos_token_id")

@@ -17,6 +17,8 @@ from typing import Any
 
 import tokenizers
 
+from kvswitch.checkpoint import generation_eos_token_ids, token_ids
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
 
 
@@ -81,7 +83,8 @@ class SpecialTokens:
     ``tokenizer_config.json`` names them (``bos_token`` / ``eos_token``) and, where it names
     none, ``config.json`` gives ids (``bos_token_id`` / ``eos_token_id``). ``config.json``'s EOS
     may be a list: every entry is a stop token, and the first is EOS unless the tokenizer config
-    names its own.
+    names its own. The EOS ids of ``generation_config.json`` stop too (as the worker's engine
+    stops on them).
     """
 
     bos_token_id: int | None
@@ -100,8 +103,7 @@ class SpecialTokens:
     ) -> SpecialTokens:
         tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
         model_config = _read_json(model_dir / "config.json")
-        config_eos = model_config.get("eos_token_id")
-        config_eos_ids = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
+        config_eos_ids = list(token_ids(model_config.get("eos_token_id")))
         bos = _token_id(tokenizer_config.get("bos_token"), token_to_id)
         eos = _token_id(tokenizer_config.get("eos_token"), token_to_id)
         if bos is None:
@@ -114,7 +116,9 @@ class SpecialTokens:
         return cls(
             bos_token_id=bos,
             eos_token_id=eos,
-            stop_token_ids=tuple(dict.fromkeys([*stop_ids, *config_eos_ids])),
+            stop_token_ids=tuple(
+                dict.fromkeys([*stop_ids, *config_eos_ids, *generation_eos_token_ids(model_dir)])
+            ),
             prepend_bos=bool(tokenizer_config.get("add_bos_token", True)),
         )
 

@@ -177,6 +177,16 @@ def test_eos_list_in_config_json(tmp_path: Path) -> None:
     assert tokenizer.encode("hello")[0] == 0
 
 
+def test_generation_config_eos_ids_stop_too(tmp_path: Path) -> None:
+    # Llama 3 instruct: config.json names one EOS, generation_config.json the end-of-turn ones.
+    build_tokenizer_json(tmp_path, template_bos=False)
+    write_json(tmp_path / "config.json", {"bos_token_id": 0, "eos_token_id": 1})
+    write_json(tmp_path / "generation_config.json", {"eos_token_id": [1, 8, 9]})
+    tokenizer = HFTokenizer(tmp_path)
+    assert tokenizer.eos_token_id == 1
+    assert tokenizer.stop_token_ids == (1, 8, 9)
+
+
 def test_tokenizer_config_eos_leads_the_stop_ids(tmp_path: Path) -> None:
     build_tokenizer_json(tmp_path, template_bos=False)
     write_json(tmp_path / "tokenizer_config.json", {"eos_token": "</s>"})

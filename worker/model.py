@@ -12,6 +12,7 @@ from torch import nn
 
 from kvswitch.worker.attention import AttentionMetadata, PagedAttention
 from kvswitch.worker.model_config import ModelConfig
+from kvswitch.worker.rope import RopeConfig
 
 
 class RMSNorm(nn.Module):
@@ -28,16 +29,14 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates query/key halves by position-dependent angles (the non-interleaved layout)."""
+    """Rotates query/key halves by position-dependent angles (the non-interleaved layout), from
+    a table of ``max_positions`` rows that ``rope`` computes (its variant, its scale)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
-        angles = torch.outer(torch.arange(max_positions).float(), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = rope.cos_sin(head_dim, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor is [num_tokens, num_heads, head_dim]."""
@@ -111,9 +110,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta
-        )
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvswitch.checkpoint import generation_eos_token_ids, token_ids
+from kvswitch.worker.rope import RopeConfig
+
 # Architectures whose weights use Llama's parameter names; Qwen2 adds biases to q/k/v.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The names transformers gives SiLU; the MLP is SwiGLU and computes nothing else.
+SILU_NAMES = ("silu", "swish")
+QWEN2_DEFAULT_SLIDING_WINDOW = 4096  # what transformers assumes when a config names none
+QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,9 +29,9 @@ class ModelConfig:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    max_position_embeddings: int
+    max_position_embeddings: int  # the longest context served (``RopeConfig.context_len``)
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -94,7 +102,7 @@ class ModelConfig:
                 num_kv_heads=8,
                 head_dim=64,
                 max_position_embeddings=131072,
-                rope_theta=500000.0,
+                rope=RopeConfig(rope_theta=500000.0),
                 tie_word_embeddings=True,
                 name="random-llama-1b",
             ),
@@ -105,23 +113,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
-        """Read a Hugging Face ``config.json`` of a supported architecture."""
-        architectures = hf.get("architectures") or ["LlamaForCausalLM"]
-        if architectures[0] not in SUPPORTED_ARCHITECTURES:
+        """Read a Hugging Face ``config.json`` of a supported architecture. Raises ValueError
+        naming the field for anything that would change the model's math and that kvswitch does
+        not implement (a RoPE variant, a sliding window, another activation, extra biases,
+        quantized weights): such a checkpoint is refused, never served differently."""
+        architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {architectures[0]!r}; kvswitch runs "
+                f"unsupported architecture {architecture!r}; kvswitch runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        rope_scaling = hf.get("rope_scaling") or {}
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # newer configs nest it under rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        configured_positions = hf.get("max_position_embeddings", 4096)
+        rope = RopeConfig.from_hf(hf, configured_positions)
+        max_position_embeddings = rope.context_len(configured_positions)
+        check_supported_fields(hf, architecture, max_position_embeddings)
         num_q_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -130,19 +136,79 @@ class ModelConfig:
             num_q_heads=num_q_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_q_heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_position_embeddings,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta),
-            attention_bias=bool(hf.get("attention_bias", architectures[0] == "Qwen2ForCausalLM")),
+            rope=rope,
+            # NOTE: transformers gives Qwen2 q/k/v biases and Mistral none, whatever the config
+            # says; Llama's attention_bias (which also biases o_proj) is refused above.
+            attention_bias=architecture == "Qwen2ForCausalLM",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=name or hf.get("_name_or_path") or architectures[0],
+            eos_token_ids=token_ids(hf.get("eos_token_id")),
+            name=name or hf.get("_name_or_path") or architecture,
         )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
+        """``config.json`` of a checkpoint directory, with the EOS ids of its
+        ``generation_config.json`` (when it has one) added to ``eos_token_ids``: Llama 3's
+        instruct models list their end-of-turn tokens only there."""
+        root = Path(model_dir)
+        path = root / "config.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-        return cls.from_hf(json.loads(path.read_text()), name=Path(model_dir).name)
+        config = cls.from_hf(json.loads(path.read_text()), name=root.name)
+        extra = generation_eos_token_ids(root)
+        eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
+        return dataclasses.replace(config, eos_token_ids=eos_ids)
+
+
+def check_supported_fields(hf: dict[str, Any], architecture: str, max_positions: int) -> None:
+    """ValueError naming the first field of ``config.json`` that changes the math of
+    ``architecture`` (as transformers reads it) in a way kvswitch does not implement. RoPE fields
+    are ``RopeConfig.from_hf``'s to check."""
+    activation = hf.get("hidden_act", "silu")
+    if activation not in SILU_NAMES:
+        raise ValueError(
+            f"config.json: hidden_act {activation!r} is not supported (kvswitch's MLP is SwiGLU, "
+            "hidden_act silu)"
+        )
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"config.json: quantization_config ({method or 'no quant_method'}) is not "
+            "supported: kvswitch loads unquantized fp32/fp16/bf16 weights"
+        )
+    if architecture == "LlamaForCausalLM":
+        for field, what in (
+            ("attention_bias", "biases on the q/k/v/o projections"),
+            ("mlp_bias", "biases on the MLP projections"),
+        ):
+            if hf.get(field):
+                raise ValueError(
+                    f"config.json: {field} true ({what}) is not supported for {architecture}"
+                )
+    window, window_field = None, "sliding_window"
+    if architecture == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        # NOTE: Qwen2 slides only with use_sliding_window, and only in the layers layer_types
+        # names (by default those from max_window_layers on); published configs carry a
+        # sliding_window that is off.
+        window = hf.get("sliding_window", QWEN2_DEFAULT_SLIDING_WINDOW)
+        max_window_layers = hf.get("max_window_layers", QWEN2_DEFAULT_MAX_WINDOW_LAYERS)
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if i >= max_window_layers else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+        if "sliding_attention" not in layer_types:
+            window = None
+        window_field = "sliding_window (with use_sliding_window true)"
+    elif architecture == "MistralForCausalLM":
+        window = hf.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
+    # A window at least as long as the context lets every token see all the ones before it.
+    if window is not None and window < max_positions:
+        raise ValueError(
+            f"config.json: {window_field} {window} is shorter than the context "
+            f"({max_positions} tokens); kvswitch attends over the whole context and does not "
+            "implement sliding-window attention"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,43 +11,9 @@ import torch
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
 from kvswitch.worker.weights import load_model
-
-transformers = pytest.importorskip("transformers")
+from tests.worker.hf_reference import TOL, hf_logits, save_checkpoint
 
 BLOCK_SIZE = 4
-TOL = {"atol": 1e-4, "rtol": 1e-4}
-
-
-def save_checkpoint(tmp_path: Path, arch: str, **overrides) -> torch.nn.Module:
-    kwargs = dict(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(0)
-    if arch == "qwen2":
-        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
-    else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    with torch.no_grad():  # random, non-trivial norms and biases
-        for name, param in hf.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    hf.config._attn_implementation = "eager"
-    return hf.eval()
-
-
-def hf_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([token_ids])).logits[0].float()
 
 
 @pytest.mark.parametrize(
@@ -55,6 +22,7 @@ def hf_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
         ("llama", {}),
         ("llama", {"tie_word_embeddings": True}),
         ("qwen2", {}),
+        ("mistral", {}),
     ],
 )
 def test_prefill_decode_and_prefix_hit_match_transformers(
@@ -141,8 +109,17 @@ def test_engine_stops_on_the_checkpoints_eos_and_at_its_context_length(tmp_path:
     from kvswitch.worker.engine import EngineConfig, LLMEngine
     from kvswitch.worker.request import FinishReason, SamplingParams
 
-    def run(eos_token_id: int | None, prompt: list[int], max_tokens: int):
+    def run(
+        eos_token_id: int | None,
+        prompt: list[int],
+        max_tokens: int,
+        generation_eos: list[int] | None = None,
+    ):
         save_checkpoint(tmp_path, "llama", eos_token_id=eos_token_id)  # same weights each time
+        if generation_eos is not None:
+            (tmp_path / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": generation_eos})
+            )
         engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=BLOCK_SIZE))
         engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens))
         tokens, reason = [], None
@@ -158,6 +135,96 @@ def test_engine_stops_on_the_checkpoints_eos_and_at_its_context_length(tmp_path:
     eos = free[4]  # EOS from config.json ends the request there
     tokens, reason = run(eos, prompt, 12)
     assert (tokens, reason) == (free[: free.index(eos) + 1], FinishReason.STOP)
+    # So does one that only generation_config.json lists (as Llama 3 instruct lists <|eot_id|>).
+    tokens, reason = run(None, prompt, 12, generation_eos=[100, eos])
+    assert (tokens, reason) == (free[: free.index(eos) + 1], FinishReason.STOP)
     # max_position_embeddings is 256: a 250-token prompt has room for 6 tokens, whatever max_tokens.
     tokens, reason = run(None, [i % 100 + 1 for i in range(250)], 50)
     assert (len(tokens), reason) == (6, FinishReason.LENGTH)
+
+
+def test_generation_config_eos_ids_join_the_configs(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, "llama", eos_token_id=2)
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2,)  # its copy of config.json's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 9]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2, 7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2, 5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2,)
+
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+}
+QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"]}
+MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"]}
+
+
+@pytest.mark.parametrize(
+    "hf,message",
+    [
+        (
+            {**LLAMA, "hidden_act": "gelu"},
+            "config.json: hidden_act 'gelu' is not supported (kvswitch's MLP is SwiGLU",
+        ),
+        ({**QWEN2, "hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
+        ({**LLAMA, "attention_bias": True}, "config.json: attention_bias true"),
+        ({**LLAMA, "mlp_bias": True}, "config.json: mlp_bias true"),
+        (
+            {**LLAMA, "quantization_config": {"quant_method": "awq", "bits": 4}},
+            "config.json: quantization_config (awq) is not supported",
+        ),
+        (
+            {**QWEN2, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            "config.json: sliding_window (with use_sliding_window true) 64 is shorter than "
+            "the context (256 tokens)",
+        ),
+        (
+            {
+                **QWEN2,
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "max_window_layers": 2,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            "sliding_window (with use_sliding_window true) 64",
+        ),
+        ({**MISTRAL, "sliding_window": 64}, "config.json: sliding_window 64 is shorter"),
+        # transformers gives a Mistral config without the key a window of 4096.
+        ({**MISTRAL, "max_position_embeddings": 32768}, "sliding_window 4096 is shorter"),
+    ],
+)
+def test_fields_that_change_the_math_are_refused_by_name(hf: dict, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        ModelConfig.from_hf(hf)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "hf",
+    [
+        # Qwen2.5's published configs: a window that use_sliding_window leaves off.
+        {**QWEN2, "use_sliding_window": False, "sliding_window": 64, "max_window_layers": 1},
+        # On, but from a layer the model does not have.
+        {**QWEN2, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+        {**QWEN2, "use_sliding_window": True, "sliding_window": None},
+        {**MISTRAL, "sliding_window": None},  # Mistral v0.2 and later
+        {**MISTRAL, "sliding_window": 256},  # as long as the context
+        {**LLAMA, "hidden_act": "swish", "attention_bias": False, "mlp_bias": False},
+        {**QWEN2, "mlp_bias": True, "attention_bias": False},  # Qwen2 reads neither
+        {**MISTRAL, "attention_bias": True},  # nor Mistral attention_bias
+    ],
+)
+def test_fields_that_leave_the_math_alone_are_accepted(hf: dict) -> None:
+    config = ModelConfig.from_hf(hf)
+    assert config.attention_bias == (hf["architectures"] == ["Qwen2ForCausalLM"])
