@@ -44,6 +44,8 @@ async def connect_index(
             )
         except RedisIndex.unavailable_errors as e:
             raise IndexUnreachable(f"cannot use the Redis at {redacted(url)}: {e}") from e
+        except ValueError as e:  # redis-py's own reading of the URL: a port that is no number
+            raise ValueError(f"index URL {redacted(url)}: {e}") from e
     if scheme == "grpc":
         from kvswitch.cache_index.grpc_index import GrpcIndex
 

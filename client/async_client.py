@@ -73,6 +73,16 @@ class AsyncClient:
         attempts = Attempts(request.request_id, self._retry, timeout_s, self.retry_budget)
         return AsyncStream(self._stub, request, self._metadata, attempts)
 
+    async def wait_until_connected(self, timeout_s: float) -> None:
+        """Returns once a connection to the router is up; ``ConnectionError`` if none is made
+        within ``timeout_s`` (nothing listens there, or the name does not resolve)."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            raise ConnectionError(
+                f"no router answered at {self.target} within {timeout_s:g} s"
+            ) from None
+
     async def close(self) -> None:
         """Closes the connection; requests still running are cancelled."""
         await self._channel.close()

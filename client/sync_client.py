@@ -77,6 +77,16 @@ class Client:
         attempts = Attempts(request.request_id, self._retry, timeout_s, self.retry_budget)
         return Stream(self._stub, request, self._metadata, attempts)
 
+    def wait_until_connected(self, timeout_s: float) -> None:
+        """Returns once a connection to the router is up; ``ConnectionError`` if none is made
+        within ``timeout_s`` (nothing listens there, or the name does not resolve)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ConnectionError(
+                f"no router answered at {self.target} within {timeout_s:g} s"
+            ) from None
+
     def close(self) -> None:
         """Closes the connection; requests still running are cancelled."""
         self._channel.close()

@@ -1,6 +1,8 @@
 """Log lines for the command line: one line per record, as key=value pairs or as JSON.
 
-Fields, in order: ``ts`` (UTC), ``level``, ``logger``, ``msg``, then whatever the call passed in
+Fields, in order: ``ts`` (UTC), ``level``, the process's own fields (a worker's ``worker_id``,
+so that the lines of several workers on one terminal tell apart), ``logger``, ``msg``, then
+whatever the call passed in
 ``extra`` (``logger.info("...", extra={"request_id": request_id})`` gives a ``request_id``
 field, so one request can be followed through the router and its workers), then ``exc`` with
 the traceback, if any::
@@ -21,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 LOG_FORMAT_ENV = "KVSWITCH_LOG_FORMAT"
@@ -32,11 +35,27 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
-def _fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LogSettings:
+    """How a process logs; an engine core process takes its serving process's."""
+
+    level: int | str = "INFO"
+    json: bool = False
+    process_fields: tuple[tuple[str, str], ...] = ()  # on every line, after the level
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, process_fields: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__()
+        self.process_fields = process_fields
+
+
+def _fields(record: logging.LogRecord, formatter: _Formatter) -> dict[str, Any]:
     timestamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
     fields: dict[str, Any] = {
         "ts": f"{timestamp}.{int(record.msecs):03d}Z",
         "level": record.levelname,
+        **dict(formatter.process_fields),
         "logger": record.name,
         "msg": record.getMessage(),
     }
@@ -48,14 +67,14 @@ def _fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str
     return fields
 
 
-class KeyValueFormatter(logging.Formatter):
+class KeyValueFormatter(_Formatter):
     """``key=value`` pairs; a value with a space, quote, ``=`` or newline is quoted and escaped."""
 
     def format(self, record: logging.LogRecord) -> str:
         return " ".join(f"{k}={_quote(v)}" for k, v in _fields(record, self).items())
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(_Formatter):
     """One JSON object per line; values JSON cannot hold are written as their ``str``."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -69,12 +88,30 @@ def _quote(value: Any) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def configure_logging(level: int | str = "INFO", json: bool = False) -> None:
-    """Send every log record at ``level`` and above to stderr, as key=value pairs or JSON lines.
-    Replaces whatever handlers the root logger had."""
+def configure_logging(
+    level: int | str = "INFO",
+    json: bool = False,
+    process_fields: Mapping[str, str] | tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Send every log record at ``level`` and above to stderr, as key=value pairs or JSON lines,
+    each with ``process_fields``. Replaces whatever handlers the root logger had."""
+    fields = tuple(dict(process_fields).items())
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if json else KeyValueFormatter())
+    handler.setFormatter(JsonFormatter(fields) if json else KeyValueFormatter(fields))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def log_settings() -> LogSettings:
+    """How this process logs now (for a process it starts to log alike)."""
+    root = logging.getLogger()
+    formatter = next(
+        (h.formatter for h in root.handlers if isinstance(h.formatter, _Formatter)), None
+    )
+    return LogSettings(
+        root.getEffectiveLevel(),
+        isinstance(formatter, JsonFormatter),
+        formatter.process_fields if formatter is not None else (),
+    )
 
 
 def log_format_from_env(environ: Mapping[str, str] = os.environ) -> str:

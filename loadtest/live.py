@@ -25,6 +25,7 @@ from kvswitch.loadtest.workloads import Session, TraceReplay, make_workload
 from kvswitch.router.policy import POLICIES
 
 DEFAULT_POLICY = "default"  # the router's own default policy
+CONNECT_TIMEOUT_S = 10.0  # how long a router may take to accept the connection
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,6 @@ async def _run(config: LoadTestConfig, workload: Any, sessions: list[Session]) -
     num_requests = sum(s.num_turns for s in sessions)
     if config.max_requests:
         num_requests = min(num_requests, config.max_requests)
-    progress = _progress(config.progress, num_requests * len(policies))
     report: dict[str, Any] = {
         "config": asdict(config),
         "workload": {"name": config.workload, **asdict(workload)},
@@ -112,6 +112,10 @@ async def _run(config: LoadTestConfig, workload: Any, sessions: list[Session]) -
             await stack.enter_async_context(AsyncClient(target, max_retries=0))
             for target in config.targets()
         ]
+        # NOTE: a router that is not there is one error, not a report of requests all failed.
+        for client in clients:
+            await client.wait_until_connected(CONNECT_TIMEOUT_S)
+        progress = _progress(config.progress, num_requests * len(policies))
         for policy in policies:
             plan = PhasePlan(
                 policy=None if policy == DEFAULT_POLICY else policy,

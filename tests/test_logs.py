@@ -1,12 +1,14 @@
-"""A recurring warning is logged at most once per interval, and says how many it held back."""
+"""Log lines: a process's own fields on every line, and a recurring warning logged at most once
+per interval, saying how many it held back."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
-from kvswitch.logs import Throttled
+from kvswitch.logs import LogSettings, Throttled, configure_logging, log_settings
 
 
 def test_a_recurring_warning_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture):
@@ -23,3 +25,27 @@ def test_a_recurring_warning_is_logged_once_per_interval(caplog: pytest.LogCaptu
         "the index cannot answer (refused) (and 1 more like it in the last 10 s)",
     ]
     assert all(r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_a_process_s_own_fields_follow_the_level_on_every_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("INFO", process_fields={"worker_id": "worker-1"})
+        logging.getLogger("kvswitch.test").info("ready", extra={"request_id": "r1"})
+        line = capsys.readouterr().err.strip()
+        assert line.split(" ", 1)[1] == (
+            "level=INFO worker_id=worker-1 logger=kvswitch.test msg=ready request_id=r1"
+        )
+        # what an engine core process is started with: the same format and fields
+        assert log_settings() == LogSettings(logging.INFO, False, (("worker_id", "worker-1"),))
+        configure_logging("WARNING", json=True, process_fields={"worker_id": "w2"})
+        logging.getLogger("kvswitch.test").warning("slow")
+        record = json.loads(capsys.readouterr().err)
+        assert list(record)[:4] == ["ts", "level", "worker_id", "logger"]
+        assert record["worker_id"] == "w2"
+        assert log_settings() == LogSettings(logging.WARNING, True, (("worker_id", "w2"),))
+    finally:
+        root.handlers[:], root.level = saved

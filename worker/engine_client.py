@@ -43,7 +43,7 @@ import zmq
 
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
-from kvswitch.logs import JsonFormatter, Throttled
+from kvswitch.logs import Throttled, log_settings
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, StepGap
 from kvswitch.worker.engine_core import build_and_run, core_process_main
@@ -219,8 +219,6 @@ class EngineClient:
         else:
             # NOTE: spawn, not fork: this process already runs gRPC's threads, which a fork
             # would copy in whatever state they were in.
-            root = logging.getLogger()
-            log_json = any(isinstance(h.formatter, JsonFormatter) for h in root.handlers)
             core = multiprocessing.get_context("spawn").Process(
                 target=core_process_main,
                 args=(
@@ -228,8 +226,7 @@ class EngineClient:
                     inbox_address,
                     outbox_address,
                     multiprocessing.current_process().pid,
-                    root.getEffectiveLevel(),
-                    log_json,
+                    log_settings(),
                 ),
                 name="kvswitch-engine-core",
                 daemon=True,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvswitch.logs import configure_logging
+from kvswitch.logs import LogSettings, configure_logging
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.request import Request, StepFailed, StepOutputs
 
@@ -387,14 +387,13 @@ def core_process_main(
     inbox_address: str,
     outbox_address: str,
     parent_pid: int,
-    log_level: int,
-    log_json: bool,
+    log: LogSettings,
 ) -> None:
     """The engine core process's entry point (started with multiprocessing's spawn)."""
     # Ctrl-C reaches the whole process group; the serving process decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    configure_logging(log_level, json=log_json)
+    configure_logging(log.level, json=log.json, process_fields=log.process_fields)
     context = zmq.Context()
     try:
         build_and_run(config, context, inbox_address, outbox_address, parent_pid)
