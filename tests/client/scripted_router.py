@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import threading
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -166,3 +167,10 @@ class BackgroundRouter:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+def free_address() -> str:
+    """A 127.0.0.1 address where nothing listens (its port was free a moment ago)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"

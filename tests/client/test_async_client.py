@@ -9,7 +9,12 @@ import grpc
 import pytest
 
 from kvswitch.client import AsyncClient, Chunk, KvswitchError, KvswitchTimeoutError
-from tests.client.scripted_router import EXPECTED, EXPECTED_CHUNKS, ScriptedRouter
+from tests.client.scripted_router import (
+    EXPECTED,
+    EXPECTED_CHUNKS,
+    ScriptedRouter,
+    free_address,
+)
 
 
 def test_generate_assembles_the_result(router: ScriptedRouter) -> None:
@@ -167,3 +172,16 @@ def test_bad_arguments_fail_before_anything_is_sent(router: ScriptedRouter) -> N
 
     asyncio.run(main())
     assert router.calls == []
+
+
+def test_wait_until_connected_returns_once_a_router_answers_and_says_when_none_does(
+    router: ScriptedRouter,
+) -> None:
+    async def main() -> None:
+        async with AsyncClient(router.address) as client:
+            await client.wait_until_connected(5.0)
+        async with AsyncClient(free_address()) as client:
+            with pytest.raises(ConnectionError, match=r"no router answered at 127\.0\.0\.1:"):
+                await client.wait_until_connected(0.3)
+
+    asyncio.run(main())

@@ -14,7 +14,13 @@ import pytest
 
 from kvswitch.client import Chunk, Client, KvswitchError, KvswitchTimeoutError
 from kvswitch.v1 import common_pb2, router_pb2
-from tests.client.scripted_router import EXPECTED, EXPECTED_CHUNKS, BackgroundRouter, ScriptedRouter
+from tests.client.scripted_router import (
+    EXPECTED,
+    EXPECTED_CHUNKS,
+    BackgroundRouter,
+    ScriptedRouter,
+    free_address,
+)
 
 
 def test_generate_assembles_the_result(router: ScriptedRouter) -> None:
@@ -277,3 +283,15 @@ def test_tls_with_a_ca_bundle(tmp_path: Path) -> None:
         assert background.servicer.calls[0].metadata["authorization"] == "Bearer t"
     finally:
         background.close()
+
+
+def test_wait_until_connected_returns_once_a_router_answers_and_says_when_none_does(
+    router: ScriptedRouter,
+) -> None:
+    with Client(router.address) as client:
+        client.wait_until_connected(5.0)
+    with (
+        Client(free_address()) as client,
+        pytest.raises(ConnectionError, match=r"no router answered at 127\.0\.0\.1:"),
+    ):
+        client.wait_until_connected(0.3)
