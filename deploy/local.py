@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.deploy.processes import Child, ChildError, RestartPolicy
+from kvswitch.serving import host_port
 
 _KVSWITCH = (sys.executable, "-m", "kvswitch.app.cli")
 STARTUP_TIMEOUT_S = 120.0  # a worker loads its model before it prints its address
@@ -52,6 +53,10 @@ class ClusterConfig:
     kv_cache_shm: bool = False  # CPU: KV caches in /dev/shm, blocks copied straight between them
     policy: str = "cost"
     host: str = "127.0.0.1"
+    http_port: int = -1  # the router's OpenAI-compatible HTTP API; -1 = none, 0 = a free port
+    # Prometheus /metrics: the router on this port, worker i (in --workers, --prefill-workers,
+    # --decode-workers order) on the i+1-th after it; -1 = none, 0 = a free port each.
+    metrics_port: int = -1
     grace_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -69,12 +74,29 @@ class ClusterConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be -1 or in [0, 65535], got {self.http_port}")
+        last_metrics_port = self.metrics_port + (self.metrics_port > 0) * num_workers
+        if not -1 <= self.metrics_port <= last_metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port must be -1, 0 or a port with {num_workers} more after it (one "
+                f"per worker), got {self.metrics_port}"
+            )
         if self.redis not in ("", "local") and "://" not in self.redis:
             raise ValueError(f"redis must be empty, 'local' or a redis:// URL, got {self.redis!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.kv_cache_shm and self.device != "cpu":
             raise ValueError("kv_cache_shm is for CPU workers: use it with device cpu")
+
+    def metrics_port_of(self, name: str) -> int:
+        """The /metrics port of the process ``name`` ("router" or a worker's); -1 = none."""
+        if self.metrics_port <= 0:
+            return self.metrics_port
+        if name == "router":
+            return self.metrics_port
+        names = [worker_name for worker_name, _ in self.worker_roles()]
+        return self.metrics_port + 1 + names.index(name)
 
     def worker_roles(self) -> list[tuple[str, str]]:
         """(name, role) of each worker to start."""
@@ -196,7 +218,8 @@ class LocalCluster:
         if self.index_url.startswith("grpc://"):
             raise ClusterError("several routers need a Redis index: start the cluster with redis")
         name = f"router-{len(self.extra_routers) + 1}"
-        router = self._child(name, [*_KVSWITCH, *self._router_args(self.index_url, port=0)])
+        args = self._router_args(self.index_url, port=0, http=False)
+        router = self._child(name, [*_KVSWITCH, *args])
         router.launch()
         self.extra_routers.append(router)
         return self._wait_ready(router)
@@ -354,7 +377,10 @@ class LocalCluster:
         except ChildError as e:
             raise ClusterError(str(e)) from None
 
-    def _router_args(self, index_url: str, port: int | None = None) -> list[str]:
+    def _router_args(
+        self, index_url: str, port: int | None = None, *, http: bool = True
+    ) -> list[str]:
+        """``http``: serve the HTTP API on ``http_port`` (the cluster's own router does)."""
         config = self.config
         return [
             "router",
@@ -363,6 +389,8 @@ class LocalCluster:
             "--index", index_url,
             "--model", config.model,
             "--policy", config.policy,
+            *(["--http-port", str(config.http_port)] if http and config.http_port >= 0 else []),
+            *(["--metrics-port", str(config.metrics_port_of("router"))] if http else []),
         ]  # fmt: skip
 
     def _worker_argv(self, name: str, role: str) -> list[str]:
@@ -380,6 +408,7 @@ class LocalCluster:
             "--dtype", config.dtype,
             "--block-size", str(config.block_size),
             "--kv-cache-bytes", str(config.kv_cache_bytes),
+            "--metrics-port", str(config.metrics_port_of(name)),
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
             *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),
             *self._extra_worker_args,
@@ -431,6 +460,20 @@ def run(config: ClusterConfig) -> None:
             file=sys.stderr,
             flush=True,
         )
+        if config.metrics_port > 0:
+            last = config.metrics_port_of(config.worker_roles()[-1][0])
+            print(
+                f"metrics: router http://{host_port(config.host, config.metrics_port)}/metrics, "
+                f"workers on ports {config.metrics_port + 1} to {last}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if config.http_port > 0:
+            print(
+                f"or: curl http://{host_port(config.host, config.http_port)}/v1/models",
+                file=sys.stderr,
+                flush=True,
+            )
         while not stop.wait(0.2) and not cluster.router_died.is_set():
             pass
         print("stopping the cluster ...", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ line (or its death). ``RestartPolicy`` says how long to wait before each restart
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import subprocess
 import threading
@@ -19,6 +20,7 @@ from typing import IO
 from kvswitch.serving import READY_MARK
 
 LOG_TAIL_BYTES = 2000  # of a child's log, quoted when it fails to start
+EXIT_WAIT_S = 5.0  # a child whose output ended has this long to exit before it counts as hung
 
 
 class ChildError(RuntimeError):
@@ -111,16 +113,20 @@ class Child:
     def wait_ready(self, timeout_s: float) -> str:
         """Its address, once it says; ``ChildError`` (with its log's tail) if it dies or is silent
         for ``timeout_s``."""
-        self._ready.wait(timeout_s)
+        said = self._ready.wait(timeout_s)
         if self.address and self.returncode is None:
             return self.address
+        if said and not self.address and self.popen is not None:
+            # NOTE: its stdout ended: it is exiting, and its exit status may lag the pipe's end.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=EXIT_WAIT_S)
         why = "exited" if self.returncode is not None else f"did not start in {timeout_s:.0f} s"
         self.kill()
         raise ChildError(f"{self.name} {why}{self.log_tail()}")
 
     def log_tail(self) -> str:
         if self.log_path is None:
-            return ""
+            return " (its log, above, says why)"  # its output went to this terminal
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(0, 2)

@@ -13,6 +13,7 @@ import contextlib
 import math
 import secrets
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,8 @@ async def _run(config: LoadTestConfig, workload: Any, sessions: list[Session]) -
     num_requests = sum(s.num_turns for s in sessions)
     if config.max_requests:
         num_requests = min(num_requests, config.max_requests)
+    # NOTE: imported before any connection: a missing extra is said first.
+    new_progress = _progress_bar() if config.progress else None
     report: dict[str, Any] = {
         "config": asdict(config),
         "workload": {"name": config.workload, **asdict(workload)},
@@ -115,7 +118,7 @@ async def _run(config: LoadTestConfig, workload: Any, sessions: list[Session]) -
         # NOTE: a router that is not there is one error, not a report of requests all failed.
         for client in clients:
             await client.wait_until_connected(CONNECT_TIMEOUT_S)
-        progress = _progress(config.progress, num_requests * len(policies))
+        progress = new_progress(num_requests * len(policies)) if new_progress else None
         for policy in policies:
             plan = PhasePlan(
                 policy=None if policy == DEFAULT_POLICY else policy,
@@ -163,9 +166,8 @@ def _idle_workers(records: list, num_workers: int) -> list[str]:
     return [f"(idle {i})" for i in range(max(num_workers - len(seen), 0))]
 
 
-def _progress(enabled: bool, total: int) -> Any:
-    if not enabled:
-        return None
+def _progress_bar() -> Callable[[int], Any]:
+    """What makes a progress bar of ``total`` requests on stderr."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+    return lambda total: tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)

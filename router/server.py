@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +28,7 @@ from kvswitch.checkpoint import RANDOM_PREFIX
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.disagg import DisaggConfig
+from kvswitch.router.forwarded import new_front_key
 from kvswitch.router.limits import RequestLimits
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
@@ -38,6 +40,9 @@ from kvswitch.security import FleetSecurity
 from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.tokenizer import Tokenizer, TokenizerFileError, load_tokenizer
 from kvswitch.v1 import router_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvswitch.router.http_server import HttpFront
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +100,7 @@ class RouterConfig:
     tls_client_auth: bool = False
     fleet_token: str = ""
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
+    http_port: int = -1  # the OpenAI-compatible HTTP API (docs/OPENAI.md); -1 = none, 0 = free
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
 
     def __post_init__(self) -> None:
@@ -111,6 +117,8 @@ class RouterConfig:
             raise ValueError(f"wait_for_worker_s must be >= 0, got {self.wait_for_worker_s}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 or in [0, 65535], got {self.metrics_port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be -1 or in [0, 65535], got {self.http_port}")
         for name in ("peer_fetch_tokens_per_s", "peer_fetch_latency_ms", "prefill_tokens_per_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
@@ -182,16 +190,26 @@ class RouterServer:
     tasks: list[asyncio.Task]
     metrics: RouterMetrics
     metrics_server: MetricsServer | None = None
+    http_front: HttpFront | None = None
 
     @property
     def metrics_address(self) -> str | None:
         """host:port of /metrics, or None when not served."""
         return self.metrics_server.address if self.metrics_server is not None else None
 
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the OpenAI-compatible HTTP API, or None when not served."""
+        return self.http_front.address if self.http_front is not None else None
+
     async def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING, give running requests ``grace_s`` to finish, then close."""
         await self.health_servicer.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        # NOTE: together: HTTP requests are gRPC calls to this server, and end with them.
+        stopping = [self.server.stop(grace_s)]
+        if self.http_front is not None:
+            stopping.append(self.http_front.stop(grace_s))
+        await asyncio.gather(*stopping)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -256,6 +274,20 @@ async def start_router(config: RouterConfig) -> RouterServer:
         namespace=config.namespace,
         pending=PendingBlocks(config.pending_ttl_s),
     )
+    front_key, http_front = "", None
+    if config.http_port >= 0:
+        # NOTE: imported only when served: FastAPI and uvicorn take about a second to import.
+        from kvswitch.router.http_server import start_http_front
+        from kvswitch.router.openai_http import FrontConfig
+
+        front_key = new_front_key()
+        try:
+            http_front = await start_http_front(FrontConfig.of(config), router, address, front_key)
+        except OSError as e:
+            await index.close()
+            raise RouterStartError(
+                f"cannot serve HTTP on {host_port(config.host, config.http_port)}: {e}"
+            ) from e
     metrics = RouterMetrics(
         worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)
     )
@@ -276,6 +308,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         wait_for_worker_s=config.wait_for_worker_s,
         disagg=config.disagg_config(),
         limits=config.limits(),
+        front_key=front_key,
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -300,7 +333,16 @@ async def start_router(config: RouterConfig) -> RouterServer:
         config.policy,
     )
     return RouterServer(
-        address, router, servicer, server, health_servicer, index, tasks, metrics, metrics_server
+        address,
+        router,
+        servicer,
+        server,
+        health_servicer,
+        index,
+        tasks,
+        metrics,
+        metrics_server,
+        http_front,
     )
 
 

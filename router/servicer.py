@@ -25,6 +25,7 @@ import numpy as np
 
 from kvswitch.cache_index.hashing import TokenIds, tokens_from_bytes, tokens_to_bytes
 from kvswitch.router.disagg import DisaggConfig
+from kvswitch.router.forwarded import forwarded_client
 from kvswitch.router.limits import (
     ClientStreams,
     RequestLimits,
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this, as on the worker
+# Initial metadata of a stream, sent with its first token: the worker that produced that token.
+WORKER_ID_KEY = "kvswitch-worker-id"
 # How often a request waiting for a worker looks again when no worker joined or left (one marked
 # down comes back by the clock alone).
 _RECHECK_S = 0.25
@@ -188,8 +191,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         wait_for_worker_s: float = 0.0,
         disagg: DisaggConfig | None = None,
         limits: RequestLimits | None = None,
+        front_key: str = "",
     ) -> None:
+        """``front_key``: what the router's HTTP front sends with the calls it makes for its
+        clients (``router/forwarded.py``); empty = no front."""
         self._router = router
+        self._front_key = front_key
         self._limits = limits if limits is not None else RequestLimits()
         self._client_streams = ClientStreams(self._limits.max_streams_per_client)
         self._running_ids: set[str] = set()  # client-chosen ids of the requests streaming now
@@ -205,7 +212,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # NOTE: written with context.write, not as an async generator, so that a cancelled RPC
         # raises CancelledError in here and the worker's call is cancelled with it.
         outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}", self._metrics)
-        client = client_of(context.peer())
+        # NOTE: a call from the HTTP front counts against the HTTP client it stands for.
+        forwarded = forwarded_client(context.invocation_metadata(), self._front_key)
+        client = forwarded or client_of(context.peer())
         if not self._client_streams.open(client):
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(_CLIENT_RETRY_AFTER_MS)),))
             await _abort(
@@ -536,6 +545,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if progress.first_token_s is None and response.chunk.token_ids:
                     progress.first_token_s = time.monotonic()
                     progress.outcome.ttft_s = progress.first_token_s - progress.started_s
+                    await context.send_initial_metadata(((WORKER_ID_KEY, handle.worker_id),))
                 progress.sent += response.chunk.token_ids
                 await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
         raise _WorkerFailed(handle, "the stream ended without a final message")

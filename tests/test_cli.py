@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import logging
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 
 from kvswitch.app.cli import build_parser, main
 from kvswitch.app.cli_args import with_flags
+from kvswitch.client import Client
 from tests.router.harness import BackgroundCluster
 
 COMMANDS = [
@@ -356,6 +360,126 @@ def test_starting_a_router_or_worker_by_name_does_not_load_torch() -> None:
         "    build_parser(command).parse_known_args([command])\n"
         "print('torch' in sys.modules)\n"
     )
+    assert python_prints(code) == "False"
+
+
+def python_prints(code: str) -> str:
+    """What a fresh Python running ``code`` prints, stripped."""
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False"
+    return result.stdout.strip()
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """The commands configure the root logger; leave it as it was for the tests after."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    yield
+    root.handlers[:], root.level = saved
+
+
+def broken_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint directory whose tokenizer.json is not JSON."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["index", "stats", "--index", "foo://x"],
+            "kvswitch index stats: unknown index URL scheme 'foo': use memory://, redis://",
+        ),
+        (
+            ["index", "audit", "--index", "redis://127.0.0.1:notaport"],
+            "kvswitch index audit: index URL redis://127.0.0.1:notaport: Port could not be cast",
+        ),
+        (
+            ["worker", "--port", "0", "--model", "/nonexistent/checkpoint"],
+            "kvswitch worker: cannot load the model: --model /nonexistent/checkpoint: no such "
+            "checkpoint directory",
+        ),
+        (
+            ["worker", "--port", "0", "--model", "{broken}"],
+            "kvswitch worker: cannot load the model: {broken}/tokenizer.json cannot be read:",
+        ),
+        (
+            ["router", "--port", "0", "--model", "{broken}"],
+            "kvswitch router: {broken}/tokenizer.json cannot be read:",
+        ),
+        (
+            ["generate", "--target", "127.0.0.1:1", "--prompt-file", "/nonexistent/prompt.txt"],
+            "kvswitch generate: --prompt-file /nonexistent/prompt.txt: No such file or directory",
+        ),
+    ],
+)
+def test_bad_input_ends_in_one_line_and_a_failing_exit_status(
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    root_logging: None,
+) -> None:
+    broken = str(broken_checkpoint(tmp_path))
+    argv = [arg.replace("{broken}", broken) for arg in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    code = exit_info.value.code
+    # sys.exit(message) for servers and tools; generate prints its line and returns 1
+    said = code if isinstance(code, str) else capsys.readouterr().err.strip()
+    assert code not in (0, None)
+    assert said.startswith(message.replace("{broken}", broken)), said
+    assert "\n" not in said and "Traceback" not in capsys.readouterr().err
+
+
+def test_the_command_list_and_version_load_no_command() -> None:
+    # kvswitch --help took 3 s when it built every command, the kernels' torch included.
+    code = (
+        "import contextlib, io, sys\n"
+        "from kvswitch.app.cli import main\n"
+        "for argv in (['--help'], ['--version'], []):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), "
+        "contextlib.redirect_stderr(io.StringIO()):\n"
+        "        main(argv)\n"
+        "heavy = ('torch', 'grpc', 'numpy', 'kvswitch.router.server', 'kvswitch.benchmarks.pool')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    assert python_prints(code) == "[]"
+
+
+def test_generate_takes_the_prompt_as_ids_from_a_file_or_stdin_with_stops_and_lora(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def generate(*args: str) -> tuple[int, str, str]:
+        try:
+            main(["generate", "--target", cluster.address, "--max-tokens", "6", *args])
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    with BackgroundCluster(1) as cluster, Client(cluster.address) as client:
+        expected = client.generate("Hi there", max_tokens=6)
+        assert generate("--prompt", "Hi there")[1] == expected.text + "\n"
+        (tmp_path / "prompt.txt").write_text("Hi there")
+        assert generate("--prompt-file", str(tmp_path / "prompt.txt"))[1] == expected.text + "\n"
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hi there")))
+        assert generate("--prompt-file", "-")[1] == expected.text + "\n"
+        ids = client.generate(prompt_token_ids=[256, 72, 105], max_tokens=6)
+        code, out, _ = generate("--prompt-token-ids", "256,72,105")
+        assert (code, out) == (0, ids.text + "\n")
+        # stopped where the third token it generates first comes (its EOS or a stop token
+        # is kept), finish reason stop; the other stop id never comes
+        stop, unused = ids.token_ids[2], next(i for i in range(257) if i not in ids.token_ids)
+        num_tokens = ids.token_ids.index(stop) + 1
+        code, _, err = generate(
+            "--prompt-token-ids", "256,72,105", "--stop-token-ids", f"{unused},{stop}"
+        )
+        assert code == 0 and err.startswith("[stop]"), err
+        assert f" {num_tokens} output tokens" in err
+        code, _, err = generate("--prompt", "Hi", "--lora", "no-such-adapter")
+        assert code == 1 and "unknown adapter 'no-such-adapter'" in err

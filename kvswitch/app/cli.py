@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -289,6 +290,9 @@ ROUTER_HELP = {
     "one with RESOURCE_EXHAUSTED)",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
+    "http_port": "TCP port for the OpenAI-compatible HTTP API at http://HOST:PORT/v1 "
+    "(completions, chat, models; https with --tls-cert); 0 picks a free one, -1 = none "
+    "(docs/OPENAI.md)",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
     **SECURITY_HELP,
 }
@@ -309,6 +313,11 @@ UP_HELP = {
     "kv_cache_shm": WORKER_HELP["kv_cache_shm"],
     "policy": ROUTER_HELP["policy"],
     "host": "address every process listens on",
+    "http_port": "the router's OpenAI-compatible HTTP API at http://HOST:PORT/v1; 0 picks a "
+    "free one, -1 = none (docs/OPENAI.md)",
+    "metrics_port": "Prometheus /metrics of the router on this port and of worker i on the "
+    "i+1-th after it (workers, then prefill, then decode workers); 0 = a free port each (in "
+    "their logs), -1 = none",
     "grace_s": "seconds running requests get to finish when the cluster stops",
 }
 HEALTH_HELP = {
@@ -443,7 +452,11 @@ ROUTING_STUDY_HELP = {
 GENERATE_HELP = {
     "target": "the router, HOST:PORT",
     "prompt": "the prompt text",
+    "prompt_file": "read the prompt text from this file; - reads stdin",
+    "prompt_token_ids": "the prompt as comma-separated token ids (1,2,3), sent untokenized",
     "max_tokens": "most tokens to generate",
+    "stop_token_ids": "comma-separated token ids that end generation besides the model's EOS",
+    "lora": "LoRA adapter to apply; empty = the base model",
     "temperature": "sampling temperature; 0 = greedy",
     "top_p": "nucleus sampling mass in (0, 1]",
     "seed": "sampling seed; -1 = none",
@@ -497,7 +510,8 @@ def _worker_command(args: argparse.Namespace) -> None:
     from kvswitch.worker import server as worker_server
 
     config = config_from_args(worker_server.WorkerConfig, _tokens_from_env(args))
-    _configure_logging()
+    # NOTE: workers that share a terminal (kvswitch up) tell their lines apart by it.
+    _configure_logging({"worker_id": config.worker_id} if config.worker_id else {})
     try:
         worker_server.run(config)
     except (worker_server.WorkerStartError, worker_server.WorkerFailed) as e:
@@ -514,12 +528,12 @@ def _tokens_from_env(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _configure_logging() -> None:
+def _configure_logging(process_fields: dict[str, str] | None = None) -> None:
     try:
         log_format, log_level = log_format_from_env(), log_level_from_env()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    configure_logging(log_level, json=log_format == "json")
+    configure_logging(log_level, json=log_format == "json", process_fields=process_fields or {})
 
 
 def _router_command(args: argparse.Namespace) -> None:
@@ -596,10 +610,11 @@ def _index_command(report: Callable) -> Callable:
     return command
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole CLI; or, given a ``command`` it knows, that command alone. Building a command
-    imports what it runs, so a router or worker started by name does not load (say) the kernels'
-    torch for commands it will never run."""
+def build_parser(command: str | None = None, *, summaries: bool = False) -> argparse.ArgumentParser:
+    """The whole CLI; or, given a ``command`` it knows, that command alone; or, with
+    ``summaries``, each command's name and summary only (``kvswitch --help``). Building a
+    command imports what it runs, so a router or worker started by name does not load (say) the
+    kernels' torch for commands it will never run, and ``kvswitch --help`` loads none of them."""
     if command not in {name for name, *_ in COMMANDS}:
         command = None
     parser = argparse.ArgumentParser(
@@ -615,6 +630,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name, extra, summary, add in COMMANDS:
         if command is not None and name != command:
             continue
+        if summaries:
+            # NOTE: never run: a command named on the command line is built in full instead.
+            missing = _missing_module(extra)
+            if missing is None:
+                commands.add_parser(name, help=summary, add_help=False)
+            else:
+                _add_unavailable(commands, name, summary, str(extra), missing)
+            continue
         try:
             add(commands, name, summary)
         except ModuleNotFoundError as e:
@@ -622,6 +645,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 raise
             _add_unavailable(commands, name, summary, extra, e.name)
     return parser
+
+
+# Modules each extra brings, looked for (not imported) to mark the command list.
+EXTRA_MODULES = {
+    "router": ("grpc_health", "redis", "numpy"),
+    "worker": ("grpc_health", "torch", "zmq"),
+    "loadtest": ("numpy", "tqdm"),
+    "all": ("grpc_health", "torch", "zmq", "tqdm"),
+}
+
+
+def _missing_module(extra: str | None) -> str | None:
+    """A module of ``extra`` that this installation lacks, or None."""
+    for module in EXTRA_MODULES.get(extra or "", ()):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ValueError:  # in sys.modules without a spec
+            found = True
+        if not found:
+            return module
+    return None
 
 
 class _Unavailable:
@@ -1008,7 +1052,8 @@ COMMANDS: list[
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv[0] if argv else None)
+    command = argv[0] if argv else None
+    parser = build_parser(command, summaries=command not in {name for name, *_ in COMMANDS})
     args, unknown = parser.parse_known_args(argv)
     if unknown and not isinstance(args.func, _Unavailable):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -3,6 +3,7 @@ workers (the built-in model), the embedded or a Redis index, requests through th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -295,8 +297,66 @@ def test_up_counts_its_workers_by_role() -> None:
         ClusterConfig(decode_workers=-1)
 
 
+def test_up_serves_the_http_api_from_its_own_router_only(tmp_path: Path) -> None:
+    cluster = LocalCluster(ClusterConfig(http_port=8000), log_dir=tmp_path)
+    argv = cluster._router_args("grpc://127.0.0.1:1")
+    assert argv[argv.index("--http-port") + 1] == "8000"
+    assert "--http-port" not in cluster._router_args("redis://r", port=0, http=False)
+    assert "--http-port" not in LocalCluster(ClusterConfig(), log_dir=tmp_path)._router_args("x")
+    with pytest.raises(ValueError, match="http_port must be -1 or in"):
+        ClusterConfig(http_port=70000)
+
+
 def test_up_gives_each_cpu_worker_its_share_of_the_cores(tmp_path: Path) -> None:
     cluster = LocalCluster(ClusterConfig(workers=2, port=0), log_dir=tmp_path)
     argv = cluster._worker_argv("worker-0", "both")
     threads = int(argv[argv.index("--cpu-threads") + 1])
     assert threads == max((os.cpu_count() or 1) // 2, 1)
+
+
+def free_port_run(length: int) -> int:
+    """The first of ``length`` consecutive ports free now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + length > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + length):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {length} consecutive free ports")
+
+
+def test_up_serves_metrics_on_consecutive_ports_and_labels_worker_logs(tmp_path: Path) -> None:
+    first = free_port_run(3)
+    config = ClusterConfig(workers=2, port=0, grace_s=1.0, metrics_port=first)
+    assert [config.metrics_port_of(n) for n in ("router", "worker-0", "worker-1")] == [
+        first,
+        first + 1,
+        first + 2,
+    ]
+    with running(config, log_dir=tmp_path) as cluster, Client(cluster.address) as client:
+        client.generate("metrics, please", max_tokens=2)
+        pages = [
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            for port in (first, first + 1, first + 2)
+        ]
+    assert "kvswitch_router_requests_total" in pages[0]
+    assert all("kvswitch_worker_requests_total" in page for page in pages[1:])
+    # one worker served the request; the other's page is its own
+    served = [
+        p for p in pages[1:] if 'kvswitch_worker_requests_total{finish_reason="length"} 1.0' in p
+    ]
+    assert len(served) == 1
+    for name in ("worker-0", "worker-1"):
+        lines = (tmp_path / f"{name}.log").read_text().splitlines()
+        logged = [line for line in lines if line.startswith("ts=")]
+        assert logged and all(f" worker_id={name} " in line for line in logged)
+    with pytest.raises(ValueError, match="metrics_port must be -1, 0 or a port with 2 more"):
+        ClusterConfig(workers=2, metrics_port=65534)

@@ -1,0 +1,119 @@
+"""The router's HTTP server: uvicorn serving the OpenAI-compatible API (``router/openai_http.py``)
+as a task on the router's event loop, started and stopped with the router.
+
+Its socket is bound before anything starts, so that a taken port fails the router's start. The
+router keeps its own SIGINT / SIGTERM handling: uvicorn installs none and stops when the router
+stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import socket
+import ssl
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import uvicorn
+
+from kvswitch.router.openai_http import FrontConfig, OpenAIFront
+from kvswitch.router.router import Router
+from kvswitch.serving import host_port
+from kvswitch.v1 import router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN_MARGIN_S = 1.0  # for the last streams' errors to reach their clients
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: the router handles SIGINT and SIGTERM itself and stops this server with it.
+        yield
+
+
+@dataclasses.dataclass
+class HttpFront:
+    """A started HTTP API; ``stop`` it with the router."""
+
+    address: str  # host:port as bound
+    scheme: str  # http, or https where the router serves TLS
+    server: uvicorn.Server
+    task: asyncio.Task
+    channel: grpc.aio.Channel
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.address}/v1"
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking connections; running requests have ``grace_s`` (and the router's own
+        grace for their calls) to finish."""
+        # NOTE: past the router's grace, which cancels the calls still running, and so ends
+        # their responses: what remains then is a client that stopped reading.
+        self.server.config.timeout_graceful_shutdown = math.ceil(grace_s + _SHUTDOWN_MARGIN_S)
+        self.server.should_exit = True
+        await self.task
+        await self.channel.close()
+
+
+async def start_http_front(
+    config: FrontConfig, router: Router, router_address: str, front_key: str
+) -> HttpFront:
+    """Serve the HTTP API on ``config.host``:``config.http_port`` in front of the router at
+    ``router_address`` (this process's); OSError if the port cannot be bound."""
+    sock = _bind(config.host, config.http_port)
+    # NOTE: the router's TLS and certificate, never its fleet token: the Router service
+    # checks the HTTP client's own token.
+    security = dataclasses.replace(config.security, fleet_token="")
+    host, _, port = router_address.rpartition(":")
+    target = host_port("localhost" if host in _WILDCARD_HOSTS else host.strip("[]"), int(port))
+    channel = security.channel(target)
+    front = OpenAIFront(config, router, router_pb2_grpc.RouterStub(channel), front_key)
+    tls: dict[str, Any] = {}
+    if security.tls:
+        tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
+        if security.tls_client_auth:
+            tls.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    uvicorn_config = uvicorn.Config(
+        front.app,
+        lifespan="off",
+        log_config=None,  # the process's logging stays as kvswitch set it
+        log_level="warning",
+        access_log=False,  # one line a request: the router logs requests at DEBUG only
+        **tls,
+    )
+    server = _Server(uvicorn_config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            sock.close()
+            await channel.close()
+            task.result()  # raises why it stopped
+            raise OSError("the HTTP server stopped while starting")
+        await asyncio.sleep(0.01)
+    address = host_port(config.host, sock.getsockname()[1])
+    front_server = HttpFront(address, "https" if security.tls else "http", server, task, channel)
+    logger.info("OpenAI-compatible HTTP API at %s", front_server.url)
+    return front_server
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock

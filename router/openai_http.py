@@ -1,0 +1,348 @@
+"""The router's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` and
+``/v1/models`` (FastAPI on uvicorn, on the router's own event loop).
+
+The front holds no routing of its own. Each HTTP request becomes one ``kvswitch.v1.Router``
+``Generate`` call to this very router, over a loopback channel, so it passes the same guard,
+limits, routing and failover as any gRPC client's::
+
+    POST /v1/chat/completions --> token?, parse, check --> chat template --> token ids
+        --> Router.Generate (loopback: the client's bearer token, its address, the front key)
+        --> chunks --> text (cut at stop strings) --> JSON, or server-sent events
+
+- auth: the front refuses a request without the router's token before reading it, and the
+  client's ``Authorization`` header travels with the call, which the router's guard checks as
+  it checks a gRPC client's.
+- open streams per client: the call names the HTTP client's address next to a key only this
+  process knows (``router/forwarded.py``), and the servicer counts the stream against that
+  address, so HTTP and gRPC streams from one address share its limit.
+- TLS: the loopback call is made as the router calls its workers (``FleetSecurity``), and the
+  HTTP API itself is served over TLS (and asks for client certificates) when the router is.
+- errors: a call that fails before its first token is an HTTP error with the status its gRPC
+  code maps to (``openai_protocol.error_from_status``); a stream that fails later ends with an
+  ``{"error": ...}`` event, then ``[DONE]``. Nothing is retried here: failover happens in the
+  router, and a 429 carries ``Retry-After`` for the client to wait and retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import numpy as np
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from kvswitch.cache_index.hashing import tokens_to_bytes
+from kvswitch.router.chat_template import ChatTemplateError, load_chat_template
+from kvswitch.router.forwarded import FORWARDED_CLIENT_HEADER, FRONT_KEY_HEADER, http_client
+from kvswitch.router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    Reply,
+    error_from_validation,
+)
+from kvswitch.router.openai_stream import RouterOutput, events, until_disconnected
+from kvswitch.router.router import NoTokenizerError, Router
+from kvswitch.router.servicer import WORKER_ID_KEY
+from kvswitch.router.stop_strings import StopStrings
+from kvswitch.security import FleetSecurity
+from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# JSON spells a prompt out longer than protobuf carries it (escapes, token ids as digits).
+BODY_BYTES_PER_MESSAGE_BYTE = 4
+_INLINE_RENDER_CHARS = 1024  # longer conversations are rendered and tokenized on a thread
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontConfig:
+    """What the front takes from ``RouterConfig`` (fields of the same names)."""
+
+    host: str
+    http_port: int
+    model: str  # whose chat template to use; empty = the built-in model's
+    token: str
+    max_message_bytes: int
+    max_output_tokens: int  # a chat request without max_tokens may have this many; 0 = no limit
+    security: FleetSecurity
+
+    @classmethod
+    def of(cls, config: Any) -> FrontConfig:
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "security"]
+        return cls(**{name: getattr(config, name) for name in names}, security=config.security())
+
+
+class OpenAIFront:
+    """The ASGI app (``app``) and what its endpoints share: the loopback stub, the template."""
+
+    def __init__(
+        self,
+        config: FrontConfig,
+        router: Router,
+        stub: router_pb2_grpc.RouterStub,
+        front_key: str,
+    ) -> None:
+        self._config = config
+        self._router = router
+        self._stub = stub
+        self._front_key = front_key
+        self._max_body_bytes = BODY_BYTES_PER_MESSAGE_BYTE * config.max_message_bytes
+        self._template, self._no_template_reason = load_chat_template(
+            config.model, router.tokenizer
+        )
+        if self._template is None:
+            logger.warning("chat requests will be refused: %s", self._no_template_reason)
+        self._started = int(time.time())
+        self.app = FastAPI(title="kvswitch", docs_url=None, redoc_url=None, openapi_url=None)
+        self.app.add_exception_handler(OpenAIError, _error_response)  # type: ignore[arg-type]
+        self.app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
+        self.app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        self.app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        self.app.add_api_route("/v1/models", self.models, methods=["GET"])
+        self.app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        self._check_token(request)
+        body = await self._parse(request, CompletionRequest)
+        self._check_model(body.model)
+        call = self._grpc_request(
+            body, f"cmpl-{uuid.uuid4().hex}", body.max_tokens or COMPLETION_MAX_TOKENS
+        )
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            call.text = prompt
+            count_prompt = self._counter(lambda: len(self._router.tokenize(prompt)), len(prompt))
+        else:
+            call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(prompt, np.uint32))
+            count_prompt = self._counter(lambda: len(prompt), 0)
+        reply = Reply(call.request_id, int(time.time()), body.model, chat=False)
+        return await self._answer(request, body, call, reply, "prompt", count_prompt)
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._check_token(request)
+        body = await self._parse(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        template = self._template
+        if template is None:
+            raise OpenAIError(
+                400, f"chat is not available: {self._no_template_reason}", param="messages"
+            )
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            token_ids = await self._off_loop_if_long(
+                lambda: template.encode(template.render(messages)),
+                sum(len(m["content"]) for m in messages),
+            )
+        except ChatTemplateError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
+        # NOTE: without max_tokens a chat answer runs to its end, as on OpenAI: as long as the
+        # router allows (and the worker's context, which the router and worker cut it to).
+        max_tokens = body.output_limit() or self._config.max_output_tokens or (1 << 32) - 1
+        call = self._grpc_request(body, f"chatcmpl-{uuid.uuid4().hex}", max_tokens)
+        call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(token_ids, np.uint32))
+        reply = Reply(call.request_id, int(time.time()), body.model, chat=True)
+        count_prompt = self._counter(lambda: len(token_ids), 0)
+        return await self._answer(request, body, call, reply, "messages", count_prompt)
+
+    async def models(self, request: Request) -> Response:
+        self._check_token(request)
+        data = [self._model_card(name) for name in self._served_models()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        self._check_token(request)
+        self._check_model(model_id, known_only=True)
+        return JSONResponse(self._model_card(model_id))
+
+    # -- one request ---------------------------------------------------------------------------
+
+    async def _answer(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        call: router_pb2.GenerateRequest,
+        reply: Reply,
+        prompt_param: str,
+        count_prompt: Callable[[], Awaitable[int]],
+    ) -> Response:
+        """Send ``call`` to the router and answer with its output: whole, or streamed once the
+        router has sent the first token (so that a refusal is still an HTTP status)."""
+        if call.ByteSize() > self._config.max_message_bytes:
+            raise OpenAIError(
+                413,
+                f"the request is {call.ByteSize()} bytes as the router takes it; this router "
+                f"takes at most {self._config.max_message_bytes}",
+                code="request_too_large",
+            )
+        rpc = self._stub.Generate(call, metadata=self._metadata(request))
+        stops = StopStrings(body.stop_strings()) if body.stop else None
+        output = RouterOutput(rpc, stops, prompt_param, count_prompt)
+        try:
+            if not body.stream:
+                text = await until_disconnected(request, output.read_all())
+                headers = _route_headers(output.final)
+                finish_reason, usage = await output.ending()
+                return JSONResponse(reply.whole(text, finish_reason, usage), headers=headers)
+            first = await until_disconnected(request, output.first())
+            # NOTE: the router names the worker before its first token, in the call's headers.
+            worker_id = dict(await rpc.initial_metadata() or ()).get(WORKER_ID_KEY, "")
+        except BaseException:
+            rpc.cancel()
+            raise
+        headers = {"x-kvswitch-worker": _header_value(worker_id)} if worker_id else {}
+        headers["cache-control"] = "no-cache"
+
+        async def cancel() -> None:  # a stream whose client left before it began
+            rpc.cancel()
+
+        return StreamingResponse(
+            events(reply, output, first, body.include_usage()),
+            media_type="text/event-stream",
+            headers=headers,
+            background=BackgroundTask(cancel),
+        )
+
+    def _grpc_request(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+        max_tokens: int,
+    ) -> router_pb2.GenerateRequest:
+        """The gRPC request for ``body``, its prompt still to set."""
+        sampling = common_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop_token_ids=body.stop_token_ids or (),
+        )
+        if body.seed is not None:
+            sampling.seed = body.seed
+        call = router_pb2.GenerateRequest(
+            request_id=request_id,
+            sampling=sampling,
+            lora=body.lora or "",
+            cache_salt=body.cache_salt or "",
+        )
+        if body.routing is not None:
+            call.routing.policy = body.routing.policy
+            call.routing.weights.update(body.routing.weights)
+        return call
+
+    def _metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
+        client = http_client(request.client.host) if request.client else "unknown"
+        metadata = [(FRONT_KEY_HEADER, self._front_key), (FORWARDED_CLIENT_HEADER, client)]
+        authorization = request.headers.get("authorization")
+        # NOTE: gRPC takes printable ASCII only; a token is that, so nothing else is sent.
+        if authorization is not None and authorization.isascii() and authorization.isprintable():
+            metadata.append(("authorization", authorization))
+        return tuple(metadata)
+
+    # -- checks --------------------------------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[T]) -> T:
+        length = request.headers.get("content-length", "")
+        too_large = OpenAIError(
+            413,
+            f"the request body is larger than the {self._max_body_bytes} bytes this router takes",
+            code="request_too_large",
+        )
+        if length.isdigit() and int(length) > self._max_body_bytes:
+            raise too_large
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > self._max_body_bytes:
+                raise too_large
+        try:
+            return model.model_validate_json(bytes(body))  # type: ignore[attr-defined]
+        except ValidationError as e:
+            raise error_from_validation(e) from None
+
+    def _served_models(self) -> list[str]:
+        """The model this router routes for: the one it was told, else what live workers serve."""
+        if self._router.namespace:
+            return [self._router.namespace]
+        return sorted({h.info.namespace for h in self._router.directory.handles()})
+
+    def _check_model(self, name: str, *, known_only: bool = False) -> None:
+        served = self._served_models()
+        # NOTE: with no worker live yet, the router waits for one (wait_for_worker_s): let the
+        # call go and answer as a gRPC client's would be answered.
+        if name in served or (not served and not known_only):
+            return
+        raise OpenAIError(
+            404,
+            f"the model {name!r} is not served here; "
+            + (f"this router serves {', '.join(map(repr, served))}" if served else "none is"),
+            param="model",
+            code="model_not_found",
+        )
+
+    def _check_token(self, request: Request) -> None:
+        """401 unless the request carries the router's token, before anything is read or
+        rendered for it. (The router's guard checks every call again, as a gRPC client's.)"""
+        token = self._config.token
+        if not token:
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+            raise _unauthenticated()
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self._started, "owned_by": "kvswitch"}
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _counter(self, count: Callable[[], int], num_chars: int) -> Callable[[], Awaitable[int]]:
+        return lambda: self._off_loop_if_long(count, num_chars)
+
+    async def _off_loop_if_long(self, work: Callable[[], T], num_chars: int) -> T:
+        # NOTE: as the servicer tokenizes: a long prompt on a thread, not stalling the streams.
+        try:
+            if num_chars <= _INLINE_RENDER_CHARS:
+                return work()
+            return await asyncio.to_thread(work)
+        except NoTokenizerError as e:
+            raise OpenAIError(400, str(e), param="prompt") from None
+
+
+def _route_headers(final: router_pb2.GenerateFinal | None) -> dict[str, str]:
+    if final is None or not final.route.worker_id:
+        return {}
+    return {
+        "x-kvswitch-worker": _header_value(final.route.worker_id),
+        "x-kvswitch-route-reason": _header_value(final.route.reason),
+    }
+
+
+def _header_value(value: str) -> str:
+    return value.encode("ascii", "replace").decode()
+
+
+def _unauthenticated() -> OpenAIError:
+    return OpenAIError(401, "missing or wrong bearer token", code="invalid_api_key")
+
+
+async def _error_response(request: Request, error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _http_error_response(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
+    return await _error_response(request, OpenAIError(error.status_code, str(error.detail)))

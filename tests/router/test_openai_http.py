@@ -1,0 +1,325 @@
+"""The router's OpenAI-compatible HTTP API, spoken to by the ``openai`` package: a real router
+with ``http_port`` and a real worker of the built-in model, compared token for token with what
+the gRPC SDK gets for the same prompt (greedy sampling is deterministic)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+import tokenizers
+from tokenizers import models, pre_tokenizers
+
+from kvswitch.client import Client
+from kvswitch.router.server import start_router
+from tests.router.harness import ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
+
+TOKEN = "http-secret"
+# NOTE: the engine on a thread of the worker's process: the same engine, started in a fraction
+# of the time a process of its own takes.
+WORKER = dataclasses.replace(WORKER_CONFIG, engine_in_process=True)
+ROUTER = dataclasses.replace(ROUTER_CONFIG, http_port=0)
+PROMPT = "The router sends each request to the worker that holds its prompt."
+MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello?"}]
+# The built-in model's chat template, written out (router/chat_template.py).
+CHAT_PROMPT = "system: Be terse.\nuser: Hello?\nassistant:"
+
+
+def openai_client(
+    cluster: BackgroundCluster, api_key: str = TOKEN, **options: object
+) -> openai.OpenAI:
+    front = cluster.router.http_front
+    assert front is not None
+    return openai.OpenAI(base_url=front.url, api_key=api_key, max_retries=0, **options)
+
+
+def bytes_prompt(text: str) -> list[int]:
+    return [256, *text.encode()]  # the built-in model's byte tokens, BOS first
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[BackgroundCluster]:
+    with BackgroundCluster(1, dataclasses.replace(ROUTER, token=TOKEN), WORKER) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster: BackgroundCluster) -> Iterator[openai.OpenAI]:
+    with openai_client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    (card,) = client.models.list().data
+    return card.id
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster: BackgroundCluster) -> Iterator[Client]:
+    with Client(cluster.address, token=TOKEN) as grpc_client:
+        yield grpc_client
+
+
+def test_models_lists_the_model_the_workers_serve(client: openai.OpenAI, model: str) -> None:
+    assert model == "kvswitch-tiny"
+    assert client.models.retrieve(model).owned_by == "kvswitch"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_a_completion_is_what_the_grpc_path_gives(
+    client: openai.OpenAI, model: str, grpc_client: Client
+) -> None:
+    expected = grpc_client.generate(PROMPT, max_tokens=12, temperature=0.0)
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0
+    )
+    completion = raw.parse()
+    (choice,) = completion.choices
+    assert (choice.text, choice.finish_reason) == (expected.text, "length")
+    assert completion.id.startswith("cmpl-") and completion.object == "text_completion"
+    usage = completion.usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT) + 1, 12)
+    assert usage.total_tokens == len(PROMPT) + 13
+    assert raw.headers["x-kvswitch-worker"] == "w0"
+    assert raw.headers["x-kvswitch-route-reason"]
+    # The same prompt as token ids.
+    by_ids = client.completions.create(
+        model=model, prompt=bytes_prompt(PROMPT), max_tokens=12, temperature=0
+    )
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_chat_applies_the_template_and_is_what_the_grpc_path_gives(
+    client: openai.OpenAI, model: str, grpc_client: Client
+) -> None:
+    expected = grpc_client.generate(
+        prompt_token_ids=bytes_prompt(CHAT_PROMPT), max_tokens=10, temperature=0.0
+    )
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=10, temperature=0
+    )
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant"
+    assert (choice.message.content, choice.finish_reason) == (expected.text, "length")
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(CHAT_PROMPT) + 1
+    # Text parts of a message are its content, joined.
+    parts = [{"type": "text", "text": "Hello?"}]
+    same = client.chat.completions.create(
+        model=model,
+        messages=[MESSAGES[0], {"role": "user", "content": parts}],
+        max_tokens=10,
+        temperature=0,
+    )
+    assert same.choices[0].message.content == expected.text
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_stream_adds_up_to_the_whole_answer(client: openai.OpenAI, model: str, kind: str) -> None:
+    def create(**options: object):
+        if kind == "chat":
+            return client.chat.completions.with_raw_response.create(
+                model=model, messages=MESSAGES, max_tokens=20, temperature=0, **options
+            )
+        return client.completions.with_raw_response.create(
+            model=model, prompt=PROMPT, max_tokens=20, temperature=0, **options
+        )
+
+    whole = create().parse()
+    raw = create(stream=True, stream_options={"include_usage": True})
+    assert raw.headers["x-kvswitch-worker"] == "w0"
+    chunks = list(raw.parse())
+    *with_text, last, usage_chunk = chunks
+    if kind == "chat":
+        assert with_text[0].choices[0].delta.role == "assistant"
+        pieces = [c.choices[0].delta.content or "" for c in with_text]
+        assert "".join(pieces) == whole.choices[0].message.content
+    else:
+        assert "".join(c.choices[0].text for c in with_text) == whole.choices[0].text
+    assert all(c.choices[0].finish_reason is None and c.usage is None for c in with_text)
+    assert last.choices[0].finish_reason == "length"
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_a_repeated_long_prompt_is_served_from_the_cache(client: openai.OpenAI, model: str) -> None:
+    prompt = "A long shared document about prefix caching. " * 4  # 184 bytes: 11 full blocks
+    cached = []
+    for _ in range(2):
+        completion = client.completions.create(
+            model=model, prompt=prompt, max_tokens=2, temperature=0
+        )
+        assert completion.usage is not None and completion.usage.prompt_tokens_details
+        cached.append(completion.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == 0
+    assert cached[1] >= 160
+
+
+def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 :][:2]
+    expected = text[: text.index(stop)]
+    cut = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "never"]
+    )
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    assert cut.usage is not None and cut.usage.prompt_tokens == len(PROMPT) + 1
+    assert cut.usage.prompt_tokens_details is None  # the router's accounting never came
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 40000}, "max_tokens"),  # the router's own limit, from its refusal
+        ({"n": 2}, "n"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"temperature": -1}, "temperature"),
+        ({"stop": [""]}, "stop"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": "x" * 20000}, "prompt"),  # longer than the model's context
+        ({"extra_body": {"top_k": 5}}, "top_k"),
+        ({"extra_body": {"routing": {"policy": "fastest"}}}, "routing"),
+    ],
+)
+def test_a_bad_or_unsupported_parameter_is_refused_by_name(
+    client: openai.OpenAI, model: str, options: dict, param: str
+) -> None:
+    arguments = {"model": model, "prompt": PROMPT, "max_tokens": 4, **options}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**arguments)
+    assert refused.value.param == param
+    assert refused.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+        ),
+        ({"messages": []}, "messages"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_a_bad_chat_request_is_refused_by_name(
+    client: openai.OpenAI, model: str, options: dict, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**{"model": model, "messages": MESSAGES, **options})
+    assert refused.value.param == param
+
+
+def test_an_unknown_model_or_a_wrong_token_is_refused(
+    cluster: BackgroundCluster, client: openai.OpenAI, model: str
+) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    assert (missing.value.param, missing.value.code) == ("model", "model_not_found")
+    with openai_client(cluster, api_key="wrong") as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            stranger.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model=model, messages=MESSAGES, stream=True)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
+
+
+def test_the_body_must_be_json_and_errors_keep_openais_shape(cluster: BackgroundCluster) -> None:
+    front = cluster.router.http_front
+    assert front is not None
+    headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    with httpx2.Client(base_url=front.url, headers=headers) as http:
+        for body, status in [(b"{not json", 400), (b"[1, 2]", 400), (b'{"prompt": "x"}', 400)]:
+            response = http.post("/completions", content=body)
+            assert response.status_code == status
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+        assert response.json()["error"]["param"] == "model"  # the last: no model
+        assert http.get("/nowhere").json()["error"]["message"] == "Not Found"
+        too_large = http.post("/completions", content=b" " * (17 << 20))
+        assert too_large.status_code == 413
+
+
+# -- a checkpoint's chat template ---------------------------------------------------------------
+
+WORDS = ["<s>", "</s>", "[UNK]", "[system]", "[user]", "[assistant]", "Be", "terse.", "Hello?"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {{ eos_token }} "
+    "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def write_checkpoint(model_dir: Path, template: str | None) -> None:
+    """A word-level tokenizer whose ids the built-in model takes (all below 257)."""
+    model_dir.mkdir()
+    tokenizer = tokenizers.Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if template is not None:
+        config["chat_template"] = template
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundCluster]:
+    model_dir = tmp_path_factory.mktemp("checkpoint") / "model"
+    write_checkpoint(model_dir, TEMPLATE)
+    router = dataclasses.replace(ROUTER, model=str(model_dir))
+    with BackgroundCluster(1, router, WORKER) as cluster:
+        yield cluster
+
+
+def test_chat_uses_the_checkpoints_template(checkpoint: BackgroundCluster, tmp_path: Path) -> None:
+    with openai_client(checkpoint) as client:
+        (card,) = client.models.list().data
+        chat = client.chat.completions.create(
+            model=card.id, messages=MESSAGES, max_tokens=8, temperature=0
+        )
+    # "<s>[system] Be terse. </s> [user] Hello? </s> [assistant]", one id a word, BOS once.
+    expected_ids = [0, 3, 6, 7, 1, 4, 8, 1, 5]
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(expected_ids)
+    with Client(checkpoint.address) as grpc_client:
+        expected = grpc_client.generate(
+            prompt_token_ids=expected_ids, max_tokens=8, temperature=0.0
+        )
+    assert chat.choices[0].message.content == expected.text
+    # A router whose checkpoint has no template says why it cannot chat.
+    bare_dir = tmp_path / "bare"
+    write_checkpoint(bare_dir, None)
+    config = dataclasses.replace(ROUTER, model=str(bare_dir), index=f"grpc://{checkpoint.address}")
+    bare = checkpoint.run(start_router(config))
+    try:
+        front = bare.http_front
+        assert front is not None
+        with (
+            openai.OpenAI(base_url=front.url, api_key="x", max_retries=0) as bare_client,
+            pytest.raises(openai.BadRequestError, match="no chat template") as refused,
+        ):
+            bare_client.chat.completions.create(model=card.id, messages=MESSAGES)
+        assert refused.value.param == "messages"
+    finally:
+        checkpoint.run(bare.stop(0))
