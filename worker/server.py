@@ -319,7 +319,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 token_ids = [t for output in outputs for t in output.new_token_ids]
                 text = ""
                 if decoder is not None:
-                    text = decoder.push(token_ids) + (decoder.flush() if done else "")
+                    # NOTE: a prefill for another worker (its blocks held for that one) that
+                    # ends at its length goes on there: a character its tokens started is that
+                    # worker's to finish, not a U+FFFD here.
+                    goes_on = (
+                        request.hold_blocks_ms > 0 and last.finish_reason == FinishReason.LENGTH
+                    )
+                    text = decoder.push(token_ids) + (
+                        decoder.flush() if done and not goes_on else ""
+                    )
                 stats.num_output_tokens += len(token_ids)
                 for output in outputs:
                     if output.ttft_s is not None:  # the first token's output has the figures

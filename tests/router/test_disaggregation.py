@@ -312,3 +312,20 @@ def test_bad_disaggregation_settings_are_refused() -> None:
         DisaggConfig(lease_s=0)
     with pytest.raises(ValueError, match="transport must be"):
         DisaggConfig(transport="rdma")
+
+
+def test_a_character_split_between_the_prefill_and_the_decode_worker_is_whole(
+    cluster: BackgroundCluster, reference: LLMEngine
+) -> None:
+    # The prefill worker's one token starts a UTF-8 character the decode worker's tokens end:
+    # the prefill side must hold its half back (not flush it as U+FFFD) for the other to write.
+    prompt = next(
+        p
+        for p in (prompt_of(tag) for tag in range(1, 256))
+        if 0xC2 <= expected(reference, p, max_tokens=1)[0] <= 0xF4
+    )
+    with Client(cluster.address) as client:
+        result = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=60)
+    assert result.stats.prefill_worker_id == "p0" != result.stats.decode_worker_id
+    assert result.token_ids == expected(reference, prompt)
+    assert result.text == bytes(result.token_ids).decode("utf-8", errors="replace")
