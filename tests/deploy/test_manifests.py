@@ -106,6 +106,10 @@ def test_compose_services_run_commands_the_cli_takes(name: str, overrides: tuple
         assert images_install_kvswitch(service["image"])
         assert service["build"]["target"] in dockerfile_targets()
         assert service["restart"] == "unless-stopped"
+    # The router serves the OpenAI-compatible HTTP API too, on a published port.
+    router = parse_command(ours["router"]["command"])
+    assert router.http_port > 0
+    assert any(p.endswith(f":{router.http_port}") for p in ours["router"]["ports"])
     # The index is up before anything registers with it.
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     assert all(s["depends_on"]["redis"]["condition"] == "service_healthy" for s in ours.values())
@@ -181,6 +185,10 @@ def test_routers_are_replicated_and_never_all_down_in_an_update() -> None:
     assert probes["readinessProbe"]["grpc"] == {"port": 50051, "service": "kvswitch.v1.Router"}
     assert probes["livenessProbe"]["grpc"]["port"] == args.port
     assert objects[("PodDisruptionBudget", "kvswitch-router")]["spec"]["minAvailable"] == 1
+    http_ports = {p["containerPort"] for p in probes["ports"] if p["name"] == "http"}
+    assert http_ports == {args.http_port}
+    service_ports = objects[("Service", "kvswitch-router")]["spec"]["ports"]
+    assert {"name": "http", "port": args.http_port, "targetPort": "http"} in service_ports
     assert ("Service", "kvswitch-redis") in objects and ("Service", "kvswitch-router") in objects
 
 
