@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/kvswitch bench lookup --json out/bench_lookup.json
 	$(BIN)/kvswitch bench step --json out/bench_step.json
 	$(BIN)/kvswitch bench admission --json out/bench_admission.json
+	$(BIN)/kvswitch bench http --json out/bench_http.json
 	$(BIN)/kvswitch bench transfer --json out/bench_transfer.json
 	$(BIN)/kvswitch bench routing --plots out/routing --json out/bench_routing.json
 

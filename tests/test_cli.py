@@ -46,6 +46,7 @@ COMMANDS = [
     ["bench", "pd"],
     ["bench", "overload"],
     ["bench", "routing"],
+    ["bench", "http"],
     ["index"],
     ["index", "stats"],
     ["index", "audit"],
@@ -271,6 +272,16 @@ def test_bench_admission_times_the_gaps_between_the_cores_steps(tmp_path: Path) 
     assert figures["arrival_delay_ms"] == pytest.approx(
         figures["max_step_gap_ms"] - figures["baseline_median_step_gap_ms"]
     )
+
+
+def test_bench_http_sends_the_same_requests_through_both_apis(tmp_path: Path) -> None:
+    out = tmp_path / "http.json"
+    main(["bench", "http", "--num-requests", "5", "--num-output-tokens", "4", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    for door in ("grpc", "http"):
+        for kind in ("one_token_ms", "whole_ms", "first_token_ms"):
+            assert 0 < figures[door][kind]["median"] <= figures[door][kind]["p99"]
+    assert set(figures["http_overhead_ms"]) == {"one_token_ms", "whole_ms", "first_token_ms"}
 
 
 def test_bench_index_writes_json(tmp_path: Path) -> None:

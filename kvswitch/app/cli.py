@@ -449,6 +449,11 @@ ROUTING_STUDY_HELP = {
     "ttft_goal": "goal: mean TTFT at least this many times lower than round_robin's",
     "plots": "folder for one PNG per fleet (hits against balance, TTFT); empty = none",
 }
+HTTP_BENCH_HELP = {
+    "num_requests": "requests per API and kind (one token, whole, streamed), alternating APIs",
+    "num_output_tokens": "tokens a whole or streamed request generates",
+    "prompt_words": "words in each prompt (a new prompt per pair of requests)",
+}
 GENERATE_HELP = {
     "target": "the router, HOST:PORT",
     "prompt": "the prompt text",
@@ -858,6 +863,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
     from kvswitch.benchmarks import admission as admission_bench
     from kvswitch.benchmarks import engine as engine_bench
     from kvswitch.benchmarks import hashing as hash_bench
+    from kvswitch.benchmarks import http_front as http_bench
     from kvswitch.benchmarks import index as index_bench
     from kvswitch.benchmarks import kernels as kernel_bench
     from kvswitch.benchmarks import lookup as lookup_bench
@@ -980,6 +986,14 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             routing_study.RoutingStudyConfig,
             ROUTING_STUDY_HELP,
             "every routing policy on the fleet simulator at several fleet sizes, against goals",
+        ),
+        (
+            "http",
+            http_bench.run,
+            http_bench.HttpBenchConfig,
+            HTTP_BENCH_HELP,
+            "the router's OpenAI-compatible HTTP API against its gRPC API: latency of the same "
+            "requests through each",
         ),
         (
             "hash",
