@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/kvswitch bench step --json out/bench_step.json
 	$(BIN)/kvswitch bench admission --json out/bench_admission.json
 	$(BIN)/kvswitch bench http --json out/bench_http.json
+	$(BIN)/kvswitch bench startup --json out/bench_startup.json
 	$(BIN)/kvswitch bench transfer --json out/bench_transfer.json
 	$(BIN)/kvswitch bench routing --plots out/routing --json out/bench_routing.json
 

@@ -47,6 +47,7 @@ COMMANDS = [
     ["bench", "overload"],
     ["bench", "routing"],
     ["bench", "http"],
+    ["bench", "startup"],
     ["index"],
     ["index", "stats"],
     ["index", "audit"],
@@ -282,6 +283,14 @@ def test_bench_http_sends_the_same_requests_through_both_apis(tmp_path: Path) ->
         for kind in ("one_token_ms", "whole_ms", "first_token_ms"):
             assert 0 < figures[door][kind]["median"] <= figures[door][kind]["p99"]
     assert set(figures["http_overhead_ms"]) == {"one_token_ms", "whole_ms", "first_token_ms"}
+
+
+def test_bench_startup_times_every_command_it_lists(tmp_path: Path) -> None:
+    out = tmp_path / "startup.json"
+    main(["bench", "startup", "--num-runs", "1", "--json", str(out)])
+    seconds = json.loads(out.read_text())["median_s"]
+    assert {"--help", "worker --help"} <= set(seconds)
+    assert all(s > 0 for s in seconds.values())
 
 
 def test_bench_index_writes_json(tmp_path: Path) -> None:

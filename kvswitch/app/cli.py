@@ -872,6 +872,7 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import serve as serve_bench
+    from kvswitch.benchmarks import startup as startup_bench
     from kvswitch.benchmarks import step as step_bench
     from kvswitch.benchmarks import transfer as transfer_bench
     from kvswitch.loadtest import study as routing_study
@@ -994,6 +995,13 @@ def _add_bench(commands: argparse._SubParsersAction, name: str, summary: str) ->
             HTTP_BENCH_HELP,
             "the router's OpenAI-compatible HTTP API against its gRPC API: latency of the same "
             "requests through each",
+        ),
+        (
+            "startup",
+            startup_bench.run,
+            startup_bench.StartupBenchConfig,
+            {"num_runs": "fresh processes per command; the median is reported"},
+            "how long each kvswitch command takes to start (its help, as a fresh process)",
         ),
         (
             "hash",
