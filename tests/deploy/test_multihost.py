@@ -190,9 +190,9 @@ def test_a_cut_link_is_left_out_within_2_s_and_no_request_is_lost(
     results = report["results"]
     assert [r["error"] for r in results] == [""] * len(requests)  # none lost
     assert [r["token_ids"] for r in results] == expected(reference, requests)
-    before = [r for r in results if r["done_s"] < cut_s]
+    # NOTE: w2 ran a request at the cut (--wait-busy said so); whether one of its requests had
+    # also ended before the cut is up to the machine's speed, so it is not asked.
     after = [r for r in results if r["sent_s"] > cut_s + DETECTION_S]
-    assert "w2" in {r["worker_id"] for r in before}  # it served until then
     assert after and "w2" not in {r["worker_id"] for r in after}
     # What it was serving at the cut was resumed on another worker, within about 2 s.
     resumed = [r for r in results if r["reason"].startswith("failover")]
