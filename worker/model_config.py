@@ -115,8 +115,9 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
         """Read a Hugging Face ``config.json`` of a supported architecture. Raises ValueError
         naming the field for anything that would change the model's math and that kvswitch does
-        not implement (a RoPE variant, a sliding window, another activation, extra biases,
-        quantized weights): such a checkpoint is refused, never served differently."""
+        not implement (a RoPE variant, another activation, extra biases, quantized weights):
+        such a checkpoint is refused, never served differently. A sliding attention window
+        shorter than the context cuts the context to it (``attention_window``)."""
         architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -126,7 +127,12 @@ class ModelConfig:
         configured_positions = hf.get("max_position_embeddings", 4096)
         rope = RopeConfig.from_hf(hf, configured_positions)
         max_position_embeddings = rope.context_len(configured_positions)
-        check_supported_fields(hf, architecture, max_position_embeddings)
+        check_supported_fields(hf, architecture)
+        window = attention_window(hf, architecture)
+        if window is not None:
+            # NOTE: within its window a sliding-window layer sees every token before, as a
+            # full-attention one does: served exactly, with the context cut to the window.
+            max_position_embeddings = min(max_position_embeddings, window)
         num_q_heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],
@@ -163,7 +169,7 @@ class ModelConfig:
         return dataclasses.replace(config, eos_token_ids=eos_ids)
 
 
-def check_supported_fields(hf: dict[str, Any], architecture: str, max_positions: int) -> None:
+def check_supported_fields(hf: dict[str, Any], architecture: str) -> None:
     """ValueError naming the first field of ``config.json`` that changes the math of
     ``architecture`` (as transformers reads it) in a way kvswitch does not implement. RoPE fields
     are ``RopeConfig.from_hf``'s to check."""
@@ -189,7 +195,13 @@ def check_supported_fields(hf: dict[str, Any], architecture: str, max_positions:
                 raise ValueError(
                     f"config.json: {field} true ({what}) is not supported for {architecture}"
                 )
-    window, window_field = None, "sliding_window"
+
+
+def attention_window(hf: dict[str, Any], architecture: str) -> int | None:
+    """How many tokens back a sliding-window layer of ``architecture`` attends, as transformers
+    reads ``config.json``; None when no layer slides. ValueError for a window that is no
+    positive integer."""
+    window = None
     if architecture == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
         # NOTE: Qwen2 slides only with use_sliding_window, and only in the layers layer_types
         # names (by default those from max_window_layers on); published configs carry a
@@ -201,14 +213,11 @@ def check_supported_fields(hf: dict[str, Any], architecture: str, max_positions:
             for i in range(hf["num_hidden_layers"])
         ]
         if "sliding_attention" not in layer_types:
-            window = None
-        window_field = "sliding_window (with use_sliding_window true)"
+            return None
     elif architecture == "MistralForCausalLM":
         window = hf.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
-    # A window at least as long as the context lets every token see all the ones before it.
-    if window is not None and window < max_positions:
-        raise ValueError(
-            f"config.json: {window_field} {window} is shorter than the context "
-            f"({max_positions} tokens); kvswitch attends over the whole context and does not "
-            "implement sliding-window attention"
-        )
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise ValueError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+    return window

@@ -8,10 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvswitch.worker.engine import LLMEngine
+from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq, num_blocks_for_budget
 from kvswitch.worker.weights import load_model
-from tests.worker.hf_reference import TOL, hf_logits, save_checkpoint
+from tests.worker.hf_reference import (
+    TOL,
+    assert_serves_like_transformers,
+    hf_logits,
+    save_checkpoint,
+)
 
 BLOCK_SIZE = 4
 
@@ -185,10 +192,21 @@ MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"]}
             "config.json: quantization_config (awq) is not supported",
         ),
         (
-            {**QWEN2, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
-            "config.json: sliding_window (with use_sliding_window true) 64 is shorter than "
-            "the context (256 tokens)",
+            {**MISTRAL, "sliding_window": 0},
+            "config.json: sliding_window must be a positive integer, got 0",
         ),
+    ],
+)
+def test_fields_that_change_the_math_are_refused_by_name(hf: dict, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        ModelConfig.from_hf(hf)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("hf", "context"),
+    [
+        ({**QWEN2, "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, 64),
         (
             {
                 **QWEN2,
@@ -197,17 +215,18 @@ MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"]}
                 "max_window_layers": 2,
                 "layer_types": ["sliding_attention", "full_attention"],
             },
-            "sliding_window (with use_sliding_window true) 64",
+            64,
         ),
-        ({**MISTRAL, "sliding_window": 64}, "config.json: sliding_window 64 is shorter"),
+        ({**MISTRAL, "sliding_window": 64}, 64),
         # transformers gives a Mistral config without the key a window of 4096.
-        ({**MISTRAL, "max_position_embeddings": 32768}, "sliding_window 4096 is shorter"),
+        ({**MISTRAL, "max_position_embeddings": 32768}, 4096),
+        ({**MISTRAL, "sliding_window": 512}, 256),  # longer than the context: no cut
     ],
 )
-def test_fields_that_change_the_math_are_refused_by_name(hf: dict, message: str) -> None:
-    with pytest.raises(ValueError) as raised:
-        ModelConfig.from_hf(hf)
-    assert message in str(raised.value)
+def test_a_sliding_window_shorter_than_the_context_cuts_the_context_to_it(
+    hf: dict, context: int
+) -> None:
+    assert ModelConfig.from_hf(hf).max_position_embeddings == context
 
 
 @pytest.mark.parametrize(
@@ -228,3 +247,30 @@ def test_fields_that_change_the_math_are_refused_by_name(hf: dict, message: str)
 def test_fields_that_leave_the_math_alone_are_accepted(hf: dict) -> None:
     config = ModelConfig.from_hf(hf)
     assert config.attention_bias == (hf["architectures"] == ["Qwen2ForCausalLM"])
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("mistral", {"sliding_window": 48}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}),
+    ],
+)
+def test_a_sliding_window_model_is_exact_up_to_its_window_and_serves_no_further(
+    tmp_path: Path, arch: str, overrides: dict
+) -> None:
+    hf = save_checkpoint(tmp_path, arch, **overrides)
+    # Up to the window's last position (44 + 3 decode steps < 48), on a cached prefix too.
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 101, (44,), generator=gen).tolist()
+    fresh = torch.randint(0, 101, (12,), generator=gen).tolist()
+    assert_serves_like_transformers(hf, tmp_path, prompt, fresh, 32, num_decode_steps=3)
+    # Past it the window changes the math (the same weights without a window give other
+    # logits), so the context served ends there.
+    no_window = {"use_sliding_window": False} if arch == "qwen2" else {"sliding_window": None}
+    full = save_checkpoint(tmp_path / "full", arch, **{**overrides, **no_window})
+    long = torch.randint(0, 101, (80,), generator=gen).tolist()
+    assert not torch.allclose(hf_logits(full, long)[-1], hf_logits(hf, long)[-1], **TOL)
+    assert ModelConfig.from_dir(tmp_path).max_position_embeddings == 48
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=16))
+    assert engine.max_model_len == 48
