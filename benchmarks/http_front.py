@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvswitch.benchmarks.timing import machine_info
+from kvswitch.cache_index.local_redis import free_port
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class HttpBenchConfig:
 def run(config: HttpBenchConfig) -> dict[str, Any]:
     from kvswitch.serving import start_server_process
 
-    http_port = _free_port()
+    http_port = free_port()
     router, address = start_server_process(
         ["router", "--port", "0", "--http-port", str(http_port), "--wait-for-worker-s", "10"]
     )
@@ -177,9 +177,3 @@ def _summary_ms(samples_s: list[float]) -> dict[str, float]:
         "p90": ordered[int(0.9 * (len(ordered) - 1))] * 1000,
         "p99": ordered[int(0.99 * (len(ordered) - 1))] * 1000,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

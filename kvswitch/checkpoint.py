@@ -15,6 +15,13 @@ def is_random(model_dir: str | Path | None) -> bool:
     return model_dir is None or str(model_dir).startswith(RANDOM_PREFIX)
 
 
+def check_model_dir(model: str | Path | None) -> None:
+    """ValueError unless ``model`` names a checkpoint directory that exists (or random weights,
+    or none: the built-in model). A missing directory is a typo, not a model."""
+    if model and not is_random(model) and not Path(model).is_dir():
+        raise ValueError(f"--model {model}: no such checkpoint directory")
+
+
 def token_ids(value: Any, field: str = "config.json: eos_token_id") -> tuple[int, ...]:
     """An ``eos_token_id`` entry (null, an id or a list of ids) as a tuple; ValueError naming
     ``field`` for anything else."""

@@ -114,20 +114,43 @@ def stall_worker(cluster: LocalCluster, victim: Child, stall_s: float) -> FaultR
     """SIGSTOP to the worker's process group (its serving process and its engine core) for
     ``stall_s``, then SIGCONT: a frozen host, from which no error ever comes."""
     assert victim.popen is not None
-    report = FaultReport("worker-stall", victim.name, time.monotonic())
-    stopped_wall_s = time.time()
-    os.killpg(victim.popen.pid, signal.SIGSTOP)
-    try:
-        time.sleep(stall_s)
-    finally:
-        os.killpg(victim.popen.pid, signal.SIGCONT)
-    resumed_s, resumed_wall_s = time.monotonic(), time.time()
-    report.figures["stall_s"] = stall_s
-    report.figures["left_out_after_s"] = _logged_after(
-        cluster, f"worker {victim.name} {LEFT_OUT}", stopped_wall_s
+    return _out_of_reach(
+        cluster, victim, "worker-stall", _stopped(victim.popen.pid), stall_s, "stall", "resume"
     )
-    _wait_serving(cluster, victim, resumed_wall_s)
-    report.figures["serving_again_after_resume_s"] = _since(resumed_s)
+
+
+@contextlib.contextmanager
+def _stopped(process_group: int) -> Iterator[None]:
+    os.killpg(process_group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(process_group, signal.SIGCONT)
+
+
+def _out_of_reach(
+    cluster: LocalCluster,
+    victim: Child,
+    kind: str,
+    cut: contextlib.AbstractContextManager,
+    cut_s: float,
+    what: str,
+    healed: str,
+) -> FaultReport:
+    """``victim`` out of reach while ``cut`` holds, for ``cut_s`` (figure ``<what>_s``): when
+    the router left it out (from its log), and how soon after the cut ends it serves again
+    (``serving_again_after_<healed>_s``)."""
+    report = FaultReport(kind, victim.name, time.monotonic())
+    cut_wall_s = time.time()
+    with cut:
+        time.sleep(cut_s)
+    healed_s, healed_wall_s = time.monotonic(), time.time()
+    report.figures[f"{what}_s"] = cut_s
+    report.figures["left_out_after_s"] = _logged_after(
+        cluster, f"worker {victim.name} {LEFT_OUT}", cut_wall_s
+    )
+    _wait_serving(cluster, victim, healed_wall_s)
+    report.figures[f"serving_again_after_{healed}_s"] = _since(healed_s)
     report.ended_s = time.monotonic()
     return report
 
@@ -180,19 +203,8 @@ def restart_router(cluster: LocalCluster, *, kill: bool) -> FaultReport:
 def partition_worker(cluster: LocalCluster, victim: Child, partition_s: float) -> FaultReport:
     """Every packet to or from the worker's port dropped for ``partition_s``: the worker runs
     on, and reaches the index, but the router's calls to it go unanswered, without an error."""
-    report = FaultReport("partition", victim.name, time.monotonic())
-    cut_wall_s = time.time()
-    with dropped_port(int(victim.address.rsplit(":", 1)[1])):
-        time.sleep(partition_s)
-    healed_s, healed_wall_s = time.monotonic(), time.time()
-    report.figures["partition_s"] = partition_s
-    report.figures["left_out_after_s"] = _logged_after(
-        cluster, f"worker {victim.name} {LEFT_OUT}", cut_wall_s
-    )
-    _wait_serving(cluster, victim, healed_wall_s)
-    report.figures["serving_again_after_heal_s"] = _since(healed_s)
-    report.ended_s = time.monotonic()
-    return report
+    cut = dropped_port(int(victim.address.rsplit(":", 1)[1]))
+    return _out_of_reach(cluster, victim, "partition", cut, partition_s, "partition", "heal")
 
 
 @contextlib.contextmanager

@@ -122,8 +122,7 @@ class Router:
         ids = np.asarray(self.tokenize(text) if text is not None else token_ids, np.uint32)
         if not len(ids):
             raise ValueError("the prompt is empty")
-        namespace, block_size = self._served_model()
-        max_model_len = self._max_model_len(namespace, block_size)
+        namespace, block_size, max_model_len = self._served_model()
         if max_model_len and len(ids) >= max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; the model's context length is "
@@ -292,19 +291,10 @@ class Router:
             and not 0 < h.info.max_model_len <= num_tokens
         }
 
-    def _max_model_len(self, namespace: str, block_size: int) -> int:
-        """The longest context a live worker of this model takes; 0 if one does not say (an
-        older worker), so that nothing is refused or capped on a guess."""
-        contexts = [
-            h.info.max_model_len
-            for h in self.directory.handles()
-            if h.info.namespace == namespace and h.info.block_size == block_size
-        ]
-        return 0 if not contexts or 0 in contexts else max(contexts)
-
-    def _served_model(self) -> tuple[str, int]:
+    def _served_model(self) -> tuple[str, int, int]:
         """The namespace and block size to hash with: the configured namespace, else the one
-        that every live worker serves."""
+        that every live worker serves; and the longest context a worker of it takes, 0 if one
+        does not say (an older worker), so that nothing is refused or capped on a guess."""
         handles = self.directory.handles()
         if self.namespace:
             handles = [h for h in handles if h.info.namespace == self.namespace]
@@ -320,4 +310,5 @@ class Router:
                 f"({', '.join(f'{n} / {b}' for n, b in sorted(served))}); "
                 "start the router with --namespace"
             )
-        return served.pop()
+        contexts = [h.info.max_model_len for h in handles]
+        return (*served.pop(), 0 if 0 in contexts else max(contexts))

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -24,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvswitch.cache_index import grpc_index
 from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index, redacted
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
-from kvswitch.checkpoint import RANDOM_PREFIX
+from kvswitch.checkpoint import RANDOM_PREFIX, check_model_dir
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.disagg import DisaggConfig
@@ -423,8 +422,7 @@ def _load_tokenizer(model: str) -> tuple[Tokenizer | None, str]:
     token ids. A missing directory is an error: it is a typo, not a model."""
     if model.startswith(RANDOM_PREFIX):
         return None, f"{model} has random weights and no tokenizer"
-    if model and not Path(model).is_dir():
-        raise ValueError(f"--model {model}: no such checkpoint directory")
+    check_model_dir(model)
     try:
         return load_tokenizer(model or None), ""
     except ValueError as e:

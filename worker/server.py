@@ -17,7 +17,6 @@ import math
 import socket
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import cast
 
 import grpc
@@ -27,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index
 from kvswitch.cache_index.hashing import tokens_from_bytes
 from kvswitch.cache_index.index import ROLES, WorkerInfo
-from kvswitch.checkpoint import is_random
+from kvswitch.checkpoint import check_model_dir
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.security import FleetSecurity
@@ -770,8 +769,7 @@ def _read_counters(
 def _load_tokenizer(model: str) -> Tokenizer | None:
     """The model's tokenizer, or None for a model that has none. A checkpoint directory that
     does not exist is an error: it is a typo, not a model."""
-    if model and not is_random(model) and not Path(model).is_dir():
-        raise ValueError(f"--model {model}: no such checkpoint directory")
+    check_model_dir(model)
     try:
         return load_tokenizer(model or None)
     except ValueError as e:

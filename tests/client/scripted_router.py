@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import threading
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
 
+from kvswitch.cache_index.local_redis import free_port
 from kvswitch.client import Chunk, FinishReason, GenerateResult, RouteInfo, Stats
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -171,6 +171,4 @@ class BackgroundRouter:
 
 def free_address() -> str:
     """A 127.0.0.1 address where nothing listens (its port was free a moment ago)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
