@@ -49,10 +49,17 @@ class DecodeBenchConfig:
     batch_sizes: str = "1,32"
     num_prompt_tokens: int = 128
     num_output_tokens: int = 64
+    cuda_graphs: bool = False
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError("cuda_graphs replays decode steps on a GPU: use it with a cuda device")
 
-def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
+
+def _engine(
+    model: str, device: str, dtype: str, num_tokens: int, *, cuda_graphs: bool = False
+) -> LLMEngine:
     # NOTE: imported here so that `kvswitch --help` does not load torch.
     from kvswitch.worker.engine import EngineConfig, LLMEngine
 
@@ -63,6 +70,7 @@ def _engine(model: str, device: str, dtype: str, num_tokens: int) -> LLMEngine:
             dtype=dtype,
             kv_cache_bytes=1 << 30,
             max_num_batched_tokens=max(num_tokens, 2048),
+            cuda_graphs=cuda_graphs,
         )
     )
 
@@ -154,13 +162,22 @@ def run_decode(config: DecodeBenchConfig) -> dict:
     batch_sizes = [int(b) for b in config.batch_sizes.split(",") if b.strip()]
     if not batch_sizes or min(batch_sizes) <= 0:
         raise ValueError(f"batch_sizes must list positive integers, got {config.batch_sizes!r}")
-    results: dict = {"machine": machine_info(), "device": config.device, "dtype": config.dtype}
+    results: dict = {
+        "machine": machine_info(),
+        "device": config.device,
+        "dtype": config.dtype,
+        "cuda_graphs": config.cuda_graphs,
+    }
     from kvswitch.worker.request import SamplingParams
 
     rng = np.random.default_rng(config.seed)
     for batch in batch_sizes:
         engine = _engine(
-            config.model, config.device, config.dtype, batch * config.num_prompt_tokens
+            config.model,
+            config.device,
+            config.dtype,
+            batch * config.num_prompt_tokens,
+            cuda_graphs=config.cuda_graphs,
         )
         vocab = engine.model_config.vocab_size
         params = SamplingParams(max_tokens=config.num_output_tokens)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one run, from the repository root:
-#   1. the compiled-kernel tests (pytest -m gpu tests/kernels), bf16 included;
+#   1. the GPU tests (pytest -m gpu): compiled kernels, bf16 included, and decode CUDA graphs
+#      against the plain path;
 #   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
 #      tile sweep that tells which defaults to keep);
 #   3. the worker's time to first token on the GPU, prompt mostly cached against cold;
 #   4. a local cluster serving a random 1B-class model on the GPU, its greedy output checked
 #      against the torch reference attention (bf16 and fp32), cold and cached;
 #   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine;
-#   6. the host time of an engine step on the GPU (kvswitch bench step: 256 decodes at 4K).
+#   6. the host time of an engine step on the GPU (kvswitch bench step: 256 decodes at 4K), and
+#      decode throughput at batch 1 and 32 (kvswitch bench decode), each without and with
+#      --cuda-graphs.
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default out/gpu)
 # PYTHON picks the interpreter (default python3); it must hold torch with CUDA, triton and the
 # project's dependencies; kvswitch itself is installed (pip install -e . --no-deps, which needs
@@ -41,7 +44,7 @@ step() {
 
 step gpu nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 step versions "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step tests "$python" -m pytest -m gpu tests/kernels -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
+step tests "$python" -m pytest -m gpu tests/kernels tests/worker/test_cuda_graphs.py -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
 step kernels "$python" -m kvswitch bench kernels --sweep --json "$out/kernels.json"
 step ttft "$python" -m kvswitch bench ttft --model random:llama-1b --device cuda --dtype bfloat16 \
     --json "$out/ttft.json"
@@ -50,6 +53,11 @@ for dtype in bfloat16 float32; do
         --dtype "$dtype" --json "$out/serve_$dtype.json"
 done
 step router "$python" -m kvswitch bench router --json "$out/router.json"
-step step "$python" -m kvswitch bench step --model random:llama-1b --device cuda --dtype bfloat16 \
-    --json "$out/step.json"
+for graphs in "" --cuda-graphs; do
+    name=${graphs:+_graphs}
+    step "step$name" "$python" -m kvswitch bench step --model random:llama-1b --device cuda \
+        --dtype bfloat16 $graphs --json "$out/step$name.json"
+    step "decode$name" "$python" -m kvswitch bench decode --model random:llama-1b --device cuda \
+        --dtype bfloat16 $graphs --json "$out/decode$name.json"
+done
 exit $status

@@ -32,6 +32,7 @@ class StepBenchConfig:
     num_seqs: int = 256
     context_len: int = 4096
     num_steps: int = 20
+    cuda_graphs: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,10 +40,13 @@ class StepBenchConfig:
             raise ValueError("num_seqs and num_steps must be positive")
         if self.context_len < 64:
             raise ValueError(f"context_len must be at least 64, got {self.context_len}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError("cuda_graphs replays decode steps on a GPU: use it with a cuda device")
 
 
 class _TimedForward:
-    """Stands in for the runner's model: calls it, and adds up the time its calls take."""
+    """Stands in for the runner's model (or the graphs' replay): calls it, and adds up the time
+    its calls take."""
 
     def __init__(self, model: Any, synchronize: Any) -> None:
         self.model = model
@@ -85,6 +89,7 @@ def run(config: StepBenchConfig) -> dict:
             kv_cache_bytes=num_blocks * bytes_per_block * element_size,
             max_num_seqs=config.num_seqs,
             max_num_batched_tokens=max(config.context_len, config.num_seqs * block_size),
+            cuda_graphs=config.cuda_graphs,
         )
     )
     vocab = engine.model_config.vocab_size
@@ -111,8 +116,12 @@ def run(config: StepBenchConfig) -> dict:
         raise RuntimeError(f"only {len(engine.scheduler.running)} requests run at once")
 
     cuda = engine.runner.device.type == "cuda"
-    timed = _TimedForward(engine.runner.model, torch.cuda.synchronize if cuda else lambda: None)
-    engine.runner.model = timed
+    synchronize = torch.cuda.synchronize if cuda else lambda: None
+    graphs = engine.runner.graphs
+    if graphs is None:
+        timed = engine.runner.model = _TimedForward(engine.runner.model, synchronize)
+    else:  # the forward is the graph's replay
+        timed = graphs.replay = _TimedForward(graphs.replay, synchronize)
     step_s, forward_s = [], []
     for _ in range(config.num_steps):
         before = timed.seconds
@@ -140,6 +149,7 @@ def run(config: StepBenchConfig) -> dict:
         "machine": machine_info(),
         "device": config.device,
         "dtype": config.dtype,
+        "cuda_graphs": config.cuda_graphs,
         "num_seqs": config.num_seqs,
         "context_len": config.context_len,
         "num_steps": config.num_steps,

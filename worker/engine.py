@@ -110,7 +110,12 @@ class LLMEngine:
         )
         self.kv_cache_file = new_cache_file() if config.kv_cache_shm else None
         self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, kv_cache_file=self.kv_cache_file
+            self.model,
+            num_blocks,
+            config.block_size,
+            kv_cache_file=self.kv_cache_file,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
         )
         self._peer_caches: dict[str, PeerCache] = {}  # same-host peers' caches, mapped
         self.scheduler = Scheduler(

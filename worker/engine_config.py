@@ -23,6 +23,9 @@ class EngineConfig:
     kv_cache_shm: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # CUDA: run decode steps from CUDA graphs, one captured per batch size up to max_num_seqs
+    # when the engine starts (worker/cuda_graphs.py): a step's kernels cost the host one launch.
+    cuda_graphs: bool = False
     # CPU: threads torch computes a step with; 0 = torch's default (one per core). Several CPU
     # workers on one host must share the cores: each taking them all, their thread pools spin
     # against each other and every step slows many times over.
@@ -50,6 +53,10 @@ class EngineConfig:
         if self.kv_cache_shm and self.device != "cpu":
             raise ValueError(
                 "kv_cache_shm puts a CPU worker's KV cache in shared memory: use it with device cpu"
+            )
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(
+                "cuda_graphs captures decode steps on a GPU: use it with a cuda device"
             )
         if self.gpu_memory_fraction and not self.device.startswith("cuda"):
             raise ValueError(

@@ -10,8 +10,10 @@ import numpy as np
 import torch
 
 from kvswitch.worker.attention import AttentionMetadata
+from kvswitch.worker.cuda_graphs import DecodeGraphs
 from kvswitch.worker.kv_transfer import allocate_shared_caches
 from kvswitch.worker.model import CausalLM
+from kvswitch.worker.step_inputs import InputStager
 
 
 @dataclass(slots=True)
@@ -61,28 +63,41 @@ class ModelRunner:
         block_size: int,
         *,
         kv_cache_file: str | None = None,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 64,
     ) -> None:
         """``kv_cache_file``: put the KV cache in this new file of the host's shared memory
-        (CPU only), where same-host peers copy blocks straight out of it."""
+        (CPU only), where same-host peers copy blocks straight out of it. ``cuda_graphs``: run
+        decode steps of up to ``max_num_seqs`` sequences from captured CUDA graphs."""
         config = model.config
         param = next(model.parameters())
         self.model = model
         self.device = param.device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self._stager = InputStager(self.device)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         if kv_cache_file is not None:
             self.kv_caches = allocate_shared_caches(
                 kv_cache_file, config.num_layers, shape, param.dtype
             )
-            return
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=param.dtype, device=self.device),
-                torch.zeros(shape, dtype=param.dtype, device=self.device),
+        else:
+            self.kv_caches = [
+                (
+                    torch.zeros(shape, dtype=param.dtype, device=self.device),
+                    torch.zeros(shape, dtype=param.dtype, device=self.device),
+                )
+                for _ in range(config.num_layers)
+            ]
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                block_size=block_size,
+                max_model_len=min(config.max_position_embeddings, num_blocks * block_size),
+                max_num_seqs=max_num_seqs,
             )
-            for _ in range(config.num_layers)
-        ]
 
     def execute(self, seqs: Sequence[ScheduledSeq], *, every_token: bool = False) -> torch.Tensor:
         """Logits [num_seqs, vocab] (fp32) after each sequence's last new token; with
@@ -111,7 +126,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_batch(self, batch: StepBatch, *, every_token: bool = False) -> torch.Tensor:
         """``execute`` for a batch already in arrays (the engine's path): positions and slots
-        are computed with numpy, and every input reaches the device in one copy per array."""
+        are computed with numpy, and all inputs reach the device in one copy (``InputStager``);
+        a decode step with ``cuda_graphs`` replays a graph instead (``DecodeGraphs``)."""
         num_new, start_pos = batch.num_new, batch.start_pos
         num_seqs = len(num_new)
         if num_seqs == 0:
@@ -132,31 +148,36 @@ class ModelRunner:
             max_q_len = int(num_new.max())
         if every_token:
             logit_rows = np.arange(num_tokens)
-        seq_lens = start_pos + num_new
+        seq_lens = (start_pos + num_new).astype(np.int32)
         pages, offsets = np.divmod(positions, self.block_size)
-        slots = batch.block_tables[token_seq, pages] * self.block_size + offsets
+        slots = (batch.block_tables[token_seq, pages] * self.block_size + offsets).astype(np.int32)
+        graphs = self.graphs
+        if (
+            max_q_len == 1
+            and not every_token
+            and graphs is not None
+            and graphs.can_run(num_seqs, batch.block_tables.shape[1])
+        ):
+            return graphs.run(batch.input_ids, positions, slots, seq_lens, batch.block_tables)
 
-        to_device = self._to_device
+        arrays = (
+            batch.input_ids,
+            np.asarray(positions, np.int64),
+            slots,
+            np.asarray(batch.block_tables, np.int32),
+            cu_q_lens.astype(np.int32, copy=False),
+            seq_lens,
+            np.asarray(logit_rows, np.int64),
+        )
+        input_ids, positions, slots, block_tables, cu_q_lens, seq_lens_t, logit_rows = (
+            self._stager.stage(arrays)
+        )
         meta = AttentionMetadata(
-            slot_mapping=to_device(slots.astype(np.int32)),
-            block_tables=to_device(np.ascontiguousarray(batch.block_tables, np.int32)),
-            cu_q_lens=to_device(cu_q_lens.astype(np.int32, copy=False)),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
+            slot_mapping=slots,
+            block_tables=block_tables,
+            cu_q_lens=cu_q_lens,
+            seq_lens=seq_lens_t,
             max_q_len=max_q_len,
             max_seq_len=int(seq_lens.max()),
         )
-        return self.model(
-            to_device(batch.input_ids),
-            to_device(np.ascontiguousarray(positions, np.int64)),
-            self.kv_caches,
-            meta,
-            to_device(logit_rows),
-        )
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return tensor  # shares the array's memory: no copy at all
-        # NOTE: from pinned memory the copy is asynchronous; the step's sampling waits for the
-        # device before any of these arrays is reused.
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)

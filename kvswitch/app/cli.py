@@ -98,6 +98,7 @@ DECODE_HELP = {
     "batch_sizes": "comma-separated batch sizes to measure",
     "num_prompt_tokens": "prompt length of every request",
     "num_output_tokens": "tokens each request decodes",
+    "cuda_graphs": "GPU: decode steps replayed from CUDA graphs (the worker's --cuda-graphs)",
     "seed": "random seed of the prompts",
 }
 INDEX_HELP = {
@@ -187,6 +188,8 @@ WORKER_HELP = {
     "another worker",
     "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
     "prefilled in chunks",
+    "cuda_graphs": "GPU workers: capture the model's forward as CUDA graphs at start, one per "
+    "batch size up to --max-num-seqs, and replay them for decode steps (docs/WORKER.md)",
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
     "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
     "them all, they slow each other many times over",
@@ -352,6 +355,8 @@ STEP_HELP = {
     "num_seqs": "requests decoding together",
     "context_len": "tokens of context each request decodes at",
     "num_steps": "timed steps (the median is reported)",
+    "cuda_graphs": "GPU: decode steps replayed from CUDA graphs (the worker's --cuda-graphs); "
+    "the replay is then the forward taken out",
     "seed": "random seed of the prompts",
 }
 TRANSFER_HELP = {

@@ -25,6 +25,7 @@ def run_case(
     num_kv_heads: int = 2,
     head_dim: int = 16,
     num_splits: int | None = None,
+    max_seq_len: int | None = None,
 ) -> None:
     case = make_case(
         seq_lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
@@ -41,6 +42,7 @@ def run_case(
         case.seq_lens,
         scale,
         num_splits=num_splits,
+        max_seq_len=max_seq_len,
     )
     ref = paged_decode_ref(
         query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale
@@ -63,6 +65,13 @@ def test_decode_odd_lengths(dtype: torch.dtype, group: int, num_splits: int) -> 
 def test_decode_more_splits_than_tiles_leaves_empty_splits() -> None:
     """Short sequences in a batch with a long one get splits with no tokens at all."""
     run_case([2, 3, 29], group=2, dtype=torch.float32, num_splits=6)
+
+
+def test_decode_launched_for_a_longer_context_than_any_sequence_has() -> None:
+    """A decode CUDA graph is captured for the model's whole context: its splits are sized for
+    ``max_seq_len``, most of them empty for short sequences, and its padding rows have one token
+    of context."""
+    run_case([1, 7, 13, 1], group=2, dtype=torch.float32, max_seq_len=4096)
 
 
 def test_decode_block_size_larger_than_tile() -> None:
