@@ -183,6 +183,18 @@ class DecodeGraphs:
         """Capture every size, largest first (the pool then fits the smaller ones). The inputs
         are all padding meanwhile: nothing is written to the KV cache."""
         start = time.perf_counter()
+        # NOTE: on the model's device, whichever is current: Triton launches on the current one.
+        with torch.cuda.device(self.block_tables.device):
+            self._capture_all()
+        logger.info(
+            "captured %d decode graphs (batch %d to %d) in %.1f s",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
+
+    def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             # NOTE: a run first, outside any capture: Triton compiles a kernel on its first
@@ -197,10 +209,3 @@ class DecodeGraphs:
                 self._logits[size] = self._forward(size)
             self._graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info(
-            "captured %d decode graphs (batch %d to %d) in %.1f s",
-            len(self.sizes),
-            self.sizes[0],
-            self.sizes[-1],
-            time.perf_counter() - start,
-        )

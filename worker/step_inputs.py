@@ -70,7 +70,7 @@ class UploadBuffer:
         self.device_bytes[:num_bytes].copy_(self.host[:num_bytes], non_blocking=self.pinned)
         if self.pinned:
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
 
 
 class InputStager:
