@@ -51,6 +51,7 @@ class ClusterConfig:
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20  # per worker
     kv_cache_shm: bool = False  # CPU: KV caches in /dev/shm, blocks copied straight between them
+    cuda_graphs: bool = False  # CUDA: every worker replays its decode steps from CUDA graphs
     policy: str = "cost"
     host: str = "127.0.0.1"
     http_port: int = -1  # the router's OpenAI-compatible HTTP API; -1 = none, 0 = a free port
@@ -88,6 +89,8 @@ class ClusterConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.kv_cache_shm and self.device != "cpu":
             raise ValueError("kv_cache_shm is for CPU workers: use it with device cpu")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError("cuda_graphs is for GPU workers: use it with device cuda")
 
     def metrics_port_of(self, name: str) -> int:
         """The /metrics port of the process ``name`` ("router" or a worker's); -1 = none."""
@@ -410,6 +413,7 @@ class LocalCluster:
             "--kv-cache-bytes", str(config.kv_cache_bytes),
             "--metrics-port", str(config.metrics_port_of(name)),
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
+            *(["--cuda-graphs"] if config.cuda_graphs else []),
             *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),
             *self._extra_worker_args,
         ]  # fmt: skip

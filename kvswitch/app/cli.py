@@ -314,6 +314,7 @@ UP_HELP = {
     "block_size": WORKER_HELP["block_size"],
     "kv_cache_bytes": "KV cache memory per worker, in bytes",
     "kv_cache_shm": WORKER_HELP["kv_cache_shm"],
+    "cuda_graphs": WORKER_HELP["cuda_graphs"],
     "policy": ROUTER_HELP["policy"],
     "host": "address every process listens on",
     "http_port": "the router's OpenAI-compatible HTTP API at http://HOST:PORT/v1; 0 picks a "

@@ -314,6 +314,15 @@ def test_up_gives_each_cpu_worker_its_share_of_the_cores(tmp_path: Path) -> None
     assert threads == max((os.cpu_count() or 1) // 2, 1)
 
 
+def test_up_passes_cuda_graphs_to_gpu_workers_only(tmp_path: Path) -> None:
+    gpu = LocalCluster(ClusterConfig(device="cuda", cuda_graphs=True), log_dir=tmp_path)
+    assert "--cuda-graphs" in gpu._worker_argv("worker-0", "both")
+    plain = LocalCluster(ClusterConfig(device="cuda"), log_dir=tmp_path)
+    assert "--cuda-graphs" not in plain._worker_argv("worker-0", "both")
+    with pytest.raises(ValueError, match="cuda_graphs is for GPU workers"):
+        ClusterConfig(cuda_graphs=True)
+
+
 def free_port_run(length: int) -> int:
     """The first of ``length`` consecutive ports free now."""
     for _ in range(100):
