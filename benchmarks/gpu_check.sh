@@ -4,7 +4,8 @@
 #      against the plain path;
 #   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
 #      tile sweep that tells which defaults to keep);
-#   3. the worker's time to first token on the GPU, prompt mostly cached against cold;
+#   3. the worker's time to first token on the GPU, prompt mostly cached against cold, and a
+#      profile of each (torch ops and kernels launched, host and device time);
 #   4. a local cluster serving a random 1B-class model on the GPU, its greedy output checked
 #      against the torch reference attention (bf16 and fp32), cold and cached;
 #   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine;
@@ -47,7 +48,7 @@ step versions "$python" -c "import torch, triton; print('torch', torch.__version
 step tests "$python" -m pytest -m gpu tests/kernels tests/worker/test_cuda_graphs.py -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
 step kernels "$python" -m kvswitch bench kernels --sweep --json "$out/kernels.json"
 step ttft "$python" -m kvswitch bench ttft --model random:llama-1b --device cuda --dtype bfloat16 \
-    --json "$out/ttft.json"
+    --profile --json "$out/ttft.json"
 for dtype in bfloat16 float32; do
     step "serve-$dtype" "$python" -m kvswitch bench serve --model random:llama-1b --device cuda \
         --dtype "$dtype" --json "$out/serve_$dtype.json"
