@@ -78,6 +78,7 @@ class FrontConfig:
     token: str
     max_message_bytes: int
     max_output_tokens: int  # a chat request without max_tokens may have this many; 0 = no limit
+    wait_for_worker_s: float  # a request finding no worker waits this long for one
     security: FleetSecurity
 
     @classmethod
@@ -120,7 +121,7 @@ class OpenAIFront:
     async def completions(self, request: Request) -> Response:
         self._check_token(request)
         body = await self._parse(request, CompletionRequest)
-        self._check_model(body.model)
+        await self._check_model_soon(body.model)
         call = self._grpc_request(
             body, f"cmpl-{uuid.uuid4().hex}", body.max_tokens or COMPLETION_MAX_TOKENS
         )
@@ -137,7 +138,7 @@ class OpenAIFront:
     async def chat_completions(self, request: Request) -> Response:
         self._check_token(request)
         body = await self._parse(request, ChatCompletionRequest)
-        self._check_model(body.model)
+        await self._check_model_soon(body.model)
         template = self._template
         if template is None:
             raise OpenAIError(
@@ -167,7 +168,7 @@ class OpenAIFront:
 
     async def model(self, request: Request, model_id: str) -> Response:
         self._check_token(request)
-        self._check_model(model_id, known_only=True)
+        self._check_model(model_id)
         return JSONResponse(self._model_card(model_id))
 
     # -- one request ---------------------------------------------------------------------------
@@ -280,19 +281,33 @@ class OpenAIFront:
             return [self._router.namespace]
         return sorted({h.info.namespace for h in self._router.directory.handles()})
 
-    def _check_model(self, name: str, *, known_only: bool = False) -> None:
+    def _check_model(self, name: str) -> None:
+        """404 unless ``name`` is a model served here."""
         served = self._served_models()
-        # NOTE: with no worker live yet, the router waits for one (wait_for_worker_s): let the
-        # call go and answer as a gRPC client's would be answered.
-        if name in served or (not served and not known_only):
-            return
-        raise OpenAIError(
-            404,
-            f"the model {name!r} is not served here; "
-            + (f"this router serves {', '.join(map(repr, served))}" if served else "none is"),
-            param="model",
-            code="model_not_found",
-        )
+        if name not in served:
+            raise OpenAIError(
+                404,
+                f"the model {name!r} is not served here; "
+                + (f"this router serves {', '.join(map(repr, served))}" if served else "none is"),
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _check_model_soon(self, name: str) -> None:
+        """``_check_model`` for a request: with no worker live yet, first wait for one as the
+        router would (``wait_for_worker_s``), so that the request is not served by whatever
+        model comes first; 503 if none comes."""
+        directory = self._router.directory
+        deadline_s = time.monotonic() + self._config.wait_for_worker_s
+        while not self._served_models() and (left_s := deadline_s - time.monotonic()) > 0:
+            await directory.wait_for_change(left_s)
+        if not self._served_models():
+            raise OpenAIError(
+                503,
+                f"no worker is live: none has registered in {self._config.wait_for_worker_s:g} s",
+                code="unavailable",
+            )
+        self._check_model(name)
 
     def _check_token(self, request: Request) -> None:
         """401 unless the request carries the router's token, before anything is read or

@@ -4,8 +4,10 @@ the gRPC SDK gets for the same prompt (greedy sampling is deterministic)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -242,6 +244,35 @@ def test_an_unknown_model_or_a_wrong_token_is_refused(
             stranger.chat.completions.create(model=model, messages=MESSAGES, stream=True)
         with pytest.raises(openai.AuthenticationError):
             stranger.models.list()
+
+
+def test_a_request_before_any_worker_waits_for_one_then_checks_its_model() -> None:
+    """With no worker live, a request waits for one as the router would; the model that comes
+    must be the one asked for (not served by whatever comes), and none coming is a 503."""
+    router = dataclasses.replace(ROUTER, wait_for_worker_s=30)
+    with (
+        BackgroundCluster(0, router, WORKER) as cluster,
+        openai_client(cluster) as client,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        create = client.completions.create
+        wrong = pool.submit(create, model="gpt-4", prompt=PROMPT, max_tokens=2)
+        right = pool.submit(create, model="kvswitch-tiny", prompt=PROMPT, max_tokens=2)
+        time.sleep(0.5)
+        assert not wrong.done() and not right.done()
+        cluster.add_worker("w0")
+        with pytest.raises(openai.NotFoundError) as missing:
+            wrong.result(timeout=30)
+        assert "this router serves 'kvswitch-tiny'" in str(missing.value)
+        completion = right.result(timeout=30)
+        assert completion.usage is not None and completion.usage.completion_tokens == 2
+    with BackgroundCluster(0, ROUTER, WORKER) as cluster, openai_client(cluster) as client:
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            client.completions.create(model="kvswitch-tiny", prompt=PROMPT, max_tokens=2)
+        assert unavailable.value.status_code == 503
+        assert "no worker is live: none has registered in 0.3 s" in str(unavailable.value)
+        assert time.monotonic() - start < 10
 
 
 def test_the_body_must_be_json_and_errors_keep_openais_shape(cluster: BackgroundCluster) -> None:
