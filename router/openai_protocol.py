@@ -302,7 +302,7 @@ def error_from_status(
 class Usage:
     num_prompt_tokens: int
     num_output_tokens: int
-    num_cached_tokens: int | None  # None: not known (the request was cut at a stop string)
+    num_cached_tokens: int | None  # None: not known (a worker that does not say)
 
     def body(self) -> dict[str, Any]:
         details = None

@@ -38,6 +38,7 @@ class RouterOutput:
         self._prompt_param = prompt_param
         self._count_prompt = count_prompt
         self.num_output_tokens = 0
+        self.num_cached_tokens: int | None = None  # from the first chunk
         self.final: router_pb2.GenerateFinal | None = None
         self.done = False
 
@@ -60,10 +61,11 @@ class RouterOutput:
     async def ending(self) -> tuple[str, Usage]:
         """Why the output ended, and the usage; once ``done``."""
         if self._stops is not None and self._stops.stopped:
-            # NOTE: cancelled at the stop string, the call never sent its final message; the
-            # prompt is counted here, and how much of it was cached is unknown.
+            # NOTE: cancelled at the stop string, the call never sent its final message: the
+            # prompt is counted here, and how much of it was cached came with the first chunk.
             num_prompt_tokens = await self._count_prompt()
-            return "stop", Usage(num_prompt_tokens, self.num_output_tokens, None)
+            usage = Usage(num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+            return "stop", usage
         final = self.final
         assert final is not None
         finish_reason = _FINISH_REASONS.get(final.finish_reason)
@@ -95,6 +97,8 @@ class RouterOutput:
             self.final = message.final
             return ""
         self.num_output_tokens += len(message.chunk.token_ids)
+        if message.chunk.HasField("num_cached_tokens"):
+            self.num_cached_tokens = message.chunk.num_cached_tokens
         if self._stops is None:
             return message.chunk.text
         text = self._stops.push(message.chunk.text)

@@ -546,6 +546,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     progress.first_token_s = time.monotonic()
                     progress.outcome.ttft_s = progress.first_token_s - progress.started_s
                     await context.send_initial_metadata(((WORKER_ID_KEY, handle.worker_id),))
+                elif response.chunk.HasField("num_cached_tokens"):
+                    # NOTE: a stream resumed on another worker: the client's first chunk, from
+                    # the first worker, already said how much of its prompt was cached.
+                    response.chunk.ClearField("num_cached_tokens")
                 progress.sent += response.chunk.token_ids
                 await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
         raise _WorkerFailed(handle, "the stream ended without a final message")

@@ -329,11 +329,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         decoder.flush() if done and not goes_on else ""
                     )
                 stats.num_output_tokens += len(token_ids)
+                chunk = common_pb2.TokenChunk(token_ids=token_ids, text=text)
                 for output in outputs:
                     if output.ttft_s is not None:  # the first token's output has the figures
                         stats.ttft_s = ttft_s = output.ttft_s
                         stats.num_cached_tokens = max(output.num_cached_tokens, 0)
-                chunk = common_pb2.TokenChunk(token_ids=token_ids, text=text)
+                        chunk.num_cached_tokens = stats.num_cached_tokens
                 await context.write(worker_pb2.WorkerGenerateResponse(chunk=chunk))
             assert last.finish_reason is not None
             finish_reason = last.finish_reason.value

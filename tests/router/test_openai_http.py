@@ -174,7 +174,9 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:
     )
     assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
     assert cut.usage is not None and cut.usage.prompt_tokens == len(PROMPT) + 1
-    assert cut.usage.prompt_tokens_details is None  # the router's accounting never came
+    # The router's accounting never came (cancelled at the stop): the first chunk said it.
+    assert cut.usage.prompt_tokens_details is not None
+    assert cut.usage.prompt_tokens_details.cached_tokens == (len(PROMPT) + 1) // 16 * 16
     stream = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True
     )

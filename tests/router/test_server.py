@@ -298,6 +298,33 @@ def test_a_worker_dying_mid_stream_is_resumed_without_gap_or_duplicate(
         cluster.close()
 
 
+def test_only_the_first_chunk_of_a_resumed_stream_says_what_was_cached() -> None:
+    """The cached-token count rides on the stream's first chunk; the worker that resumes the
+    stream sends one on its own first chunk, which the router drops."""
+    cluster = BackgroundCluster(num_workers=2)
+    try:
+        with grpc.insecure_channel(cluster.address) as channel:
+            request = router_pb2.GenerateRequest(
+                request_id="resumed",
+                text=question(2, 5),
+                sampling=common_pb2.SamplingParams(max_tokens=120, temperature=0.0),
+            )
+            stream = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60)
+            first = next(stream).chunk
+            busy = [
+                h.worker_id for h in cluster.router.router.directory.handles() if h.num_in_flight
+            ]
+            cluster.stop_worker(cluster.worker(busy[0]))
+            rest = list(stream)
+        assert first.HasField("num_cached_tokens")
+        chunks = [m.chunk for m in rest if m.HasField("chunk")]
+        assert rest[-1].final.route.reason.startswith("failover: ")
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in chunks) == 120
+        assert not any(c.HasField("num_cached_tokens") for c in chunks)
+    finally:
+        cluster.close()
+
+
 def test_cancelling_a_stream_frees_the_request_on_its_worker(
     cluster: BackgroundCluster, client: Client
 ) -> None:
