@@ -1,16 +1,19 @@
-"""Pure-torch references of the paged-attention kernels; also the worker's CPU execution path.
+"""Pure-torch references of the kernels; also the worker's CPU execution path.
 
-Layout shared with the kernels (see ``kernels/layout.py``)::
+Paged attention's layout, shared with its kernels (see ``kernels/layout.py``)::
 
     k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables      [num_seqs, max_blocks] int32   (page i of sequence s is block_tables[s, i])
     slot              block_id * block_size + offset
 
 Attention runs in fp32 through torch's ``scaled_dot_product_attention`` on the gathered pages;
-outputs are cast back to the query dtype.
+outputs are cast back to the query dtype. RMSNorm and rotary embeddings are the model's own math,
+written once here: the model calls these off CUDA, and the kernels are tested against them.
 """
 
 from __future__ import annotations
+
+from typing import overload
 
 import torch
 
@@ -128,3 +131,49 @@ def paged_prefill_ref(
         value = gather_pages(v_cache, block_tables[s], seq_len)
         out[cu[s] : cu[s + 1]] = _attend(q, key, value, scale, q_start=seq_len - q.shape[0])
     return out
+
+
+@overload
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None
+) -> torch.Tensor: ...
+
+
+@overload
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension of ``x``, scaled by ``weight``. With ``residual``:
+    ``h = residual + x`` (in the dtype) first, and returns ``(rms_norm(h), h)``."""
+    if residual is not None:
+        h = residual + x
+        return rms_norm_ref(h, weight, eps), h
+    # NOTE: normalized in fp32, then scaled in the input dtype, as the reference models do.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotary_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` ([num_tokens, num_heads, head_dim]) rotated by the angles of
+    ``positions`` (rows of ``cos`` / ``sin``, [max_positions, head_dim / 2]), non-interleaved
+    halves, in fp32; new tensors in the input dtype."""
+    cos = cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
+    sin = sin[positions].unsqueeze(1)
+    rotated = []
+    for x in (q, k):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        rotated.append(out.to(x.dtype))
+    return rotated[0], rotated[1]

@@ -3,29 +3,50 @@
 Parameter names follow Hugging Face's Llama layout (``model.layers.0.self_attn.q_proj.weight``,
 ...), so a checkpoint's state dict loads as it is. Tokens of all sequences in a step are packed
 into one row dimension; attention finds each sequence's context through ``AttentionMetadata``.
+
+On CUDA, RMSNorm (with the residual add before it) and the rotary embedding run as Triton kernels,
+attention as the paged kernels; elsewhere all of them run as their torch references
+(``kernels.reference``), which compute the same thing up to rounding.
 """
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
-from kvswitch.worker.attention import AttentionMetadata, PagedAttention
+from kvswitch.kernels import rms_norm, rms_norm_ref, rotary, rotary_ref
+from kvswitch.worker.attention import AttentionMetadata, PagedAttention, use_triton
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.rope import RopeConfig
 
 
 class RMSNorm(nn.Module):
+    """Normalizes each row by its root mean square, scaled by ``weight``; given the residual
+    stream, adds it first and hands the sum on (a decoder layer's "add, then norm")."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalized in fp32, then scaled in the input dtype, as the reference models do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [num_tokens, hidden_size] -> its norm; with ``residual``, ``h = residual + x`` ->
+        ``(norm(h), h)``."""
+        if use_triton(x.device):
+            return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_ref(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,16 +59,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor is [num_tokens, num_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        rotated = []
-        for x in tensors:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            rotated.append(out.to(x.dtype))
-        return rotated
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_q_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim],
+        rotated. On CUDA these are q and k themselves, rotated in place; elsewhere new tensors."""
+        if use_triton(q.device):
+            # NOTE: in place: q and k are this step's fresh projections, which nothing else reads.
+            rotary(q, k, self.cos, self.sin, positions)
+            return q, k
+        return rotary_ref(q, k, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -99,9 +120,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` is the layer's input (``residual`` None: ``x`` alone, the first
+        layer). Returns the MLP's output and the residual stream it is still to be added to::
+
+            residual = residual + x;             out = attn(norm1(residual))
+            residual = residual + out;           out = mlp(norm2(residual))
+            return out, residual                 (the next norm adds them)
+        """
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -112,11 +153,21 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        # NOTE: the last layer's MLP output joins the stream here, in the final norm's add.
+        return self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):
