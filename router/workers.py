@@ -341,6 +341,12 @@ class WorkerDirectory:
                 # on a frozen view of its workers without a word.
                 self.num_loop_errors += 1
                 logger.exception("%s failed; trying again in %g s", fn.__name__, interval_s)
+            if _being_cancelled():
+                # NOTE: the loop's cancellation arrived inside the round and the round swallowed
+                # it (a client library's timeout turning it into a TimeoutError, caught as an
+                # outage): asyncio delivers it once, so the loop must end here, or its stop
+                # waits forever.
+                raise asyncio.CancelledError
 
 
 def _being_cancelled() -> bool:

@@ -129,6 +129,36 @@ def test_a_loop_waiting_for_changes_stops_when_cancelled_as_a_change_comes() -> 
     asyncio.run(main())
 
 
+def test_a_background_loop_stops_even_if_a_round_swallows_its_cancellation() -> None:
+    """A round that eats the loop's cancellation (redis-py's timeout can turn one into a
+    TimeoutError, which refresh takes for an outage) must not leave the loop running: the
+    router's stop awaits it (a CI run hung there)."""
+
+    async def main() -> None:
+        directory = WorkerDirectory(MemoryIndex(), DirectoryConfig())
+        in_round = asyncio.Event()
+        swallowed = []
+
+        async def swallowing_round() -> None:
+            in_round.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                if swallowed:  # once: a broken loop still ends when the test cleans up
+                    raise
+                swallowed.append(True)
+                raise TimeoutError("what a client library may make of it") from None
+
+        task = asyncio.create_task(directory._every(0.001, swallowing_round))
+        await in_round.wait()
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert done, "the loop went on after its cancellation"
+        assert task.cancelled()
+
+    asyncio.run(main())
+
+
 def test_a_worker_that_does_not_answer_its_load_poll_is_left_out() -> None:
     """Unreachable (here: nothing listens at its address), it takes no new request until a
     report comes again."""
