@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvswitch.cache_index.events import CacheEvent
+from kvswitch.serving import end_if_cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +146,12 @@ async def reclaim_forever(index: BlockIndex, interval_s: float) -> None:
         try:
             num_reclaimed = await index.reclaim_expired()
         except index.unavailable_errors as e:  # it may be restarting: try again next time
+            end_if_cancelled()  # unless the error was this loop's own stop, swallowed
             logger.warning("reclaiming lapsed workers failed: %s", e)
             continue
         except Exception:
             # NOTE: a bug in one round must not end the loop, or lapsed entries pile up unseen.
+            end_if_cancelled()
             logger.exception("reclaiming lapsed workers failed; trying again in %g s", interval_s)
             continue
         if num_reclaimed:

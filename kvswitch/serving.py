@@ -100,6 +100,18 @@ async def wait_for_stop_signal() -> None:
         loop.remove_signal_handler(sig)
 
 
+def end_if_cancelled() -> None:
+    """Raise CancelledError if the running task itself is being cancelled.
+
+    A background loop calls this after a round that caught an error: a client library may have
+    turned the loop's own cancellation into a timeout or a connection error, and asyncio delivers
+    a cancellation once, so a loop that went on would never end (and its stop would wait on it).
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > 0:
+        raise asyncio.CancelledError
+
+
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
     """Run ``main`` on uvloop where it is installed, else on asyncio's own loop."""
     try:

@@ -33,7 +33,7 @@ from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
 from kvswitch.router.policy import WorkerState
 from kvswitch.security import PLAINTEXT, FleetSecurity
-from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
+from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS, end_if_cancelled
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -298,9 +298,10 @@ class WorkerDirectory:
                 worker_pb2.GetLoadRequest(), timeout=self.config.rpc_timeout_s
             )
         except asyncio.CancelledError:
-            if handle.removed and not _being_cancelled():
+            end_if_cancelled()  # the directory's own stop: only that may end the loop
+            if handle.removed:
                 # NOTE: the worker left and its channel was closed under the call (closing a
-                # channel cancels its calls). Only the directory's own stop may end the loop.
+                # channel cancels its calls).
                 return
             raise
         except grpc.aio.AioRpcError as e:
@@ -330,8 +331,7 @@ class WorkerDirectory:
             try:
                 await fn()
             except asyncio.CancelledError:
-                if _being_cancelled():
-                    raise
+                end_if_cancelled()
                 # NOTE: a call cancelled from under the round (its channel closed) must not end
                 # the loop either.
                 self.num_loop_errors += 1
@@ -341,15 +341,4 @@ class WorkerDirectory:
                 # on a frozen view of its workers without a word.
                 self.num_loop_errors += 1
                 logger.exception("%s failed; trying again in %g s", fn.__name__, interval_s)
-            if _being_cancelled():
-                # NOTE: the loop's cancellation arrived inside the round and the round swallowed
-                # it (a client library's timeout turning it into a TimeoutError, caught as an
-                # outage): asyncio delivers it once, so the loop must end here, or its stop
-                # waits forever.
-                raise asyncio.CancelledError
-
-
-def _being_cancelled() -> bool:
-    """Whether the running task itself is being cancelled (not a call it awaited)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+            end_if_cancelled()  # the round may have swallowed the loop's own cancellation

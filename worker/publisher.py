@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+from kvswitch.serving import end_if_cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class EventPublisher:
                 # NOTE: the index being down (refused, restarting, timing out) is expected; any
                 # other error is a bug and logged with its traceback. Either way the publisher
                 # goes on from a resync: one that stopped would leave the index stale unseen.
+                end_if_cancelled()  # unless the error was this loop's own stop, swallowed
                 self.num_errors += 1
                 self._synced = False
                 delay_s = self.backoff.next_delay_s()

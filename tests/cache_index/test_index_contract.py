@@ -15,6 +15,8 @@ import pytest
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo, reclaim_forever
+from kvswitch.cache_index.memory_index import MemoryIndex
+from tests.swallowing import SwallowsCancellationOnce
 
 MakeIndex = Callable[[], Awaitable[BlockIndex]]
 NS = "model-a"
@@ -171,7 +173,6 @@ def test_workers_by_namespace_and_stats(make_index: MakeIndex) -> None:
 def test_replaying_a_worker_event_stream_matches_its_pool() -> None:
     """The events a real block pool emits, applied in batches, describe its cache exactly."""
     from kvswitch.cache_index.hashing import BlockHasher
-    from kvswitch.cache_index.memory_index import MemoryIndex
     from kvswitch.worker.kv_cache_manager import KVCacheManager
     from kvswitch.worker.request import Request
     from tests.worker.driver import admit
@@ -207,6 +208,30 @@ def test_lapsed_entries_are_reclaimed_in_the_background(make_index: MakeIndex) -
         assert (await index.stats()).num_entries == 0
 
     run(make_index, body)
+
+
+def test_the_reclaimer_stops_even_if_the_index_swallows_its_cancellation() -> None:
+    """A client library may turn the task's cancellation into an error the loop retries on."""
+
+    class SwallowingIndex(MemoryIndex):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hang = SwallowsCancellationOnce(TimeoutError("the cancellation, made a timeout"))
+
+        async def reclaim_expired(self) -> int:
+            await self.hang()
+            return 0
+
+    async def main() -> None:
+        index = SwallowingIndex()
+        reclaimer = asyncio.create_task(reclaim_forever(index, 0.001))
+        await asyncio.wait_for(index.hang.entered.wait(), 5)
+        reclaimer.cancel()
+        done, _ = await asyncio.wait([reclaimer], timeout=2)
+        assert done, "the reclaimer went on after its cancellation"
+        assert reclaimer.cancelled()
+
+    asyncio.run(main())
 
 
 def test_match_agrees_with_each_workers_set_through_random_changes(make_index: MakeIndex) -> None:

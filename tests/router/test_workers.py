@@ -9,6 +9,7 @@ from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.policy import CostPolicy, RouteRequest
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
 from kvswitch.v1 import worker_pb2
+from tests.swallowing import SwallowsCancellationOnce
 
 
 async def directory_of(*worker_ids: str) -> WorkerDirectory:
@@ -136,21 +137,13 @@ def test_a_background_loop_stops_even_if_a_round_swallows_its_cancellation() -> 
 
     async def main() -> None:
         directory = WorkerDirectory(MemoryIndex(), DirectoryConfig())
-        in_round = asyncio.Event()
-        swallowed = []
+        hang = SwallowsCancellationOnce(TimeoutError("the cancellation, made a timeout"))
 
         async def swallowing_round() -> None:
-            in_round.set()
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                if swallowed:  # once: a broken loop still ends when the test cleans up
-                    raise
-                swallowed.append(True)
-                raise TimeoutError("what a client library may make of it") from None
+            await hang()
 
         task = asyncio.create_task(directory._every(0.001, swallowing_round))
-        await in_round.wait()
+        await hang.entered.wait()
         task.cancel()
         done, _ = await asyncio.wait([task], timeout=2)
         assert done, "the loop went on after its cancellation"

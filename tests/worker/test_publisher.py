@@ -14,6 +14,7 @@ from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.publisher import Backoff, EventPublisher, PublisherConfig
 from kvswitch.worker.request import SamplingParams
+from tests.swallowing import SwallowsCancellationOnce
 
 FAST = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=0.5)
 
@@ -167,6 +168,37 @@ def test_an_unexpected_error_is_logged_with_its_traceback_and_publishing_goes_on
         engine.stop()
     (record,) = [r for r in caplog.records if "publishing cache events failed" in r.message]
     assert record.levelno == logging.ERROR and record.exc_info[0] is TypeError
+
+
+class SwallowingIndex(MemoryIndex):
+    """An index whose heartbeat hangs and turns the caller's cancellation into an outage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang = SwallowsCancellationOnce(ConnectionError("the cancellation, made an outage"))
+
+    async def heartbeat(self, *args, **kwargs):
+        await self.hang()
+        return await super().heartbeat(*args, **kwargs)
+
+
+def test_stop_ends_the_publisher_even_if_an_index_call_swallows_the_cancellation() -> None:
+    engine = start_engine()
+
+    async def main() -> None:
+        index = SwallowingIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST, Backoff(0.01, 0.05))
+        publisher.start()
+        await asyncio.wait_for(index.hang.entered.wait(), 5)
+        await asyncio.wait_for(publisher.stop(), 2)  # it hung here, retrying forever
+        assert publisher.num_errors == 0  # the stop was taken for a stop, not an outage
+        assert await index.live_workers() == []
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
 
 
 def test_publisher_config_is_checked() -> None:
