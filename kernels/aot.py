@@ -249,7 +249,7 @@ def _cache(shape: Shape, max_seq_len: int):
 
 
 def _launch_cases(shape: Shape) -> list[tuple[str, Callable[[], object]]]:
-    from kvswitch.kernels import paged_decode, paged_prefill, store_kv
+    from kvswitch.kernels import paged_decode, paged_prefill, rms_norm, rotary, store_kv
 
     scale = shape.head_dim**-0.5
     context = 4096
@@ -284,7 +284,16 @@ def _launch_cases(shape: Shape) -> list[tuple[str, Callable[[], object]]]:
             max_q_len=q_len,
         )
 
+    # The rest of a decoder layer, at the hidden size of the attention shape.
+    hidden = torch.zeros(8, shape.num_q_heads * shape.head_dim, dtype=shape.dtype)
+    norm_weight = torch.ones(hidden.shape[1], dtype=shape.dtype)
+    cos = torch.zeros(context, shape.head_dim // 2)  # fp32, as RopeConfig makes them
+    positions = torch.zeros(8, dtype=torch.int64)
+
     return [
+        ("rms_norm", lambda: rms_norm(hidden, norm_weight, 1e-5)),
+        ("rms_norm + residual", lambda: rms_norm(hidden, norm_weight, 1e-5, residual=hidden)),
+        ("rotary", lambda: rotary(query.clone(), kv_rows[:2].clone(), cos, cos, positions[:2])),
         ("store_kv", lambda: store_kv(kv_rows, kv_rows, k_cache, v_cache, slots)),
         ("paged_decode", decode(1)),
         ("paged_decode split", decode(4)),

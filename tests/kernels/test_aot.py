@@ -85,6 +85,9 @@ def _compile(arch: int, tmp_path: Path) -> list[dict]:
 def test_every_kernel_compiles_without_spills_and_fits(arch: int, tmp_path: Path) -> None:
     report = _compile(arch, tmp_path)
     kernels_per_shape = [
+        "_rms_norm_kernel",
+        "_rms_norm_kernel",
+        "_rotary_kernel",
         "_store_kv_kernel",
         "_paged_decode_kernel",
         "_paged_decode_kernel",
@@ -98,6 +101,9 @@ def test_every_kernel_compiles_without_spills_and_fits(arch: int, tmp_path: Path
         assert entry["arch"] == arch
         assert entry["local_bytes"] == 0, f"{label} spills registers"
         assert entry["programs_per_sm"] >= 1, f"{label} does not fit on a multiprocessor"
+        if entry["kernel"] == "_rms_norm_kernel":
+            # A row (and the residual's) is read 16 bytes at a time, nothing narrower.
+            assert set(entry["global_load_bytes"]) == {"16"}, label
         if entry["kernel"] in ("_paged_decode_kernel", "_paged_prefill_kernel"):
             # K/V tiles stream into shared memory 16 bytes per copy.
             assert "16" in entry["async_copy_bytes"], label
