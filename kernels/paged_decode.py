@@ -9,6 +9,11 @@ log-sum-exp, and a second kernel merges them::
     program  | o_0, lse_0       | o_1, lse_1       | o_2, lse_2 |
     merge    | out = sum_i exp2(lse_i - max) * o_i / sum_i exp2(lse_i - max)
 
+Each sequence cuts its own context: ``tokens_per_split`` is its length over the number of splits,
+rounded up to whole tiles. A short sequence beside a long one (or under a launch sized for the
+longest context the model takes, as a CUDA graph's is) still spreads over the splits, and the
+splits past its last tile are empty.
+
 Loads past a sequence's length are masked, so the tail of its last page may hold anything.
 """
 
@@ -58,7 +63,6 @@ def _paged_decode_kernel(
     stride_lse_h,
     block_size,
     head_dim,
-    tokens_per_split,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,6 +74,8 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Splits start on tile boundaries so that no tile straddles two programs.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -184,7 +190,8 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
 ) -> int:
-    """Enough splits to give every multiprocessor a few programs, never a split without tokens."""
+    """Enough splits to give every multiprocessor a few programs, and no more than the longest
+    context has tiles (each sequence then cuts its own context into that many)."""
     wanted = math.ceil(4 * num_sms / max(num_seqs * num_kv_heads, 1))
     return max(1, min(wanted, math.ceil(max_seq_len / block_n)))
 
@@ -236,8 +243,6 @@ def paged_decode(
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_seq_len, block_n, _num_sms(query.device)
         )
-    # Splits start on tile boundaries so that no tile straddles two programs.
-    tokens_per_split = math.ceil(math.ceil(max_seq_len / num_splits) / block_n) * block_n
     split = num_splits > 1
     if split:
         partial = torch.empty(
@@ -270,7 +275,6 @@ def paged_decode(
         *lse_strides,
         block_size,
         head_dim,
-        tokens_per_split,
         GROUP=group,
         GROUP_PAD=max(min_dot_size(), next_pow2(group)),
         BLOCK_N=block_n,

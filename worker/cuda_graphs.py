@@ -16,8 +16,10 @@ kernels read and write fixed addresses and fixed shapes, so:
       slot       | where its K/V goes             | -1: store_kv skips it, nothing is written  |
       seq_len    | its context length             | 1: one row of a block the stale table names |
 
-- attention is launched for contexts up to ``max_model_len`` (the decode kernel's splits are
-  sized for that; the splits past a shorter context are empty and weigh nothing in the merge).
+- attention is launched for contexts up to ``max_model_len``: as many splits as the longest
+  context would take. Each sequence spreads its own context over them, so a short one is still
+  attended in parallel, and its splits past its last tile are empty and weigh nothing in the
+  merge.
 
 All graphs share one memory pool, so a replay's logits stay valid until the next replay: the
 engine samples them before its next step.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -68,10 +70,36 @@ def test_decode_more_splits_than_tiles_leaves_empty_splits() -> None:
 
 
 def test_decode_launched_for_a_longer_context_than_any_sequence_has() -> None:
-    """A decode CUDA graph is captured for the model's whole context: its splits are sized for
-    ``max_seq_len``, most of them empty for short sequences, and its padding rows have one token
-    of context."""
+    """A decode CUDA graph is captured for the model's whole context: as many splits as that
+    would take, most of them empty for short sequences, and its padding rows have one token of
+    context."""
     run_case([1, 7, 13, 1], group=2, dtype=torch.float32, max_seq_len=4096)
+
+
+def test_each_sequence_cuts_its_own_context_into_the_splits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Splits are sized by each sequence's length, not the launch's longest: under a launch for
+    4,096 tokens a 160-token context still spreads over all 4 splits (16-token tiles)."""
+    # NOTE: by name: the package's own paged_decode attribute is the function.
+    module = importlib.import_module("kvswitch.kernels.paged_decode")
+    merged = []
+
+    class MergeSpy:
+        def __getitem__(self, grid):
+            def launch(partial, lse, *args, **kwargs):
+                merged.append(lse.clone())
+                return merge[grid](partial, lse, *args, **kwargs)
+
+            return launch
+
+    merge = module._merge_splits_kernel
+    monkeypatch.setattr(module, "_merge_splits_kernel", MergeSpy())
+    run_case([32, 160], group=2, dtype=torch.float32, block_size=16, num_splits=4, max_seq_len=4096)
+    (lse,) = merged  # [num_seqs, num_q_heads, num_splits]; -inf where a split had no tokens
+    assert lse[1].isfinite().all()  # 160 tokens: splits of 48, 48, 48 and 16
+    assert lse[0, :, :2].isfinite().all()  # 32 tokens: two tiles, in the first two splits
+    assert torch.isneginf(lse[0, :, 2:]).all()
 
 
 def test_decode_block_size_larger_than_tile() -> None:
