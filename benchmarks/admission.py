@@ -43,10 +43,13 @@ class AdmissionBenchConfig:
     steps_before: int = 50
     steps_after: int = 20
     seed: int = 0
+    cpu_threads: int = 0  # the engine core's torch threads; 0 = one per core
 
     def __post_init__(self) -> None:
         if self.num_decodes <= 0 or self.steps_before <= 0 or self.steps_after <= 0:
             raise ValueError("num_decodes, steps_before and steps_after must be positive")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
         if not 0 < self.prompt_len < 262144:
             raise ValueError(f"prompt_len must be in [1, 262144), got {self.prompt_len}")
 
@@ -73,6 +76,7 @@ async def _run(config: AdmissionBenchConfig) -> dict:
             block_size=block_size,
             kv_cache_bytes=num_tokens * kv_bytes_per_token,
             max_num_seqs=config.num_decodes + 1,
+            cpu_threads=config.cpu_threads,
         ),
     )
     try:
@@ -112,6 +116,7 @@ async def _run(config: AdmissionBenchConfig) -> dict:
         "machine": machine_info(),
         "num_decodes": config.num_decodes,
         "prompt_len": config.prompt_len,
+        "cpu_threads": config.cpu_threads,
         "admit_ms": admit_s * 1000,
         # The core's own work for the arrival: receiving and admitting the prompt.
         "admit_core_ms": max(g.commands_s for g in gaps_after) * 1000,

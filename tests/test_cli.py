@@ -263,10 +263,11 @@ def test_bench_transfer_moves_every_block_between_worker_processes(tmp_path: Pat
 
 def test_bench_admission_times_the_gaps_between_the_cores_steps(tmp_path: Path) -> None:
     out = tmp_path / "admission.json"
-    args = ["--num-decodes", "4", "--prompt-len", "8192", "--steps-before", "5"]
-    main(["bench", "admission", *args, "--steps-after", "5", "--json", str(out)])
+    args = ["--num-decodes", "4", "--prompt-len", "8192", "--steps-before", "5", "--cpu-threads"]
+    main(["bench", "admission", *args, "1", "--steps-after", "5", "--json", str(out)])
     figures = json.loads(out.read_text())
     assert figures["prompt_len"] == 8192 and figures["num_decodes"] == 4
+    assert figures["cpu_threads"] == 1
     assert 0 < figures["baseline_median_step_gap_ms"] <= figures["baseline_max_step_gap_ms"]
     assert figures["max_step_gap_ms"] > 0 and figures["admit_ms"] > 0
     assert 0 < figures["admit_core_ms"] <= figures["max_step_gap_ms"]

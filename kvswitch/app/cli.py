@@ -348,6 +348,8 @@ ADMISSION_HELP = {
     "steps_before": "engine steps measured before it arrives",
     "steps_after": "engine steps measured after it arrives (then it is aborted)",
     "seed": "random seed of the prompts",
+    "cpu_threads": "the engine core's torch threads (as kvswitch worker --cpu-threads); 0 = one "
+    "per core",
 }
 STEP_HELP = {
     "model": "checkpoint directory; empty = the built-in tiny model",
