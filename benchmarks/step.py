@@ -5,7 +5,10 @@ share every block but their last, so setting them up prefills one prompt; their 
 still ``context_len / block_size`` entries long each. Every timed step schedules, builds the
 batch (block tables, positions, slot mapping), moves it to the device, runs the forward (timed on
 its own and taken out), samples and updates the requests: ``host_step_ms`` is the median of a
-step's time less its forward's.
+step's time less its forward's. With ``parts``, each part of the host work is timed on its own
+as well (``parts_ms``, medians; the timers themselves add a little to ``host_step_ms``):
+``schedule``, ``batch`` (the step's arrays), ``runner_inputs`` (positions, slots, moving them to
+the device), ``sample`` and ``hand_out`` (updating the requests with their tokens).
 
 Then the sampler alone, on ``num_seqs`` rows of a 32,000-token vocabulary (a Llama's), every row
 sampled at temperature 0.8: ``sample_ms`` with top_p 1 and ``sample_top_p_ms`` with top_p 0.95.
@@ -33,6 +36,7 @@ class StepBenchConfig:
     context_len: int = 4096
     num_steps: int = 20
     cuda_graphs: bool = False
+    parts: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,6 +67,20 @@ class _TimedForward:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
+
+
+class _TimedCalls:
+    """Stands in for a method: calls it, and keeps each call's time."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.seconds: list[float] = []
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        result = self.method(*args)
+        self.seconds.append(time.perf_counter() - start)
+        return result
 
 
 def run(config: StepBenchConfig) -> dict:
@@ -122,6 +140,19 @@ def run(config: StepBenchConfig) -> dict:
         timed = engine.runner.model = _TimedForward(engine.runner.model, synchronize)
     else:  # the forward is the graph's replay
         timed = graphs.replay = _TimedForward(graphs.replay, synchronize)
+    if config.parts:
+        parts = {
+            "schedule": _TimedCalls(engine.scheduler.schedule),
+            "batch": _TimedCalls(engine._batch),
+            "execute": _TimedCalls(engine.runner.execute_batch),
+            "sample": _TimedCalls(engine.sampler.sample),
+            "postprocess": _TimedCalls(engine._postprocess),
+        }
+        engine.scheduler.schedule = parts["schedule"]
+        engine._batch = parts["batch"]
+        engine.runner.execute_batch = parts["execute"]
+        engine.sampler.sample = parts["sample"]
+        engine._postprocess = parts["postprocess"]
     step_s, forward_s = [], []
     for _ in range(config.num_steps):
         before = timed.seconds
@@ -145,7 +176,7 @@ def run(config: StepBenchConfig) -> dict:
         f"ms step ({config.num_seqs} decodes at {context:,.0f} tokens)",
         file=sys.stderr,
     )
-    return {
+    result = {
         "machine": machine_info(),
         "device": config.device,
         "dtype": config.dtype,
@@ -160,6 +191,20 @@ def run(config: StepBenchConfig) -> dict:
         "sample_ms": sample_ms[1.0],
         "sample_top_p_ms": sample_ms[0.95],
     }
+    if config.parts:
+        ms = {name: np.array(timed.seconds) * 1000 for name, timed in parts.items()}
+        result["parts_ms"] = {
+            "schedule": float(np.median(ms["schedule"])),
+            "batch": float(np.median(ms["batch"])),
+            "runner_inputs": float(np.median(ms["execute"] - np.array(forward_s) * 1000)),
+            "sample": float(np.median(ms["sample"])),
+            "hand_out": float(np.median(ms["postprocess"] - ms["sample"])),
+        }
+        print(
+            "  parts: " + ", ".join(f"{k} {v:.3f} ms" for k, v in result["parts_ms"].items()),
+            file=sys.stderr,
+        )
+    return result
 
 
 def _sample_ms(num_seqs: int, device: str, top_p: float, rng: np.random.Generator) -> float:

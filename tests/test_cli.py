@@ -248,6 +248,19 @@ def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:
     assert figures["step_ms"] == pytest.approx(
         figures["host_step_ms"] + figures["forward_ms"], rel=0.5
     )
+    assert "parts_ms" not in figures
+
+
+def test_bench_step_parts_add_up_to_the_host_work(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    args = ["--num-seqs", "8", "--context-len", "128", "--num-steps", "3", "--parts"]
+    main(["bench", "step", *args, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    parts = figures["parts_ms"]
+    assert set(parts) == {"schedule", "batch", "runner_inputs", "sample", "hand_out"}
+    assert all(ms > 0 for ms in parts.values()), parts
+    # Medians of parts need not add up exactly; they are the host work, not the forward.
+    assert sum(parts.values()) == pytest.approx(figures["host_step_ms"], rel=0.5)
 
 
 def test_bench_transfer_moves_every_block_between_worker_processes(tmp_path: Path) -> None:

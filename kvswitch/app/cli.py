@@ -360,6 +360,7 @@ STEP_HELP = {
     "num_steps": "timed steps (the median is reported)",
     "cuda_graphs": "GPU: decode steps replayed from CUDA graphs (the worker's --cuda-graphs); "
     "the replay is then the forward taken out",
+    "parts": "also time each part of the host work on its own (parts_ms)",
     "seed": "random seed of the prompts",
 }
 TRANSFER_HELP = {
