@@ -58,27 +58,29 @@ def run(config: AdmissionBenchConfig) -> dict:
     return asyncio.run(_run(config))
 
 
+def engine_config(config: AdmissionBenchConfig) -> EngineConfig:
+    """The engine core the benchmark runs: room for the decodes' contexts and the long prompt."""
+    from kvswitch.worker.engine_config import EngineConfig
+
+    kv_bytes_per_token = 2 * 2 * 2 * 64 * 4  # tiny-long: 2 layers, K and V, 2 heads of 64, fp32
+    num_tokens = config.prompt_len + config.num_decodes * 4096
+    return EngineConfig(
+        model="random:tiny-long",
+        block_size=16,
+        kv_cache_bytes=num_tokens * kv_bytes_per_token,
+        max_num_seqs=config.num_decodes + 1,
+        cpu_threads=config.cpu_threads,
+    )
+
+
 async def _run(config: AdmissionBenchConfig) -> dict:
     from kvswitch.cache_index.hashing import tokens_to_bytes
     from kvswitch.v1 import worker_pb2
     from kvswitch.worker.engine_client import EngineClient
-    from kvswitch.worker.engine_config import EngineConfig
     from kvswitch.worker.request import SamplingParams
     from kvswitch.worker.server import prompt_from_proto
 
-    block_size = 16
-    kv_bytes_per_token = 2 * 2 * 2 * 64 * 4  # tiny-long: 2 layers, K and V, 2 heads of 64, fp32
-    num_tokens = config.prompt_len + config.num_decodes * 4096
-    engine = await asyncio.to_thread(
-        EngineClient.start,
-        EngineConfig(
-            model="random:tiny-long",
-            block_size=block_size,
-            kv_cache_bytes=num_tokens * kv_bytes_per_token,
-            max_num_seqs=config.num_decodes + 1,
-            cpu_threads=config.cpu_threads,
-        ),
-    )
+    engine = await asyncio.to_thread(EngineClient.start, engine_config(config))
     try:
         rng = np.random.default_rng(config.seed)
         vocab = engine.facts.vocab_size

@@ -19,6 +19,7 @@ import torch
 
 from kvswitch.app.cli import build_parser, main
 from kvswitch.app.cli_args import with_flags
+from kvswitch.benchmarks import admission as admission_bench
 from kvswitch.client import Client
 from tests.router.harness import BackgroundCluster
 
@@ -281,6 +282,8 @@ def test_bench_admission_times_the_gaps_between_the_cores_steps(tmp_path: Path) 
     figures = json.loads(out.read_text())
     assert figures["prompt_len"] == 8192 and figures["num_decodes"] == 4
     assert figures["cpu_threads"] == 1
+    config = admission_bench.AdmissionBenchConfig(cpu_threads=1)
+    assert admission_bench.engine_config(config).cpu_threads == 1  # what the core is started with
     assert 0 < figures["baseline_median_step_gap_ms"] <= figures["baseline_max_step_gap_ms"]
     assert figures["max_step_gap_ms"] > 0 and figures["admit_ms"] > 0
     assert 0 < figures["admit_core_ms"] <= figures["max_step_gap_ms"]
