@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvswitch.benchmarks.timing import machine_info
+from kvswitch.worker.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,6 @@ def run(config: AdmissionBenchConfig) -> dict:
 
 def engine_config(config: AdmissionBenchConfig) -> EngineConfig:
     """The engine core the benchmark runs: room for the decodes' contexts and the long prompt."""
-    from kvswitch.worker.engine_config import EngineConfig
-
     kv_bytes_per_token = 2 * 2 * 2 * 64 * 4  # tiny-long: 2 layers, K and V, 2 heads of 64, fp32
     num_tokens = config.prompt_len + config.num_decodes * 4096
     return EngineConfig(
