@@ -35,14 +35,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "num_cached_tokens")
+    __slots__ = ("token_ids", "text", "num_cached_tokens", "num_pending_text_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     num_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_pending_text_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_pending_text_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("worker_id", "num_prompt_tokens", "num_cached_tokens", "ttft_s", "num_output_tokens", "prefill_worker_id", "decode_worker_id", "num_transferred_blocks")
