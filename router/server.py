@@ -78,6 +78,7 @@ class RouterConfig:
     pending_ttl_s: float = 2.0  # how long an unconfirmed "will hold these blocks" guess lives
     refresh_s: float = 0.25  # how often to re-read the live workers
     load_poll_s: float = 0.1  # how often to ask each worker for its load
+    lost_after_failed_polls: int = 3  # a worker's streams fail over after this many in a row
     # Disaggregated prefill (router/disagg.py), with workers of role prefill in the fleet.
     min_remote_prefill_tokens: int = 256  # fewer uncached tokens: the decode worker prefills
     max_prefill_queue_tokens: int = 32768  # a prefill worker this loaded takes no more prompts
@@ -170,7 +171,11 @@ class RouterConfig:
         return weights
 
     def directory_config(self) -> DirectoryConfig:
-        return DirectoryConfig(refresh_s=self.refresh_s, load_poll_s=self.load_poll_s)
+        return DirectoryConfig(
+            refresh_s=self.refresh_s,
+            load_poll_s=self.load_poll_s,
+            lost_after_failed_polls=self.lost_after_failed_polls,
+        )
 
 
 # -- the server ----------------------------------------------------------------------------------

@@ -14,6 +14,11 @@ A worker's outstanding work, in tokens, is therefore::
       - the part of that prefill the request being routed shares (blocks guessed, not yet indexed)
       + this router's remaining output tokens there
 
+Each worker is polled by a task of its own, so a worker slow to answer (or never answering)
+delays only its own next report. A poll unanswered within ``rpc_timeout_s`` leaves the worker out
+of routing until one answers; the streams running there go on. The worker is *lost*, and those
+streams fail over, only on evidence that it is gone: ``lost_after_failed_polls`` polls failed in
+a row, or its connection dead (the channel in TRANSIENT_FAILURE or SHUTDOWN: a refused connect).
 A worker whose RPC failed is left out for ``down_s`` (it may be dying; the index drops it when
 its registration lapses).
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -57,10 +63,12 @@ class WorkerHandle:
     num_output_tokens: int = 0  # output tokens those may still produce
     down_until_s: float = 0.0
     unreachable: bool = False  # its last load poll failed: left out until one answers
+    num_failed_polls: int = 0  # load polls failed in a row
     # It refused a request at its queue limit: no request goes there until one of its requests
     # ends or its next load poll.
     full: bool = False
-    # Set when a load poll fails: the streams running there stop waiting for it and fail over.
+    # Set when the worker is lost (polls failed in a row, or its connection dead): the streams
+    # running there stop waiting for it and fail over. One slow answer does not set it.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False  # no longer live; the channel closes when nothing is in flight
 
@@ -121,15 +129,22 @@ class DirectoryConfig:
     load_poll_s: float = 0.1  # how often to ask each worker for its load
     rpc_timeout_s: float = 1.0  # for GetLoad
     down_s: float = 1.0  # how long a worker whose RPC failed is left out
+    # Load polls failed in a row after which a worker is lost and its streams fail over.
+    lost_after_failed_polls: int = 3
 
     def __post_init__(self) -> None:
         for name in ("refresh_s", "load_poll_s", "rpc_timeout_s", "down_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lost_after_failed_polls < 1:
+            raise ValueError(
+                f"lost_after_failed_polls must be at least 1, got {self.lost_after_failed_polls}"
+            )
 
 
 class WorkerDirectory:
-    """The live workers of one router, kept fresh by two background loops (``start``)."""
+    """The live workers of one router, kept fresh in the background (``start``): one loop reads
+    the live workers from the index, and one task per worker polls its load."""
 
     def __init__(
         self,
@@ -149,6 +164,8 @@ class WorkerDirectory:
         )
         self._handles: dict[str, WorkerHandle] = {}
         self._tasks: list[asyncio.Task] = []
+        self._polling = False  # started: each worker that joins gets a load-poll task
+        self._pollers: dict[str, asyncio.Task] = {}  # worker id -> its load-poll task
         self._closing: set[asyncio.Task] = set()  # channels of gone workers, being closed
         self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
         self.num_loop_errors = 0  # unexpected errors in the background loops
@@ -161,15 +178,20 @@ class WorkerDirectory:
         await self.refresh()
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._every(self.config.refresh_s, self.refresh), name="refresh"),
-            loop.create_task(self._every(self.config.load_poll_s, self.poll_loads), name="load"),
+            loop.create_task(self._every(self.config.refresh_s, self.refresh), name="refresh")
         ]
+        self._polling = True
+        for handle in self._handles.values():
+            self._start_polling(handle)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        self._polling = False
+        tasks = [*self._tasks, *self._pollers.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
+        self._pollers.clear()
         for handle in self._handles.values():
             await handle.channel.close()
         self._handles.clear()
@@ -260,6 +282,7 @@ class WorkerDirectory:
                 logger.info("worker %s left", worker_id)
                 handle.removed = True
                 del self._handles[worker_id]
+                self._stop_polling(worker_id)
                 if handle.num_in_flight == 0:
                     self._close_later(handle)
         for worker_id, info in live.items():
@@ -268,9 +291,10 @@ class WorkerDirectory:
                 changed = True
                 logger.info("worker %s joined at %s (%s)", worker_id, info.address, info.role)
                 channel = self._security.channel(info.address, self._channel_options)
-                self._handles[worker_id] = WorkerHandle(
-                    info, channel, worker_pb2_grpc.WorkerStub(channel)
-                )
+                handle = WorkerHandle(info, channel, worker_pb2_grpc.WorkerStub(channel))
+                self._handles[worker_id] = handle
+                if self._polling:
+                    self._start_polling(handle)
             else:
                 handle.info = info
         if changed:
@@ -289,12 +313,29 @@ class WorkerDirectory:
             async with asyncio.timeout(timeout_s):
                 await self._changed.wait()
 
+    def _start_polling(self, handle: WorkerHandle) -> None:
+        """Poll ``handle``'s load every ``load_poll_s`` in a task of its own, until it leaves."""
+        # NOTE: a task per worker, not one round for all: a round waits for its slowest answer,
+        # and one black-holed worker would hold every worker's report up to rpc_timeout_s.
+        poll = functools.partial(self._poll, handle)
+        self._pollers[handle.worker_id] = asyncio.get_running_loop().create_task(
+            self._every(self.config.load_poll_s, poll, f"the load poll of {handle.worker_id}"),
+            name=f"load-{handle.worker_id}",
+        )
+
+    def _stop_polling(self, worker_id: str) -> None:
+        task = self._pollers.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
     async def poll_loads(self) -> None:
+        """Poll every worker's load once, all at once (the background tasks poll each on its own
+        timer)."""
         await asyncio.gather(*(self._poll(h) for h in self.handles()))
 
     async def _poll(self, handle: WorkerHandle) -> None:
         try:
-            handle.load = await handle.stub.GetLoad(
+            load = await handle.stub.GetLoad(
                 worker_pb2.GetLoadRequest(), timeout=self.config.rpc_timeout_s
             )
         except asyncio.CancelledError:
@@ -307,25 +348,53 @@ class WorkerDirectory:
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad from %s failed: %s", handle.worker_id, e.code().name)
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                # NOTE: unreachable (dead, or its link cut): no new request goes there until a
-                # report comes again. Its running streams fail over when their calls fail.
-                if not handle.unreachable:
-                    logger.warning(
-                        "worker %s stopped answering its load polls (%s): left out",
-                        handle.worker_id,
-                        e.code().name,
-                    )
-                handle.unreachable = True
-                handle.lost.set()
+                self._poll_failed(handle, e.code())
         else:
+            handle.load = load
             if handle.unreachable:
                 logger.info("worker %s answers its load polls again", handle.worker_id)
             handle.unreachable = False
+            handle.num_failed_polls = 0
             handle.full = False
             if handle.lost.is_set():
                 handle.lost = asyncio.Event()
 
-    async def _every(self, interval_s: float, fn: Callable) -> None:
+    def _poll_failed(self, handle: WorkerHandle, code: grpc.StatusCode) -> None:
+        """A load poll went unanswered (UNAVAILABLE or DEADLINE_EXCEEDED). The worker takes no
+        new request until a poll answers again; it is lost, and its streams fail over, once
+        ``lost_after_failed_polls`` polls failed in a row or its channel says the connection is
+        dead."""
+        handle.num_failed_polls += 1
+        if not handle.unreachable:
+            logger.warning(
+                "worker %s stopped answering its load polls (%s): left out",
+                handle.worker_id,
+                code.name,
+            )
+        handle.unreachable = True
+        if handle.lost.is_set():
+            return
+        # NOTE: one slow answer is no evidence (a serving loop held up a second by a long
+        # prefill): failing its streams over would compute each again elsewhere, and under
+        # overload push the overload onto the next worker. A worker cut off without a word is
+        # also found by the connection's keepalive pings, which end its calls within ~2 s.
+        state = handle.channel.get_state()
+        dead = state in (
+            grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+            grpc.ChannelConnectivity.SHUTDOWN,
+        )
+        if dead or handle.num_failed_polls >= self.config.lost_after_failed_polls:
+            logger.warning(
+                "worker %s lost (%d load polls failed in a row, its connection %s): its "
+                "streams fail over",
+                handle.worker_id,
+                handle.num_failed_polls,
+                state.name,
+            )
+            handle.lost.set()
+
+    async def _every(self, interval_s: float, fn: Callable, what: str = "") -> None:
+        what = what or fn.__name__
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -335,10 +404,10 @@ class WorkerDirectory:
                 # NOTE: a call cancelled from under the round (its channel closed) must not end
                 # the loop either.
                 self.num_loop_errors += 1
-                logger.error("%s was cancelled; trying again in %g s", fn.__name__, interval_s)
+                logger.error("%s was cancelled; trying again in %g s", what, interval_s)
             except Exception:
                 # NOTE: a bug in one round must not end the loop: the router would go on routing
                 # on a frozen view of its workers without a word.
                 self.num_loop_errors += 1
-                logger.exception("%s failed; trying again in %g s", fn.__name__, interval_s)
+                logger.exception("%s failed; trying again in %g s", what, interval_s)
             end_if_cancelled()  # the round may have swallowed the loop's own cancellation

@@ -271,6 +271,9 @@ ROUTER_HELP = {
     "own cache events confirm it",
     "refresh_s": "seconds between readings of the live workers from the index",
     "load_poll_s": "seconds between load reports asked of each worker",
+    "lost_after_failed_polls": "load polls a worker fails in a row (1 s timeout each) before "
+    "the router takes it for lost and fails its streams over; one slow answer only keeps new "
+    "requests off it until it answers",
     "min_remote_prefill_tokens": "disaggregated prefill: a prompt with fewer tokens than this "
     "uncached on its decode worker is prefilled there, not on a prefill worker",
     "max_prefill_queue_tokens": "disaggregated prefill: a prefill worker with more prompt tokens "

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+
+import grpc
+import pytest
 
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.policy import CostPolicy, RouteRequest
+from kvswitch.router.server import RouterConfig
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
-from kvswitch.v1 import worker_pb2
+from kvswitch.serving import KEEPALIVE_SERVER_OPTIONS
+from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from tests.swallowing import SwallowsCancellationOnce
 
 
@@ -215,3 +221,132 @@ def test_load_polls_go_on_after_a_worker_leaves_with_a_poll_unanswered() -> None
         await answering.stop(0)
 
     asyncio.run(main())
+
+
+async def _serve(servicer: worker_pb2_grpc.WorkerServicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=KEEPALIVE_SERVER_OPTIONS)  # the router's pings, as a worker
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+class _Refusing(worker_pb2_grpc.WorkerServicer):
+    """A worker that answers every load poll with UNAVAILABLE over a sound connection, until
+    told to answer."""
+
+    answering = False
+
+    async def GetLoad(self, request, context):
+        if not self.answering:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
+        return worker_pb2.WorkerLoad(num_free_blocks=1)
+
+
+def test_a_worker_is_lost_after_failed_polls_in_a_row_or_a_refused_connection() -> None:
+    """One failed load poll leaves a worker out of routing, but its streams go on (``lost`` stays
+    clear) until ``lost_after_failed_polls`` polls failed in a row; an answer in between starts
+    the count again. A refused connection (nothing listens: the process is gone) is lost at
+    once."""
+
+    async def main() -> None:
+        refusing = _Refusing()
+        server, address = await _serve(refusing)
+        index = MemoryIndex()
+        await index.register(WorkerInfo("a", address, "m", 16, num_blocks=64), ttl_s=60)
+        await index.register(WorkerInfo("dead", "127.0.0.1:1", "m", 16, num_blocks=64), 60)
+        directory = WorkerDirectory(index, DirectoryConfig(lost_after_failed_polls=3))
+        await directory.refresh()
+        a, dead = sorted(directory.handles(), key=lambda h: h.worker_id)
+
+        def seen() -> tuple[bool, bool, int]:
+            return a.lost.is_set(), a.unreachable, a.num_failed_polls
+
+        await directory.poll_loads()
+        assert dead.lost.is_set()
+        assert not a.lost.is_set(), "one failed poll took a for lost"
+        assert seen() == (False, True, 1)
+        assert directory.routable() == []
+        await directory.poll_loads()
+        assert seen() == (False, True, 2)
+        refusing.answering = True
+        await directory.poll_loads()
+        assert seen() == (False, False, 0)
+        assert directory.routable() == [a]
+        refusing.answering = False
+        await directory.poll_loads()
+        await directory.poll_loads()
+        assert seen() == (False, True, 2)
+        await directory.poll_loads()
+        assert seen() == (True, True, 3)
+        lost = a.lost
+        refusing.answering = True
+        await directory.poll_loads()
+        assert not a.lost.is_set() and lost.is_set()  # a fresh event for the streams to come
+        assert directory.routable() == [a]
+        await directory.stop()
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_black_holed_worker_does_not_hold_up_the_other_workers_load_reports() -> None:
+    """``a`` never answers its load poll; ``b`` answers at once. Each worker is polled on its own
+    timer, so b's load goes on being refreshed while a's one poll waits (polled in one round for
+    all, b's report waited for a's answer: once per ``rpc_timeout_s``)."""
+
+    class BlackHole(worker_pb2_grpc.WorkerServicer):
+        def __init__(self) -> None:
+            self.num_polls = 0
+            self.polled = asyncio.Event()
+
+        async def GetLoad(self, request, context):
+            self.num_polls += 1
+            self.polled.set()
+            await asyncio.sleep(3600)
+
+    class Counting(worker_pb2_grpc.WorkerServicer):
+        num_polls = 0
+
+        async def GetLoad(self, request, context):
+            self.num_polls += 1
+            return worker_pb2.WorkerLoad(num_free_blocks=self.num_polls)
+
+    async def main() -> None:
+        black_hole, counting = BlackHole(), Counting()
+        (silent, silent_address), (answering, answering_address) = [
+            await _serve(black_hole),
+            await _serve(counting),
+        ]
+        index = MemoryIndex()
+        await index.register(WorkerInfo("a", silent_address, "m", 16, num_blocks=64), ttl_s=60)
+        await index.register(WorkerInfo("b", answering_address, "m", 16, num_blocks=64), 60)
+        # NOTE: a's poll waits a minute for its answer; the bounds below are far from both.
+        config = DirectoryConfig(refresh_s=60, load_poll_s=0.01, rpc_timeout_s=60)
+        directory = WorkerDirectory(index, config)
+        await directory.start()
+        a, b = sorted(directory.handles(), key=lambda h: h.worker_id)
+        await asyncio.wait_for(black_hole.polled.wait(), timeout=10)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                while b.load is None or b.load.num_free_blocks < 20:
+                    await asyncio.sleep(0.01)
+        assert b.load is not None and b.load.num_free_blocks >= 20, (
+            f"b's load was refreshed {counting.num_polls} times while a's poll waited"
+        )
+        # All of that while a's first poll was still waiting for its answer.
+        assert (black_hole.num_polls, a.load, a.num_failed_polls) == (1, None, 0)
+        assert directory.num_loop_errors == 0
+        await directory.stop()
+        await silent.stop(0)
+        await answering.stop(0)
+
+    asyncio.run(main())
+
+
+def test_the_lost_threshold_is_checked() -> None:
+    with pytest.raises(ValueError, match="lost_after_failed_polls must be at least 1"):
+        DirectoryConfig(lost_after_failed_polls=0)
+    with pytest.raises(ValueError, match="lost_after_failed_polls"):
+        RouterConfig(lost_after_failed_polls=0)
+    assert RouterConfig(lost_after_failed_polls=5).directory_config().lost_after_failed_polls == 5
