@@ -250,28 +250,52 @@ class IncrementalDecoder:
     that ends in U+FFFD (a character whose bytes have not all arrived) is held back until it
     completes, and ``flush`` hands over whatever is still held once generation ends. The pushes
     plus the flush concatenate to the text the generated tokens add after the prompt.
+
+    A stream that goes on from another decoder (the next worker of a disaggregated prefill, a
+    stream resumed after a failure) starts from that one's state: its prompt ends with the
+    output so far, of which the last ``num_pending_tokens`` had their text held back there
+    (that decoder's ``num_pending_tokens``). Their text leads this decoder's, so the two streams
+    concatenate to the text one decoder would have given.
     """
 
     # How many tokens before the unread ones are decoded with them, so that tokens whose text
     # depends on their neighbours (a leading space, a merged byte sequence) decode as in context.
     NUM_CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        num_pending_tokens: int = 0,
+    ) -> None:
         self.tokenizer = tokenizer
+        num_pending_tokens = min(max(num_pending_tokens, 0), len(prompt_token_ids))
         # Only the prompt's last few tokens are ever read, as Python ints (the prompt may be a
         # numpy array of 128K of them).
-        tail = [int(t) for t in prompt_token_ids[-self.NUM_CONTEXT_TOKENS :]]
+        num_tail = min(self.NUM_CONTEXT_TOKENS + num_pending_tokens, len(prompt_token_ids))
+        tail = [int(t) for t in prompt_token_ids[len(prompt_token_ids) - num_tail :]]
         if isinstance(tokenizer, ByteTokenizer):
             # NOTE: bytes decode one at a time, so the codec's own pending buffer is the whole
             # state; seeding it with the prompt completes a character split across the boundary.
+            # UTF-8 resynchronizes within 3 bytes, so the bytes it holds then are exactly those
+            # the decoder before it held back, whatever num_pending_tokens says.
             self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self._utf8.decode(tokenizer.to_bytes(tail[-3:]))
             return
         self._token_ids = tail
         # Window: tokens [prefix_offset, read_offset) were emitted and give context; tokens from
         # read_offset on are not emitted yet.
-        self._read_offset = len(self._token_ids)
+        self._read_offset = len(self._token_ids) - num_pending_tokens
         self._prefix_offset = max(self._read_offset - self.NUM_CONTEXT_TOKENS, 0)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """How many of the last tokens pushed (or of the prompt's pending ones) have text not
+        returned yet; 0 after ``flush``."""
+        if isinstance(self.tokenizer, ByteTokenizer):
+            held, _ = self._utf8.getstate()
+            return len(held)
+        return len(self._token_ids) - self._read_offset
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The new, complete text that ``token_ids`` add; may be empty."""
@@ -291,6 +315,8 @@ class IncrementalDecoder:
         emitted_text = decode(self._token_ids[self._prefix_offset : self._read_offset])
         window_text = decode(self._token_ids[self._prefix_offset :])
         if len(window_text) <= len(emitted_text):
+            if final:  # nothing left to hand over: tokens without text (EOS) are not pending
+                self._read_offset = len(self._token_ids)
             return ""
         if window_text.endswith(REPLACEMENT_CHAR) and not final:
             return ""

@@ -167,6 +167,9 @@ class _Progress:
 
     outcome: _Outcome
     sent: list[int] = dataclasses.field(default_factory=list)  # output tokens relayed
+    # How many of the last ``sent`` tokens had no text relayed yet (a character not complete):
+    # the next worker of the stream sends it.
+    num_pending_text_tokens: int = 0
     started_s: float = dataclasses.field(default_factory=time.monotonic)
     first_token_s: float | None = None
 
@@ -361,6 +364,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         route.prefill_handle,
                         context,
                         progress,
+                        goes_on=max_tokens > 1,
                     )
                     prefilled = route.prefill_handle, final
                     if (
@@ -403,6 +407,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     lora=request.lora,
                     cache_salt=request.cache_salt,
                     num_resumed_tokens=len(sent),
+                    num_pending_text_tokens=progress.num_pending_text_tokens,
                 )
                 if prefilled is not None and prefilled[0].worker_id not in failed:
                     worker_request.kv_source.CopyFrom(self._kv_source(prefilled[0], request_id))
@@ -493,9 +498,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         handle: WorkerHandle,
         context: grpc.aio.ServicerContext,
         progress: _Progress,
+        *,
+        goes_on: bool,
     ) -> worker_pb2.WorkerGenerateFinal:
         """Disaggregated prefill: the prompt on the prefill worker, its first token relayed to
-        the client, its blocks held there for the decode worker. The worker's final message."""
+        the client, its blocks held there for the decode worker. The worker's final message.
+        ``goes_on``: a decode worker may follow (the request's output is not one token)."""
         self._router.routed(plan, decision)
         self._metrics.routed(decision.policy, "prefill", decision.worker_id)
         worker_request = worker_pb2.WorkerGenerateRequest(
@@ -504,7 +512,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             sampling=_remaining_sampling(request.sampling, 1, 0),
             lora=request.lora,
             cache_salt=request.cache_salt,
-            hold_blocks_ms=round(self._disagg.lease_s * 1000),
+            # NOTE: with nothing to decode, no blocks are held, and the prefill worker ends the
+            # text (a character cut short is U+FFFD) where it would leave it to the decode worker.
+            hold_blocks_ms=round(self._disagg.lease_s * 1000) if goes_on else 0,
         )
         flight = self._directory.begin(handle, self._router.num_uncached_tokens(plan, decision), 1)
         try:
@@ -551,6 +561,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     # the first worker, already said how much of its prompt was cached.
                     response.chunk.ClearField("num_cached_tokens")
                 progress.sent += response.chunk.token_ids
+                progress.num_pending_text_tokens = response.chunk.num_pending_text_tokens
                 await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
         raise _WorkerFailed(handle, "the stream ended without a final message")
 

@@ -24,6 +24,7 @@ from kvswitch.tokenizer import (
     TokenizerFileError,
     load_tokenizer,
 )
+from tests.cjk_checkpoint import ANSWER, CUE, CjkCheckpoint, write_checkpoint
 
 EMOJI = "\U0001f600"  # four UTF-8 bytes: F0 9F 98 80
 TEXTS = ["hello world", "naïve café, déjà vu", f"smile {EMOJI} done", "日本語のテキスト"]
@@ -247,6 +248,63 @@ def test_hf_stream_holds_a_broken_character_until_flush(hf_dir: Path) -> None:
     assert decoder.push(tokenizer.encode("hello", add_bos=False)) == "hello"
     assert decoder.push(emoji_ids[:2]) == ""
     assert decoder.flush().endswith(REPLACEMENT_CHAR)
+
+
+# -- a stream that changes worker partway ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cjk(tmp_path_factory: pytest.TempPathFactory) -> CjkCheckpoint:
+    return write_checkpoint(tmp_path_factory.mktemp("cjk"))
+
+
+def handed_on(
+    tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int], num_first: int, step: int
+) -> list[str]:
+    """The pieces of text of ``output_ids``, ``step`` tokens a push: the first ``num_first`` by
+    one decoder, the rest by one that takes the prompt and those as its prompt and the first's
+    pending tokens, as the worker that goes on with a stream does."""
+    first = IncrementalDecoder(tokenizer, prompt_ids)
+    pieces = [
+        first.push(output_ids[i : min(i + step, num_first)]) for i in range(0, num_first, step)
+    ]
+    prompt = [*prompt_ids, *output_ids[:num_first]]
+    second = IncrementalDecoder(tokenizer, prompt, first.num_pending_tokens)
+    return pieces + stream(second, output_ids[num_first:], step)
+
+
+@pytest.mark.parametrize("step", [1, 2])
+@pytest.mark.parametrize("kind", ["bpe", "bytes"])
+def test_a_stream_handed_on_at_any_token_loses_and_repeats_nothing(
+    cjk: CjkCheckpoint, kind: str, step: int
+) -> None:
+    tokenizer = cjk.tokenizer if kind == "bpe" else ByteTokenizer()
+    prompt_ids = tokenizer.encode(f"question{CUE}")
+    output_ids = tokenizer.encode(f"{ANSWER} 日本語のテキスト {EMOJI}", add_bos=False)
+    whole = tokenizer.decode(output_ids)
+    for num_first in range(len(output_ids) + 1):
+        pieces = handed_on(tokenizer, prompt_ids, output_ids, num_first, step)
+        assert "".join(pieces) == whole, f"handed on after {num_first} tokens"
+        assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+
+
+def test_the_text_handed_on_may_hold_whole_characters(cjk: CjkCheckpoint) -> None:
+    """A token that ends one character and begins the next holds the first back with it: the
+    next decoder must send both, not only what followed the unfinished one."""
+    tokenizer, answer_ids = cjk.tokenizer, cjk.answer_ids
+    prompt_ids = tokenizer.encode(f"question{CUE}")
+    num_first = 6  # up to the token that ends 是 and begins 什
+    first = IncrementalDecoder(tokenizer, prompt_ids)
+    assert "".join(first.push([t]) for t in answer_ids[:num_first]) == "问题的答案"
+    assert first.num_pending_tokens == 2  # [e6 98] [af e4]: "是" and half of "什"
+    prompt = [*prompt_ids, *answer_ids[:num_first]]
+    second = IncrementalDecoder(tokenizer, prompt, num_pending_tokens=2)
+    assert second.push(answer_ids[num_first : num_first + 1]) == "是什"  # [bb 80] ends 什
+    assert second.num_pending_tokens == 0
+    assert second.push(answer_ids[num_first + 1 : num_first + 2]) == "么"
+    # EOS has no text: nothing is pending once the stream is flushed.
+    assert second.push([cjk.eos_token_id]) == ""
+    assert second.flush() == "" and second.num_pending_tokens == 0
 
 
 # -- a SentencePiece tokenizer.model ---------------------------------------------------------------

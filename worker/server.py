@@ -298,7 +298,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id}: {e}")
         logger.debug("%d prompt tokens", len(prompt_token_ids), extra=log_extra)
 
-        decoder = IncrementalDecoder(self._tokenizer, prompt_token_ids) if self._tokenizer else None
+        decoder = None  # no tokenizer: chunks carry no text
+        if self._tokenizer is not None:
+            # NOTE: a stream resumed here (after a prefill worker, or a worker that failed) may
+            # owe its client the text of its last tokens: this worker's text starts with it.
+            num_pending = min(request.num_pending_text_tokens, request.num_resumed_tokens)
+            decoder = IncrementalDecoder(self._tokenizer, prompt_token_ids, num_pending)
         stats = common_pb2.RequestStats(
             worker_id=self._worker_id,
             num_prompt_tokens=len(prompt_token_ids),
@@ -329,7 +334,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         decoder.flush() if done and not goes_on else ""
                     )
                 stats.num_output_tokens += len(token_ids)
-                chunk = common_pb2.TokenChunk(token_ids=token_ids, text=text)
+                chunk = common_pb2.TokenChunk(
+                    token_ids=token_ids,
+                    text=text,
+                    num_pending_text_tokens=decoder.num_pending_tokens if decoder else 0,
+                )
                 for output in outputs:
                     if output.ttft_s is not None:  # the first token's output has the figures
                         stats.ttft_s = ttft_s = output.ttft_s
