@@ -1,7 +1,16 @@
-"""The embedded block-hash index: in-process, the single-node default."""
+"""The embedded block-hash index: in-process, the single-node default.
+
+It lives on the router's event loop, so no call may hold that loop for long: a snapshot is taken
+in and a worker's old set cleared out ``SLICE`` blocks at a time, yielding to the loop between
+slices (a 500,000-block resync held the loop 120 ms in one piece; lookups now wait for one
+slice at most). Correctness between slices comes from bits: a snapshot fills a bit of its own,
+which no lookup reads until the resync commits by switching the worker to it, and a set taken
+out of use keeps its bit reserved until every one of its blocks has been cleared.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -13,6 +22,16 @@ from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, Work
 
 _BYTES_PER_HASH_OBJECT = sys.getsizeof(b"\x00" * HASH_BYTES)
 
+SLICE = 4096  # blocks handled between two yields to the event loop (about a millisecond)
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    """A resync in progress: the bit it fills and what it has taken in so far."""
+
+    bit: int
+    block_hashes: set[bytes] = field(default_factory=set)
+
 
 @dataclass(slots=True)
 class _WorkerEntry:
@@ -22,6 +41,7 @@ class _WorkerEntry:
     last_seq: int = 0
     trusted: bool = True
     block_hashes: set[bytes] = field(default_factory=set)
+    resync: _Snapshot | None = None
 
 
 class MemoryIndex(BlockIndex):
@@ -30,7 +50,9 @@ class MemoryIndex(BlockIndex):
     for tests).
 
     Invariant: bit ``entry.bit`` is set in ``_hash_to_workers[h]`` exactly for the ``h`` in
-    ``entry.block_hashes``, for every registered worker; a hash whose mask would be 0 is absent.
+    ``entry.block_hashes``, for every registered worker, and likewise for a resync's bit and the
+    hashes it took in so far; a retired bit is set only for hashes still in its retired set. A
+    hash whose mask would be 0 is absent.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -38,6 +60,7 @@ class MemoryIndex(BlockIndex):
         self._workers: dict[str, _WorkerEntry] = {}
         self._hash_to_workers: dict[bytes, int] = {}
         self._free_bits: list[int] = []  # bits of workers gone, to reuse
+        self._retired: list[tuple[int, set[bytes]]] = []  # bits still set for these hashes
         self._next_bit = 1
 
     def _live(self, worker_id: str) -> _WorkerEntry | None:
@@ -50,13 +73,9 @@ class MemoryIndex(BlockIndex):
         _check_ttl(ttl_s)
         old = self._workers.get(info.worker_id)
         if old is not None:
-            self._set_hashes(old, set())
-            bit = old.bit
-        elif self._free_bits:
-            bit = self._free_bits.pop()
-        else:
-            bit, self._next_bit = self._next_bit, self._next_bit << 1
-        self._workers[info.worker_id] = _WorkerEntry(info, self._clock() + ttl_s, bit)
+            self._retire_worker(old)
+        self._workers[info.worker_id] = _WorkerEntry(info, self._clock() + ttl_s, self._take_bit())
+        await self._clear_retired()
 
     async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         _check_ttl(ttl_s)
@@ -69,7 +88,8 @@ class MemoryIndex(BlockIndex):
     async def deregister(self, worker_id: str) -> None:
         entry = self._workers.pop(worker_id, None)
         if entry is not None:
-            self._forget(entry)
+            self._retire_worker(entry)
+            await self._clear_retired()
 
     async def live_workers(self, namespace: str | None = None) -> list[WorkerInfo]:
         now = self._clock()
@@ -94,17 +114,42 @@ class MemoryIndex(BlockIndex):
             return ApplyStatus.NEEDS_RESYNC
         self._apply(entry, events)
         entry.last_seq = seq
+        await self._clear_retired()  # what an AllBlocksCleared took out of use
         return ApplyStatus.APPLIED
 
     async def resync(self, worker_id: str, seq: int, block_hashes: Iterable[bytes]) -> None:
+        """A slice at a time, into a bit of its own; the worker is left out of match until the
+        snapshot is whole, so no lookup meanwhile claims a block it may no longer hold. A
+        register, deregister or newer resync of the worker meanwhile supersedes this one (its
+        bit is retired), and it raises ``KeyError`` as for a lapsed worker."""
         if seq < 0:
             raise ValueError(f"a snapshot's sequence number must be >= 0, got {seq}")
+        lapsed = KeyError(f"worker {worker_id!r} is not registered (or its registration lapsed)")
         entry = self._live(worker_id)
         if entry is None:
-            raise KeyError(f"worker {worker_id!r} is not registered (or its registration lapsed)")
-        self._set_hashes(entry, set(block_hashes))
+            raise lapsed
+        hashes = list(block_hashes)
+        if entry.resync is not None:
+            self._retire(entry.resync.bit, entry.resync.block_hashes)
+        snapshot = entry.resync = _Snapshot(self._take_bit())
+        entry.trusted = False
+        hash_to_workers, bit, taken = self._hash_to_workers, snapshot.bit, snapshot.block_hashes
+        for start in range(0, len(hashes), SLICE):
+            if start:
+                await asyncio.sleep(0)  # lookups run here
+            if entry.resync is not snapshot:
+                raise lapsed  # superseded; whoever did it retired this snapshot's bit
+            for block_hash in hashes[start : start + SLICE]:
+                if block_hash not in taken:
+                    taken.add(block_hash)
+                    hash_to_workers[block_hash] = hash_to_workers.get(block_hash, 0) | bit
+        if entry.resync is not snapshot or self._live(worker_id) is not entry:
+            raise lapsed
+        self._retire(entry.bit, entry.block_hashes)
+        entry.bit, entry.block_hashes, entry.resync = bit, taken, None
         entry.last_seq = seq
         entry.trusted = True
+        await self._clear_retired()
 
     async def match(self, namespace: str, block_hashes: Sequence[bytes]) -> dict[str, int]:
         now = self._clock()
@@ -149,19 +194,42 @@ class MemoryIndex(BlockIndex):
         now = self._clock()
         expired = [w for w, e in self._workers.items() if e.expires_at <= now]
         for worker_id in expired:
-            self._forget(self._workers.pop(worker_id))
+            self._retire_worker(self._workers.pop(worker_id))
+        await self._clear_retired()
         return len(expired)
 
     # -- the inverted map ------------------------------------------------------------------------
 
-    def _set_hashes(self, entry: _WorkerEntry, block_hashes: set[bytes]) -> None:
-        """Make ``block_hashes`` the worker's set, in its entry and in the inverted map."""
-        hash_to_workers, bit = self._hash_to_workers, entry.bit
-        for block_hash in entry.block_hashes - block_hashes:
-            self._unset(block_hash, bit)
-        for block_hash in block_hashes - entry.block_hashes:
-            hash_to_workers[block_hash] = hash_to_workers.get(block_hash, 0) | bit
-        entry.block_hashes = block_hashes
+    def _take_bit(self) -> int:
+        if self._free_bits:
+            return self._free_bits.pop()
+        bit, self._next_bit = self._next_bit, self._next_bit << 1
+        return bit
+
+    def _retire(self, bit: int, block_hashes: set[bytes]) -> None:
+        """Take a bit out of use in O(1); ``_clear_retired`` clears it and frees it later."""
+        self._retired.append((bit, block_hashes))
+
+    def _retire_worker(self, entry: _WorkerEntry) -> None:
+        self._retire(entry.bit, entry.block_hashes)
+        if entry.resync is not None:
+            self._retire(entry.resync.bit, entry.resync.block_hashes)
+        entry.resync = None
+        entry.block_hashes = set()
+
+    async def _clear_retired(self) -> None:
+        """Clear the retired bits from the map, ``SLICE`` hashes between yields, and free each
+        bit once its set is empty. Safe to run from several calls at once: each slice re-reads
+        what is left."""
+        while self._retired:
+            bit, block_hashes = self._retired[-1]
+            for _ in range(min(SLICE, len(block_hashes))):
+                self._unset(block_hashes.pop(), bit)
+            if not block_hashes:
+                self._retired.pop()
+                self._free_bits.append(bit)
+            if self._retired:
+                await asyncio.sleep(0)
 
     def _apply(self, entry: _WorkerEntry, events: Sequence[CacheEvent]) -> None:
         hash_to_workers, held, bit = self._hash_to_workers, entry.block_hashes, entry.bit
@@ -176,9 +244,10 @@ class MemoryIndex(BlockIndex):
                     if block_hash in held:
                         held.discard(block_hash)
                         self._unset(block_hash, bit)
-            else:
-                self._set_hashes(entry, set())
-                held = entry.block_hashes
+            else:  # AllBlocksCleared: a fresh bit, the old one cleared after the batch
+                self._retire(entry.bit, held)
+                entry.bit, entry.block_hashes = self._take_bit(), set()
+                held, bit = entry.block_hashes, entry.bit
 
     def _unset(self, block_hash: bytes, bit: int) -> None:
         mask = self._hash_to_workers[block_hash] & ~bit
@@ -186,10 +255,6 @@ class MemoryIndex(BlockIndex):
             self._hash_to_workers[block_hash] = mask
         else:
             del self._hash_to_workers[block_hash]
-
-    def _forget(self, entry: _WorkerEntry) -> None:
-        self._set_hashes(entry, set())
-        self._free_bits.append(entry.bit)
 
 
 def _check_ttl(ttl_s: float) -> None:

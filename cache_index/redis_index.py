@@ -7,6 +7,10 @@ and reclaim find the workers. On a single Redis (not a cluster) the same scripts
 namespace, an inverted map block hash -> bitmap of worker slots, which lets ``match`` read the
 chain once for all workers. docs/INDEX.md has the key layout and the round trips per call.
 
+No call runs a script whose work grows with a worker's whole set: a snapshot goes in slices
+of ``RESYNC_SLICE`` blocks and a set taken out of use is cleared ``CLEAR_SLICE`` blocks at a
+time, so lookups and heartbeats are served between the slices however large the worker.
+
 While the server is unreachable every call raises ``redis.exceptions.ConnectionError`` once the
 injected retry policy gives up. A server that comes back empty (a restart without persistence)
 knows no workers: ``apply`` answers UNKNOWN_WORKER, and the worker registers and resyncs.
@@ -36,9 +40,11 @@ from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, Work
 
 AnyPipeline = Pipeline | ClusterPipeline
 
-# A snapshot key outlives its RESYNC only when the caller died half-way through writing it.
-_SNAPSHOT_TTL_MS = 60_000
-_SADD_SLICE = 10_000  # hashes per SADD when a snapshot is written
+# NOTE: a script runs alone on Redis, so these bound how long a lookup can wait behind an index
+# write: about a millisecond for a slice of 2,048 (a 200,000-block resync as one script stalled
+# lookups 0.45 s, a million-block one 4 s, docs/INDEX.md).
+RESYNC_SLICE = 2048  # snapshot hashes per RESYNC_FILL
+CLEAR_SLICE = 4096  # retired blocks whose map bits one CLEAR_RETIRED clears
 
 
 def default_retry() -> Retry:
@@ -59,9 +65,10 @@ class WorkerKeys:
         """In the order every per-worker script takes them as KEYS."""
         return [self.meta, self.alive, self.blocks]
 
-    def new_snapshot(self) -> str:
-        """A fresh name, in the same slot, for a snapshot that RESYNC renames onto blocks."""
-        return f"{self.blocks}:snapshot:{uuid.uuid4().hex}"
+    def snapshot(self, generation: str) -> str:
+        """The set a resync of ``generation`` fills, in the same slot, renamed onto blocks by
+        RESYNC_COMMIT (the scripts derive the same name)."""
+        return f"{self.blocks}:snapshot:{generation}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +111,15 @@ class KeySchema:
         """Single Redis only: HASH worker id -> its slot (bit) in the namespace's map."""
         return f"{self.namespace_prefix}{namespace}:slots"
 
+    def namespace_retired(self, namespace: str) -> str:
+        """Single Redis only: HASH slot -> a set taken out of use whose map bits are not all
+        cleared yet (the slot stays reserved until they are)."""
+        return f"{self.namespace_prefix}{namespace}:retired"
+
+    def namespace_pending(self, namespace: str) -> str:
+        """Single Redis only: HASH slot -> the id of the worker whose resync fills it."""
+        return f"{self.namespace_prefix}{namespace}:pending"
+
     def worker(self, worker_id: str) -> WorkerKeys:
         base = f"{self.worker_key_prefix}{hash_tag(worker_id)}}}:"
         return WorkerKeys(base + "meta", base + "alive", base + "blocks")
@@ -134,8 +150,11 @@ class RedisIndex(BlockIndex):
         self._map_prefix = "" if cluster else keys.namespace_prefix
         self._register = client.register_script(redis_scripts.REGISTER)
         self._apply = client.register_script(redis_scripts.APPLY)
-        self._resync = client.register_script(redis_scripts.RESYNC)
+        self._resync_begin = client.register_script(redis_scripts.RESYNC_BEGIN)
+        self._resync_fill = client.register_script(redis_scripts.RESYNC_FILL)
+        self._resync_commit = client.register_script(redis_scripts.RESYNC_COMMIT)
         self._drop = client.register_script(redis_scripts.DROP)
+        self._clear_retired = client.register_script(redis_scripts.CLEAR_RETIRED)
         self._match_worker = client.register_script(redis_scripts.MATCH_WORKER)
         self._match_namespace = client.register_script(redis_scripts.MATCH_NAMESPACE)
         self._worker_stats = client.register_script(redis_scripts.WORKER_STATS)
@@ -185,6 +204,8 @@ class RedisIndex(BlockIndex):
         # NOTE: listed only after the script ran, which _unlist's re-check relies on.
         old = None if old_namespace is None else old_namespace.decode()
         await self._pipeline(lambda pipe: self._list(pipe, info.worker_id, info.namespace, old))
+        if old is not None:
+            await self._clear_retired_sets(old)
 
     async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         ttl_ms = _ttl_ms(ttl_s)
@@ -201,6 +222,8 @@ class RedisIndex(BlockIndex):
         dropped_namespace, listed_namespace = await self._pipeline(build)
         namespace = dropped_namespace or listed_namespace
         await self._unlist({worker_id: None if namespace is None else namespace.decode()})
+        if dropped_namespace is not None:
+            await self._clear_retired_sets(dropped_namespace.decode())
 
     async def live_workers(self, namespace: str | None = None) -> list[WorkerInfo]:
         if namespace is None:
@@ -229,29 +252,39 @@ class RedisIndex(BlockIndex):
         check_seq(seq)
         keys = self._keys.worker(worker_id).all
         args = [seq, self._map_prefix, worker_id, *_events_to_args(events)]
-        status = await self._apply(keys=keys, args=args)
-        return ApplyStatus(status.decode())
+        status = ApplyStatus((await self._apply(keys=keys, args=args)).decode())
+        if status is ApplyStatus.APPLIED and any(isinstance(e, AllBlocksCleared) for e in events):
+            namespace = await self._client.hget(self._keys.worker(worker_id).meta, "namespace")
+            if namespace is not None:
+                await self._clear_retired_sets(namespace.decode())
+        return status
 
     async def resync(self, worker_id: str, seq: int, block_hashes: Iterable[bytes]) -> None:
+        """In slices: RESYNC_BEGIN leaves the worker out of match and reserves a slot for the
+        snapshot, each RESYNC_FILL adds ``RESYNC_SLICE`` hashes, RESYNC_COMMIT swaps the snapshot
+        in. The generation token makes a stale resync (the worker registered again, or a newer
+        resync began) write nothing; whatever it left behind is retired and cleared."""
         if seq < 0:
             raise ValueError(f"a snapshot's sequence number must be >= 0, got {seq}")
         keys = self._keys.worker(worker_id)
-        snapshot = keys.new_snapshot()
+        generation = uuid.uuid4().hex
+        snapshot = keys.snapshot(generation)
         hashes = list(block_hashes)
-
-        def build(pipe: AnyPipeline) -> None:
-            # One pipeline, so one round trip; its commands run in order on the worker's node.
-            for start in range(0, len(hashes), _SADD_SLICE):
-                pipe.sadd(snapshot, *hashes[start : start + _SADD_SLICE])
-                if start == 0:
-                    pipe.pexpire(snapshot, _SNAPSHOT_TTL_MS)
-            self._queue(
-                pipe, self._resync, [*keys.all, snapshot], [seq, self._map_prefix, worker_id]
-            )
-
-        replies = await self._pipeline(build)
-        if not replies[-1]:
-            raise KeyError(f"worker {worker_id!r} is not registered (or its registration lapsed)")
+        lapsed = KeyError(f"worker {worker_id!r} is not registered (or its registration lapsed)")
+        namespace = await self._run(
+            self._resync_begin, keys.all, [self._map_prefix, worker_id, generation]
+        )
+        if namespace is None:
+            raise lapsed
+        for start in range(0, len(hashes), RESYNC_SLICE):
+            args = [self._map_prefix, generation, *hashes[start : start + RESYNC_SLICE]]
+            if not await self._run(self._resync_fill, [keys.meta, snapshot], args):
+                raise lapsed  # superseded: registered again or dropped meanwhile
+        commit_args = [seq, self._map_prefix, worker_id, generation]
+        committed = await self._run(self._resync_commit, [*keys.all, snapshot], commit_args)
+        await self._clear_retired_sets(namespace.decode())
+        if not committed:
+            raise lapsed
 
     async def match(self, namespace: str, block_hashes: Sequence[bytes]) -> dict[str, int]:
         if block_hashes and set(map(len, block_hashes)) != {HASH_BYTES}:
@@ -332,18 +365,33 @@ class RedisIndex(BlockIndex):
 
         alive = await self._pipeline(check)
         lapsed = [w for w, is_alive in zip(worker_ids, alive, strict=True) if not is_alive]
-        if not lapsed:
-            return 0
+        num_dropped = 0
+        if lapsed:
 
-        def drop(pipe: AnyPipeline) -> None:
-            for worker_id in lapsed:
-                # '1': a worker that registered again since the check above is left alone.
-                args = ["1", self._map_prefix, worker_id]
-                self._queue(pipe, self._drop, self._keys.worker(worker_id).all, args)
+            def drop(pipe: AnyPipeline) -> None:
+                for worker_id in lapsed:
+                    # '1': a worker that registered again since the check above is left alone.
+                    args = ["1", self._map_prefix, worker_id]
+                    self._queue(pipe, self._drop, self._keys.worker(worker_id).all, args)
 
-        dropped = await self._pipeline(drop)
-        await self._unlist({worker_id: worker_to_namespace[worker_id] for worker_id in lapsed})
-        return sum(namespace is not None for namespace in dropped)
+            dropped = await self._pipeline(drop)
+            await self._unlist({worker_id: worker_to_namespace[worker_id] for worker_id in lapsed})
+            num_dropped = sum(namespace is not None for namespace in dropped)
+        # NOTE: every namespace, not only those of the workers dropped now: a caller that died
+        # while clearing a retired set left the rest to this loop.
+        for namespace in sorted(set(worker_to_namespace.values())):
+            await self._clear_retired_sets(namespace)
+        return num_dropped
+
+    async def _clear_retired_sets(self, namespace: str) -> None:
+        """Clear the map bits of the namespace's retired sets, ``CLEAR_SLICE`` blocks per script
+        call, until their slots are free. A caller that dies half-way leaves the rest to the
+        next call that retires a set in the namespace, or to ``reclaim_expired``."""
+        if self._cluster:
+            return  # no map: a retired set was unlinked at once
+        args = [self._map_prefix, namespace, CLEAR_SLICE]
+        while await self._run(self._clear_retired, [], args):
+            pass
 
     def _list(
         self, pipe: AnyPipeline, worker_id: str, namespace: str, old_namespace: str | None
@@ -388,6 +436,10 @@ class RedisIndex(BlockIndex):
                     self._list(pipe, worker_id, namespace, None)
 
             await self._pipeline(restore)
+
+    async def _run(self, script: AsyncScript, keys: list[str], args: Sequence[Any]) -> Any:
+        """One script call (redis-py loads the script again if the server lost it)."""
+        return await script(keys=keys, args=args)
 
     def _queue(
         self, pipe: AnyPipeline, script: AsyncScript, keys: list[str], args: Sequence[Any]

@@ -17,6 +17,13 @@ they derive those keys from the map prefix in ARGV and the namespace in meta, wh
 single Redis allows. MATCH_NAMESPACE answers from the map. On a cluster the map prefix is '':
 no map, and match runs MATCH_WORKER per worker.
 
+No script's work grows with a worker's whole set (a million blocks took seconds, and Redis
+serves nobody while a script runs). A set is never cleared in place: a script renames it aside
+(``retire``) and hands its slot to the namespace's retired table; CLEAR_RETIRED then clears its
+bits a slice at a time. A snapshot is written a slice at a time too (RESYNC_BEGIN,
+RESYNC_FILL..., RESYNC_COMMIT) under a slot of its own that no lookup reads, and the commit
+swaps it in by renaming keys.
+
 Apply statuses come back as the string values of ``ApplyStatus``.
 """
 
@@ -115,12 +122,74 @@ local function update_bits(map, slot, on, hashes, first, last)
     end
 end
 
--- Clears the worker's bits for every block of its set and frees its slot.
-local function release_slot(map_prefix, worker_id, namespace, slot, blocks)
-    local members = redis.call('SMEMBERS', blocks)
-    update_bits(map_key(map_prefix, namespace), slot, false, members, 1, #members)
-    redis.call('HDEL', slots_key(map_prefix, namespace), worker_id)
-    redis.call('SREM', untrusted_key(map_prefix, namespace), worker_id)
+-- HASH slot -> the key of a set renamed aside, whose blocks may still have that slot's bit set:
+-- the slot is reserved until CLEAR_RETIRED has cleared them all.
+local function retired_key(map_prefix, namespace)
+    return map_prefix .. namespace .. ':retired'
+end
+
+-- HASH slot -> worker id, for the slot a resync in progress fills (meta's pending_slot).
+local function pending_key(map_prefix, namespace)
+    return map_prefix .. namespace .. ':pending'
+end
+
+-- The lowest slot of the namespace that no worker holds, no resync fills and no retired set
+-- still marks.
+local function take_free_slot(map_prefix, namespace)
+    local used = {{}}
+    for _, slot in ipairs(redis.call('HVALS', slots_key(map_prefix, namespace))) do
+        used[tonumber(slot)] = true
+    end
+    for _, slot in ipairs(redis.call('HKEYS', retired_key(map_prefix, namespace))) do
+        used[tonumber(slot)] = true
+    end
+    for _, slot in ipairs(redis.call('HKEYS', pending_key(map_prefix, namespace))) do
+        used[tonumber(slot)] = true
+    end
+    local slot = 0
+    while used[slot] do slot = slot + 1 end
+    return slot
+end
+
+-- Takes the set out of the way in O(1): single Redis, renamed aside with its slot in the retired
+-- table (a slot with an empty set is free at once); cluster (no map), unlinked (freed off
+-- Redis' main thread).
+local function retire(map_prefix, namespace, slot, set)
+    if map_prefix == '' or not slot then
+        redis.call('UNLINK', set)
+        return
+    end
+    if redis.call('EXISTS', set) == 1 then
+        local aside = set .. ':retired:' .. namespace .. ':' .. slot
+        redis.call('RENAME', set, aside)
+        redis.call('HSET', retired_key(map_prefix, namespace), slot, aside)
+    end
+end
+
+-- The key of the set a resync of generation gen fills.
+local function snapshot_set(blocks, gen)
+    return blocks .. ':snapshot:' .. gen
+end
+
+-- Gives up the worker's resync in progress, if any (its set and slot retired).
+local function abandon_resync(meta, blocks, map_prefix, namespace)
+    local state = redis.call('HMGET', meta, 'resync_gen', 'pending_slot')
+    if not state[1] then return end
+    if map_prefix ~= '' and state[2] then
+        redis.call('HDEL', pending_key(map_prefix, namespace), state[2])
+    end
+    retire(map_prefix, namespace, tonumber(state[2]), snapshot_set(blocks, state[1]))
+    redis.call('HDEL', meta, 'resync_gen', 'pending_slot')
+end
+
+-- Retires the worker's set and its slot (and any resync in progress); it holds nothing after.
+local function retire_worker(meta, blocks, map_prefix, worker_id, namespace, slot)
+    abandon_resync(meta, blocks, map_prefix, namespace)
+    retire(map_prefix, namespace, slot, blocks)
+    if map_prefix ~= '' and slot then
+        redis.call('HDEL', slots_key(map_prefix, namespace), worker_id)
+        redis.call('SREM', untrusted_key(map_prefix, namespace), worker_id)
+    end
 end
 """
 
@@ -131,26 +200,22 @@ REGISTER = f"""
 -- ARGV[3] - the worker id
 -- ARGV[4..] - the WorkerInfo fields, as field, value pairs for meta
 -- returns the namespace of the incarnation it replaced, or nil
--- Starts a new incarnation: the old one's blocks (and their map bits), slot and sequence state
--- are gone, last_seq = 0, trusted, epoch one more than before, and (single Redis) the lowest
--- free slot of its namespace.
+-- Starts a new incarnation: the old one's blocks (and its slot, map bits and any resync in
+-- progress) are retired, last_seq = 0, trusted, epoch one more than before, and (single Redis)
+-- the lowest free slot of its namespace.
 {_MAP_FN}
 local old = redis.call('HMGET', KEYS[1], 'namespace', 'epoch', 'slot')
 local map_prefix = ARGV[2]
-if map_prefix ~= '' and old[1] and old[3] then
-    release_slot(map_prefix, ARGV[3], old[1], tonumber(old[3]), KEYS[3])
+if old[1] then
+    retire_worker(KEYS[1], KEYS[3], map_prefix, ARGV[3], old[1], tonumber(old[3]))
 end
-redis.call('DEL', KEYS[1], KEYS[3])
+redis.call('DEL', KEYS[1])
 local epoch = (tonumber(old[2]) or 0) + 1
 redis.call('HSET', KEYS[1], 'last_seq', '0', 'trusted', '1', 'epoch', epoch, unpack(ARGV, 4))
 if map_prefix ~= '' then
     local namespace = redis.call('HGET', KEYS[1], 'namespace')
-    local slots = slots_key(map_prefix, namespace)
-    local used = {{}}
-    for _, slot in ipairs(redis.call('HVALS', slots)) do used[tonumber(slot)] = true end
-    local slot = 0
-    while used[slot] do slot = slot + 1 end
-    redis.call('HSET', slots, ARGV[3], slot)
+    local slot = take_free_slot(map_prefix, namespace)
+    redis.call('HSET', slots_key(map_prefix, namespace), ARGV[3], slot)
     redis.call('SREM', untrusted_key(map_prefix, namespace), ARGV[3])
     redis.call('HSET', KEYS[1], 'slot', slot)
 end
@@ -166,7 +231,7 @@ APPLY = f"""
 -- ARGV[4..] - its events, in order: 'stored' n h1..hn | 'removed' n h1..hn | 'cleared'
 -- returns 'applied', 'duplicate', 'needs_resync' or 'unknown_worker'
 -- The seq check, the set changes (and the map bits), and the last_seq bump happen together or
--- not at all.
+-- not at all. 'cleared' retires the set and (single Redis) moves the worker to a fresh slot.
 {_MAP_FN}
 if redis.call('EXISTS', KEYS[2]) == 0 then return 'unknown_worker' end
 local state = redis.call('HMGET', KEYS[1], 'last_seq', 'trusted', 'namespace', 'slot')
@@ -186,11 +251,13 @@ if ARGV[2] ~= '' and slot then map = map_key(ARGV[2], state[3]) end
 local i = 4
 while i <= #ARGV do
     if ARGV[i] == 'cleared' then
+        retire(ARGV[2], state[3], slot, KEYS[3])
         if map then
-            local members = redis.call('SMEMBERS', KEYS[3])
-            update_bits(map, slot, false, members, 1, #members)
+            redis.call('HDEL', slots_key(ARGV[2], state[3]), ARGV[3])
+            slot = take_free_slot(ARGV[2], state[3])
+            redis.call('HSET', slots_key(ARGV[2], state[3]), ARGV[3], slot)
+            redis.call('HSET', KEYS[1], 'slot', slot)
         end
-        redis.call('DEL', KEYS[3])
         i = i + 1
     else
         local stored = ARGV[i] == 'stored'
@@ -208,37 +275,73 @@ redis.call('HSET', KEYS[1], 'last_seq', ARGV[1])
 return 'applied'
 """
 
-RESYNC = f"""
+RESYNC_BEGIN = f"""
 -- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks
--- KEYS[4] - the snapshot, written by the caller just before (a temporary SET in the same slot,
---           absent for an empty snapshot)
+-- ARGV[1] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
+-- ARGV[2] - the worker id
+-- ARGV[3] - the resync's generation, a fresh token
+-- returns the worker's namespace, or nil if it is not live
+-- Starts a resync: the worker is untrusted (left out of match) until RESYNC_COMMIT, so that no
+-- lookup meanwhile claims a block it may no longer hold; the snapshot is filled under a slot of
+-- its own (single Redis), reserved in the namespace's pending table. A resync in progress of an
+-- earlier generation is given up.
+{_MAP_FN}
+if redis.call('EXISTS', KEYS[2]) == 0 then return nil end
+local namespace = redis.call('HGET', KEYS[1], 'namespace')
+abandon_resync(KEYS[1], KEYS[3], ARGV[1], namespace)
+redis.call('HSET', KEYS[1], 'trusted', '0', 'resync_gen', ARGV[3])
+if ARGV[1] ~= '' then
+    redis.call('SADD', untrusted_key(ARGV[1], namespace), ARGV[2])
+    local slot = take_free_slot(ARGV[1], namespace)
+    redis.call('HSET', pending_key(ARGV[1], namespace), slot, ARGV[2])
+    redis.call('HSET', KEYS[1], 'pending_slot', slot)
+end
+return namespace
+"""
+
+RESYNC_FILL = f"""
+-- KEYS[1] - meta, KEYS[2] - the snapshot set of this generation
+-- ARGV[1] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
+-- ARGV[2] - the resync's generation
+-- ARGV[3..] - one slice of the snapshot's block hashes
+-- returns 1, or 0 if this generation is no longer the worker's resync (it registered again,
+--         was dropped, or a newer resync began): nothing is written
+{_MAP_FN}
+local state = redis.call('HMGET', KEYS[1], 'resync_gen', 'pending_slot', 'namespace')
+if state[1] ~= ARGV[2] then return 0 end
+for first = 3, #ARGV, {_UNPACK_SLICE} do
+    redis.call('SADD', KEYS[2], unpack(ARGV, first, math.min(first + {_UNPACK_SLICE - 1}, #ARGV)))
+end
+if ARGV[1] ~= '' and state[2] then
+    update_bits(map_key(ARGV[1], state[3]), tonumber(state[2]), true, ARGV, 3, #ARGV)
+end
+return 1
+"""
+
+RESYNC_COMMIT = f"""
+-- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks, KEYS[4] - the snapshot set of this
+--           generation (absent for an empty snapshot)
 -- ARGV[1] - the snapshot's sequence number
 -- ARGV[2] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
 -- ARGV[3] - the worker id
--- returns 1, or 0 if the worker is not live (the snapshot is dropped)
--- The snapshot replaces blocks (and the map bits follow) in one step: match never sees a
--- half-written set.
+-- ARGV[4] - the resync's generation
+-- returns 1, or 0 if the worker is not live or this generation is no longer its resync
+-- Swaps the filled snapshot in by renaming keys: match sees the old set or the new one, never a
+-- mix, and the old set is retired, not cleared here.
 {_MAP_FN}
-if redis.call('EXISTS', KEYS[2]) == 0 then
-    redis.call('DEL', KEYS[4])
-    return 0
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local state = redis.call('HMGET', KEYS[1], 'resync_gen', 'pending_slot', 'namespace', 'slot')
+if state[1] ~= ARGV[4] then return 0 end
+local map_prefix, namespace = ARGV[2], state[3]
+retire(map_prefix, namespace, tonumber(state[4]), KEYS[3])
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('RENAME', KEYS[4], KEYS[3]) end
+if map_prefix ~= '' then
+    redis.call('HDEL', pending_key(map_prefix, namespace), state[2])
+    redis.call('HSET', slots_key(map_prefix, namespace), ARGV[3], state[2])
+    redis.call('SREM', untrusted_key(map_prefix, namespace), ARGV[3])
+    redis.call('HSET', KEYS[1], 'slot', state[2])
 end
-local state = redis.call('HMGET', KEYS[1], 'namespace', 'slot')
-local slot = tonumber(state[2])
-if ARGV[2] ~= '' and slot then
-    local map = map_key(ARGV[2], state[1])
-    local gone = redis.call('SDIFF', KEYS[3], KEYS[4])
-    update_bits(map, slot, false, gone, 1, #gone)
-    local new = redis.call('SDIFF', KEYS[4], KEYS[3])
-    update_bits(map, slot, true, new, 1, #new)
-    redis.call('SREM', untrusted_key(ARGV[2], state[1]), ARGV[3])
-end
-if redis.call('EXISTS', KEYS[4]) == 1 then
-    redis.call('RENAME', KEYS[4], KEYS[3])
-    redis.call('PERSIST', KEYS[3])  -- RENAME carries over the snapshot's safety TTL
-else
-    redis.call('DEL', KEYS[3])
-end
+redis.call('HDEL', KEYS[1], 'resync_gen', 'pending_slot')
 redis.call('HSET', KEYS[1], 'last_seq', ARGV[1], 'trusted', '1')
 return 1
 """
@@ -249,14 +352,44 @@ DROP = f"""
 -- ARGV[2] - the map prefix, '<prefix>:ns:', or '' on a cluster (no map)
 -- ARGV[3] - the worker id
 -- returns the namespace of the dropped worker, or nil if nothing was dropped
+-- Its set (and any resync in progress) is retired; CLEAR_RETIRED clears the map bits after.
 {_MAP_FN}
 if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return nil end
 local state = redis.call('HMGET', KEYS[1], 'namespace', 'slot')
-if ARGV[2] ~= '' and state[1] and state[2] then
-    release_slot(ARGV[2], ARGV[3], state[1], tonumber(state[2]), KEYS[3])
+if state[1] then
+    retire_worker(KEYS[1], KEYS[3], ARGV[2], ARGV[3], state[1], tonumber(state[2]))
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('UNLINK', KEYS[3])
 return state[1]
+"""
+
+CLEAR_RETIRED = f"""
+-- No KEYS: single Redis only, it derives the namespace's keys from ARGV
+-- ARGV[1] - the map prefix, '<prefix>:ns:'
+-- ARGV[2] - the namespace
+-- ARGV[3] - at most this many blocks to clear in this call
+-- returns how many retired slots the namespace still has (0: all of them cleared and free)
+-- Pops blocks off retired sets and clears their slot's bit in the map; a slot whose set is
+-- empty leaves the retired table and is free again. Called until it answers 0.
+{_MAP_FN}
+local retired = retired_key(ARGV[1], ARGV[2])
+local map = map_key(ARGV[1], ARGV[2])
+local budget = tonumber(ARGV[3])
+local entries = redis.call('HGETALL', retired)
+local num_left = #entries / 2
+for i = 1, #entries, 2 do
+    if budget <= 0 then break end
+    local slot, set = tonumber(entries[i]), entries[i + 1]
+    local popped = redis.call('SPOP', set, budget)
+    update_bits(map, slot, false, popped, 1, #popped)
+    budget = budget - #popped
+    if redis.call('EXISTS', set) == 0 then
+        redis.call('HDEL', retired, entries[i])
+        num_left = num_left - 1
+    end
+end
+return num_left
 """
 
 MATCH_WORKER = f"""
@@ -384,4 +517,15 @@ end
 return {1, redis.call('SCARD', KEYS[3]), memory_bytes}
 """
 
-ALL_SCRIPTS = (REGISTER, APPLY, RESYNC, DROP, MATCH_WORKER, MATCH_NAMESPACE, WORKER_STATS)
+ALL_SCRIPTS = (
+    REGISTER,
+    APPLY,
+    RESYNC_BEGIN,
+    RESYNC_FILL,
+    RESYNC_COMMIT,
+    DROP,
+    CLEAR_RETIRED,
+    MATCH_WORKER,
+    MATCH_NAMESPACE,
+    WORKER_STATS,
+)

@@ -14,11 +14,18 @@ import pytest
 import redis
 from redis.asyncio.connection import AbstractConnection
 
+from kvswitch.cache_index import redis_scripts
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
 from kvswitch.cache_index.local_redis import LocalRedis
-from kvswitch.cache_index.redis_index import WORKER_LIST_TTL_S, KeySchema, RedisIndex, hash_tag
+from kvswitch.cache_index.redis_index import (
+    RESYNC_SLICE,
+    WORKER_LIST_TTL_S,
+    KeySchema,
+    RedisIndex,
+    hash_tag,
+)
 from tests.cache_index.conftest import ACL_PREFIX, unique_prefix
 
 NS = "model-a"
@@ -95,10 +102,12 @@ def test_keys_follow_the_documented_schema(redis_url: str) -> None:
             b"epoch": b"1",
             b"slot": b"0",
         }
-        assert admin.hgetall(f"{prefix}:ns:{NS}:slots") == {b"a": b"0", b"we{ird}%": b"1"}
+        # A resync fills a slot of its own, then takes it: we{ird}% registered in slot 1 and
+        # resynced into slot 2 (slot 1, its set empty, was free at once).
+        assert admin.hgetall(f"{prefix}:ns:{NS}:slots") == {b"a": b"0", b"we{ird}%": b"2"}
         # bit k of a map value: the worker in slot k holds the block
         assert admin.hgetall(f"{prefix}:ns:{NS}:map") == {
-            **{h: b"\x03" for h in CHAIN[:2]},
+            **{h: b"\x05" for h in CHAIN[:2]},
             CHAIN[2]: b"\x01",
         }
         assert admin.smembers(f"{prefix}:w:{{a}}:blocks") == set(CHAIN[:3])
@@ -130,7 +139,7 @@ def test_a_worker_keys_share_one_slot_and_workers_spread_over_nodes(
         schema = KeySchema("any")
         nodes = set()
         for i in range(12):
-            keys = [*schema.worker(f"w{i}").all, schema.worker(f"w{i}").new_snapshot()]
+            keys = [*schema.worker(f"w{i}").all, schema.worker(f"w{i}").snapshot("gen")]
             assert len({admin.keyslot(key) for key in keys}) == 1
             nodes.add(admin.get_node_from_key(keys[0]).name)
         assert len(nodes) == 3
@@ -505,14 +514,102 @@ def test_a_dropped_worker_frees_its_slot_and_its_bits(redis_url: str) -> None:
             await index.register(worker("d"), TTL_S)  # the lowest free slot: b's
             assert admin.hget(slots_key, "d") == b"1"
             assert await index.match(NS, CHAIN) == {"a": 4, "c": 4, "d": 0}
-            # A new incarnation clears its bits, and keeps the lowest free slot.
+            # A new incarnation takes a free slot while its old set is retired; once the old
+            # bits are cleared (before register returns) that slot is free again.
             await index.register(worker("a"), TTL_S)
-            assert admin.hget(slots_key, "a") == b"0"
+            assert admin.hget(slots_key, "a") == b"3"
             assert set(admin.hvals(f"{prefix}:ns:{NS}:map")) == {b"\x04"}
-            for worker_id in ("a", "c", "d"):
+            assert not admin.exists(f"{prefix}:ns:{NS}:retired")
+            await index.register(worker("e"), TTL_S)
+            assert admin.hget(slots_key, "e") == b"0"
+            for worker_id in ("a", "c", "d", "e"):
                 await index.deregister(worker_id)
             keys = set(admin.scan_iter(f"{prefix}:ns:*"))
             assert not keys, keys  # no map, slot table or registry is left behind
+        await index.close()
+
+    run(body())
+
+
+class SteppedIndex(RedisIndex):
+    """A RedisIndex that awaits ``between`` after each of its single script calls, where a test
+    acts as another client would between two slices of a resync."""
+
+    between: Callable[[str], Awaitable[None]]
+
+    async def _run(self, script: Any, keys: list[str], args: Any) -> Any:
+        reply = await super()._run(script, keys, args)
+        await self.between(script.script)
+        return reply
+
+
+def test_a_large_resync_goes_in_slices_that_lookups_come_between(
+    connect: Callable[..., Awaitable[RedisIndex]],
+) -> None:
+    """20,000 blocks: about ten RESYNC_FILL calls, each short, with another client's lookups
+    answered between them; the worker is out of match until the commit."""
+    snapshot = CHAIN[:4] + many_hashes(20_000, salt=4)
+    prefix = unique_prefix()
+
+    async def body() -> None:
+        other = await connect(prefix)
+        index = await connect(prefix)
+        stepped = SteppedIndex(index._client, index._keys, cluster=index._cluster)
+        lookups: list[dict[str, int]] = []
+
+        async def lookup(script: str) -> None:
+            if script == redis_scripts.RESYNC_FILL:
+                lookups.append(await other.match(NS, CHAIN))
+
+        stepped.between = lookup
+        for worker_id in ("a", "b"):
+            await index.register(worker(worker_id), TTL_S)
+        await index.apply("a", 1, [stored(CHAIN)])
+        await index.apply("b", 1, [stored(CHAIN[:8])])
+        await stepped.resync("a", 1, snapshot)
+        assert len(lookups) == -(-len(snapshot) // RESYNC_SLICE)
+        assert all(matches == {"b": 8} for matches in lookups), lookups
+        assert await other.match(NS, CHAIN) == {"a": 4, "b": 8}
+        await other.close()
+        await index.close()
+
+    run(body())
+
+
+def test_a_register_during_a_resync_supersedes_it_and_leaves_nothing_behind(
+    redis_url: str,
+) -> None:
+    prefix = unique_prefix()
+    snapshot = many_hashes(3 * RESYNC_SLICE, salt=5)
+
+    async def body() -> None:
+        index = await RedisIndex.connect(redis_url, prefix=prefix)
+        stepped = SteppedIndex(index._client, index._keys, cluster=False)
+        num_fills = 0
+
+        async def restart_after_the_first_fill(script: str) -> None:
+            nonlocal num_fills
+            if script == redis_scripts.RESYNC_FILL:
+                num_fills += 1
+                if num_fills == 1:
+                    await index.register(worker("a"), TTL_S)  # the worker restarted
+
+        stepped.between = restart_after_the_first_fill
+        await index.register(worker("a"), TTL_S)
+        await index.register(worker("b"), TTL_S)
+        await index.apply("b", 1, [stored(CHAIN[:8])])
+        with pytest.raises(KeyError, match="not registered"):
+            await stepped.resync("a", 7, snapshot)
+        assert num_fills == 2  # the second slice found its generation gone and wrote nothing
+        assert await index.match(NS, snapshot[:8]) == {"a": 0, "b": 0}
+        with redis.Redis.from_url(redis_url) as admin:
+            assert decoded_map(admin, prefix, NS) == sets_of(admin, prefix, ["a", "b"])
+            leftovers = [
+                key
+                for key in admin.scan_iter(f"{prefix}*")
+                if b"snapshot" in key or key.endswith((b":retired", b":pending"))
+            ]
+            assert not leftovers, leftovers
         await index.close()
 
     run(body())
