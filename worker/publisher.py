@@ -2,19 +2,27 @@
 
 The engine client only appends numbered event batches, as the engine core sends them, to its
 buffer; this publisher, a task on the server's event loop, takes them in order and applies them
-to the index.
-Whenever the index cannot be trusted to hold the worker's exact set (first start, a lost batch,
-a lapsed registration, a Redis restart), it registers again and resyncs from a snapshot::
+to the index. What it does next depends on what the index answered, not on whether a call
+failed::
 
-    connect -> register -> resync(snapshot) -> loop: apply batches / heartbeat
-                  ^                                   |
-                  +---- UNKNOWN_WORKER, NEEDS_RESYNC, connection errors (after a backoff)
+    start -> register -> resync(snapshot) -> apply batch k, k+1, ...
+    a call fails (timeout, refused, BUSY)   -> the same step again after a backoff (a batch is
+                                               idempotent by its sequence number)
+    NEEDS_RESYNC (a batch was lost)         -> resync
+    UNKNOWN_WORKER, a lapsed heartbeat      -> register, then resync (the index restarted or
+                                               forgot this worker)
+
+A failed round never re-registers: that deleted the worker's entries and sent them all again,
+and on a fleet one slow index turned into every worker resyncing at once. Heartbeats run on a
+task of their own, so a slow index write never lets a healthy worker's registration lapse.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import enum
 import logging
 import random
 from dataclasses import dataclass
@@ -53,12 +61,12 @@ class PublisherConfig:
 
 @dataclass
 class Backoff:
-    """Exponential backoff with jitter between reconnection attempts."""
+    """Exponential backoff with jitter between tries of a failed step."""
 
     initial_s: float = 0.05
     # NOTE: the index is rebuilt at most this long after it comes back; with 5 s, a Redis down
-    # for 10 s was rebuilt up to 5.7 s after (docs/RELIABILITY.md). A try is one connection
-    # attempt, cheap for the server even from many workers.
+    # for 10 s was rebuilt up to 5.7 s after (docs/RELIABILITY.md). A try is one call, cheap for
+    # the server even from many workers.
     max_s: float = 1.0
     attempt: int = 0
 
@@ -69,6 +77,14 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+class Sync(enum.Enum):
+    """How far the index is known to agree with the worker."""
+
+    UNREGISTERED = "unregistered"  # the index does not know this incarnation: register next
+    STALE = "stale"  # registered, but a batch was lost: resync next
+    SYNCED = "synced"  # the index holds the worker's set as of the last batch applied
 
 
 class EventPublisher:
@@ -85,95 +101,138 @@ class EventPublisher:
         self.info = info
         self.config = config or PublisherConfig()
         self.backoff = backoff or Backoff()
+        self.num_registers = 0
         self.num_resyncs = 0
-        self.num_errors = 0  # failed rounds, each followed by a resync
-        self._synced = False  # the index holds exactly our set as of the last applied batch
-        self._task: asyncio.Task | None = None
-        self._arrived: asyncio.Event | None = None  # set when the source says a batch is in
+        self.num_errors = 0  # failed calls to the index, each tried again after a backoff
+        self.sync = Sync.UNREGISTERED
+        self._pending: collections.deque = collections.deque()  # batches taken, not yet applied
+        self._tasks: list[asyncio.Task] = []
+        self._wake: asyncio.Event | None = None  # a batch is in, or the heartbeat needs a register
+        self._has_on_events = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        wake = self._wake = asyncio.Event()
         on_events = getattr(self.source, "on_events", None)
+        self._has_on_events = on_events is not None
         if on_events is not None:
             # NOTE: a second router reading the index sees a worker's blocks a moment after
             # the step that cached them, not up to a polling interval later.
-            arrived = self._arrived = asyncio.Event()
-
-            def wake() -> None:
+            def on_batch() -> None:
                 with contextlib.suppress(RuntimeError):  # the loop has closed: nobody to wake
-                    loop.call_soon_threadsafe(arrived.set)
+                    loop.call_soon_threadsafe(wake.set)
 
-            on_events(wake)
-        self._task = loop.create_task(self.run(), name="event-publisher")
+            on_events(on_batch)
+        self._tasks = [
+            loop.create_task(self.run(), name="event-publisher"),
+            loop.create_task(self.heartbeat_forever(), name="index-heartbeat"),
+        ]
 
     async def stop(self) -> None:
         """Stop publishing and remove this worker from the index (best effort)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         try:
             await self.index.deregister(self.info.worker_id)
         except self.index.unavailable_errors as e:  # the index may be the thing that is down
             logger.warning("could not deregister %s from the index: %s", self.info.worker_id, e)
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_heartbeat = 0.0
         while True:
             try:
-                if not self._synced:
-                    await self._register_and_resync()
-                    next_heartbeat = loop.time() + self.config.heartbeat_s
                 await self.publish_pending()
-                if loop.time() >= next_heartbeat and self._synced:
-                    if not await self.index.heartbeat(self.info.worker_id, self.config.ttl_s):
-                        self._synced = False
-                    next_heartbeat = loop.time() + self.config.heartbeat_s
                 self.backoff.reset()
-                await self._wait_for_events(next_heartbeat - loop.time())
+                await self._wait_for_events()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                # NOTE: the index being down (refused, restarting, timing out) is expected; any
-                # other error is a bug and logged with its traceback. Either way the publisher
-                # goes on from a resync: one that stopped would leave the index stale unseen.
                 end_if_cancelled()  # unless the error was this loop's own stop, swallowed
                 self.num_errors += 1
-                self._synced = False
                 delay_s = self.backoff.next_delay_s()
                 if isinstance(e, self.index.unavailable_errors):
-                    logger.warning("index unavailable (%s); retrying in %.2fs", e, delay_s)
+                    # NOTE: the index being down, slow or busy is expected: the same step is
+                    # tried again, and nothing the index holds is thrown away for it.
+                    logger.warning("index unavailable (%s); trying again in %.2fs", e, delay_s)
                 else:
-                    logger.exception("publishing cache events failed; resyncing in %.2fs", delay_s)
+                    # A bug, logged with its traceback; the index's state is in doubt, so the
+                    # worker starts over from a registration rather than stop publishing.
+                    self.sync = Sync.UNREGISTERED
+                    message = "publishing cache events failed; registering again in %.2fs"
+                    logger.exception(message, delay_s)
                 await asyncio.sleep(delay_s)
 
-    async def _wait_for_events(self, until_heartbeat_s: float) -> None:
-        """Until the source says a batch is in (or the next heartbeat is due); without
-        ``on_events``, one polling interval."""
-        if self._arrived is None:
-            await asyncio.sleep(self.config.interval_s)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(until_heartbeat_s, 0.0)):
-                await self._arrived.wait()
-        self._arrived.clear()
-
     async def publish_pending(self) -> None:
-        """Apply every buffered batch, in order; on any doubt, fall back to a resync."""
-        for batch in self.source.take_cache_events():
-            if not self._synced:
-                break  # a resync below covers this batch and the ones after it
-            status = await self.index.apply(self.info.worker_id, batch.seq, batch.events)
-            if status in (ApplyStatus.NEEDS_RESYNC, ApplyStatus.UNKNOWN_WORKER):
-                logger.info("index says %s for batch %d: resyncing", status.value, batch.seq)
-                self._synced = False
-        if not self._synced:
-            await self._register_and_resync()
+        """Bring the index up to date: register or resync if it needs that, then apply every
+        buffered batch in order. A call that fails raises, and leaves the step it was on (the
+        batch at the head of the queue, the resync, the registration) for the next try."""
+        self._pending.extend(self.source.take_cache_events())
+        while True:
+            if self.sync is Sync.UNREGISTERED:
+                self.num_registers += 1
+                await self.index.register(self.info, self.config.ttl_s)
+                self.sync = Sync.STALE
+            if self.sync is Sync.STALE:
+                await self._resync()
+            while self._pending and self.sync is Sync.SYNCED:
+                batch = self._pending[0]
+                status = await self.index.apply(self.info.worker_id, batch.seq, batch.events)
+                if status is ApplyStatus.NEEDS_RESYNC:
+                    logger.info("index says batch %d does not follow: resyncing", batch.seq)
+                    self.sync = Sync.STALE
+                elif status is ApplyStatus.UNKNOWN_WORKER:
+                    logger.info("index does not know this worker (batch %d)", batch.seq)
+                    self.sync = Sync.UNREGISTERED
+                else:  # APPLIED, or DUPLICATE: an earlier try got through after all
+                    self._pending.popleft()
+            if self.sync is Sync.SYNCED:
+                return
 
-    async def _register_and_resync(self) -> None:
-        await self.index.register(self.info, self.config.ttl_s)
+    async def _resync(self) -> None:
         seq, block_hashes = await asyncio.wrap_future(self.source.snapshot())
-        await self.index.resync(self.info.worker_id, seq, block_hashes)
+        try:
+            await self.index.resync(self.info.worker_id, seq, block_hashes)
+        except KeyError:  # the registration lapsed, or a restarted index forgot it
+            self.sync = Sync.UNREGISTERED
+            return
         self.num_resyncs += 1
-        self._synced = True
+        self.sync = Sync.SYNCED
+        # The snapshot covers every batch up to its own sequence number.
+        while self._pending and self._pending[0].seq <= seq:
+            self._pending.popleft()
+
+    async def heartbeat_forever(self) -> None:
+        """Keep the registration alive, on its own timer: however long an index write or a
+        resync takes, the worker stays in routing. A heartbeat the index refuses (the
+        registration lapsed) makes the publisher register again."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            if self.sync is Sync.UNREGISTERED:
+                continue  # a registration is on its way, and starts the clock anew
+            num_registers = self.num_registers
+            try:
+                alive = await self.index.heartbeat(self.info.worker_id, self.config.ttl_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                end_if_cancelled()
+                # NOTE: the next heartbeat comes well within the TTL; the publisher's own calls
+                # find a lasting outage.
+                logger.warning("index heartbeat failed: %s", e)
+                continue
+            if not alive and self.num_registers == num_registers:
+                logger.info("index says this worker's registration lapsed: registering again")
+                self.sync = Sync.UNREGISTERED
+                if self._wake is not None:
+                    self._wake.set()
+
+    async def _wait_for_events(self) -> None:
+        """Until the source says a batch is in (or the heartbeat wants a register); without
+        ``on_events``, one polling interval."""
+        assert self._wake is not None, "start() first"
+        with contextlib.suppress(TimeoutError):
+            timeout_s = None if self._has_on_events else self.config.interval_s
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
+        self._wake.clear()

@@ -766,13 +766,18 @@ def _read_counters(
         ),
         (
             "kvswitch_worker_index_errors",
-            "Rounds of publishing to the block index that failed, each followed by a resync",
+            "Calls to the block index that failed, each tried again after a backoff",
             published("num_errors"),
         ),
         (
             "kvswitch_worker_index_resyncs",
-            "Times this worker registered and sent the index its whole set of cached blocks",
+            "Times this worker sent the index its whole set of cached blocks (after a gap)",
             published("num_resyncs"),
+        ),
+        (
+            "kvswitch_worker_index_registers",
+            "Times this worker registered with the index (at start, and after it forgot it)",
+            published("num_registers"),
         ),
     ]
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kvswitch.cache_index.hashing import hash_prompt_blocks
-from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.engine_config import EngineConfig
@@ -226,11 +226,12 @@ def test_a_lost_batch_or_a_forgotten_worker_triggers_a_resync() -> None:
         await generate(engine, "r2", [256, *b"second document " * 4])
         await publisher.publish_pending()  # the next batch shows a gap
         assert publisher.num_resyncs == 2
+        assert publisher.num_registers == 1  # a gap needs a resync, not a new registration
         await index_matches_worker(index, engine, timeout_s=0.5)
         await index.deregister("w")  # e.g. its registration lapsed
         await generate(engine, "r3", [256, *b"third document " * 4])
         await publisher.publish_pending()  # UNKNOWN_WORKER: register again, resync
-        assert publisher.num_resyncs == 3
+        assert publisher.num_resyncs == 3 and publisher.num_registers == 2
         await index_matches_worker(index, engine, timeout_s=0.5)
 
     try:
@@ -257,6 +258,114 @@ def test_cache_events_are_published_when_they_arrive_not_at_the_next_poll() -> N
         while (await index.match(engine.namespace, chain)).get("w") != len(chain):
             assert asyncio.get_running_loop().time() < deadline, "published only at a poll"
             await asyncio.sleep(0.01)
+        await publisher.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+class TimingOutIndex(MemoryIndex):
+    """An index whose next ``num_timeouts`` applies time out: the first after it applied the
+    batch (its answer was lost on the way), the others before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_timeouts = 0
+        self.timed_out = asyncio.Event()  # all of them
+        self.answers: list[tuple[int, ApplyStatus]] = []
+
+    def time_out(self, num_timeouts: int) -> None:
+        self.num_timeouts, self.lose_answer = num_timeouts, True
+
+    async def apply(self, worker_id, seq, events):
+        if self.num_timeouts:
+            self.num_timeouts -= 1
+            if self.lose_answer:
+                self.lose_answer = False
+                await super().apply(worker_id, seq, events)
+            if not self.num_timeouts:
+                self.timed_out.set()
+            raise TimeoutError("the index did not answer in time")
+        status = await super().apply(worker_id, seq, events)
+        self.answers.append((seq, status))
+        return status
+
+
+def test_a_failed_round_tries_the_same_batch_again_and_never_resyncs() -> None:
+    engine = start_engine()
+
+    async def main() -> None:
+        index = TimingOutIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST, Backoff(0.01, 0.05))
+        await publisher.publish_pending()
+        index.time_out(3)
+        publisher.start()
+        await generate(engine, "r1", [256, *b"a slow index " * 5])
+        await asyncio.wait_for(index.timed_out.wait(), 5)
+        await index_matches_worker(index, engine)
+        assert publisher.num_errors == 3
+        # One registration and one snapshot, however many calls failed: each failed round
+        # registered and resynced again before.
+        assert publisher.num_registers == 1 and publisher.num_resyncs == 1
+        # The batch whose answer was lost came again, and the index knew it had it.
+        (seq, first), *rest = index.answers
+        assert first is ApplyStatus.DUPLICATE
+        assert [s for s, _ in rest] == list(range(seq + 1, seq + 1 + len(rest)))
+        assert all(status is ApplyStatus.APPLIED for _, status in rest)
+        await publisher.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+class StallingIndex(MemoryIndex):
+    """An index whose applies stall until released, counting the heartbeats it answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.stalled = asyncio.Event()
+        self.num_heartbeats = 0
+        self.beats = asyncio.Condition()
+
+    async def apply(self, *args, **kwargs):
+        self.stalled.set()
+        await self.release.wait()
+        return await super().apply(*args, **kwargs)
+
+    async def heartbeat(self, *args, **kwargs):
+        alive = await super().heartbeat(*args, **kwargs)
+        async with self.beats:
+            self.num_heartbeats += alive
+            self.beats.notify_all()
+        return alive
+
+
+def test_a_stalled_index_write_never_lets_the_registration_lapse() -> None:
+    engine = start_engine()
+
+    async def main() -> None:
+        index = StallingIndex()
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, FAST)
+        publisher.start()
+        await generate(engine, "r1", [256, *b"stalls the index " * 4])
+        await asyncio.wait_for(index.stalled.wait(), 5)
+        # Heartbeats go on while the write stalls, for longer than the TTL ...
+        num_beats = index.num_heartbeats + round(2 * FAST.ttl_s / FAST.heartbeat_s)
+        async with index.beats:
+            await asyncio.wait_for(
+                index.beats.wait_for(lambda: index.num_heartbeats >= num_beats), 10
+            )
+        assert [w.worker_id for w in await index.live_workers()] == ["w"]  # ... and it lives
+        index.release.set()
+        await index_matches_worker(index, engine)
+        assert publisher.num_registers == 1 and publisher.num_resyncs == 1
         await publisher.stop()
 
     try:

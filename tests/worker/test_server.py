@@ -440,6 +440,7 @@ def test_metrics_endpoint_counts_requests_and_shows_load(worker: BackgroundWorke
             "dropped_event_batches",
             "index_errors",  # no index here: no publisher, nothing to count
             "index_resyncs",
+            "index_registers",
         ]:
             assert value(f"kvswitch_worker_{name}_total") == 0
         metered.server.engine.counters = CoreCounters(num_failed_steps=2)  # read at the scrape
