@@ -132,35 +132,44 @@ def test_the_http_api_streams_the_text_of_a_disaggregated_answer_whole(
     assert whole.usage.completion_tokens == len(checkpoint.answer_ids) + 1  # and EOS
 
 
-class FailsOnceAfter:
-    """Makes the first engine step that computes ``token_id`` (the step after the one that
-    sampled it) wait until ``seen`` is set, then raise: the worker fails its stream right after
-    the client has that token, as an engine whose device failed mid-stream does."""
+class HeldAfter:
+    """Holds the first engine step that computes ``token_id`` (the step after the one that
+    sampled it) until the test has seen that token arrive (``seen``); then the step raises, as an
+    engine whose device failed mid-stream does (``fail``), or waits for ``released``, so that the
+    test can stop the worker's server with the token's text still held back there."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, token_id: int) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, token_id: int, *, fail: bool) -> None:
         self.seen = threading.Event()
-        self.failed = threading.Event()
+        self.released = threading.Event()
+        self.held = threading.Event()
         execute_batch = ModelRunner.execute_batch
 
-        def failing(runner: ModelRunner, batch, *args, **kwargs):
-            if not self.failed.is_set() and token_id in np.asarray(batch.input_ids):
-                self.failed.set()
-                # NOTE: a bound for a hang; the test sets it as soon as the token reaches it.
+        def held(runner: ModelRunner, batch, *args, **kwargs):
+            if not self.held.is_set() and token_id in np.asarray(batch.input_ids):
+                self.held.set()
+                # NOTE: bounds for a hang; the test sets each as soon as it can.
                 if not self.seen.wait(timeout=60):
                     raise RuntimeError("injected: the test never saw the token")
-                raise RuntimeError(f"injected: the step after token {token_id} failed")
+                if fail:
+                    raise RuntimeError(f"injected: the step after token {token_id} failed")
+                self.released.wait(timeout=60)
             return execute_batch(runner, batch, *args, **kwargs)
 
-        monkeypatch.setattr(ModelRunner, "execute_batch", failing)
+        monkeypatch.setattr(ModelRunner, "execute_batch", held)
 
 
+@pytest.mark.parametrize("how", ["its-engine-fails", "its-server-stops"])
 @pytest.mark.parametrize(
     ("num_before", "what"),
     [(1, "inside 问"), (6, "after 是, inside 什"), (15, "inside 🚀")],
     ids=["first-character", "a-whole-character-held-too", "emoji"],
 )
 def test_a_stream_resumed_inside_a_character_loses_and_repeats_none_of_it(
-    checkpoint: CjkCheckpoint, monkeypatch: pytest.MonkeyPatch, num_before: int, what: str
+    checkpoint: CjkCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    num_before: int,
+    what: str,
+    how: str,
 ) -> None:
     """A worker fails once the client has the answer's first ``num_before`` tokens, the last of
     them inside a character; the router resumes the stream on the other worker, which sends the
@@ -168,20 +177,29 @@ def test_a_stream_resumed_inside_a_character_loses_and_repeats_none_of_it(
     answer_ids = checkpoint.answer_ids
     decode = checkpoint.tokenizer.decode
     assert decode(answer_ids[:num_before]).endswith(REPLACEMENT_CHAR), what
-    fault = FailsOnceAfter(monkeypatch, answer_ids[num_before - 1])
+    last_id = answer_ids[num_before - 1]
+    fault = HeldAfter(monkeypatch, last_id, fail=how == "its-engine-fails")
     with cluster_of(checkpoint) as cluster:
         cluster.add_worker("w0")
         cluster.add_worker("w1")
+        directory = cluster.router.router.directory
         with Client(cluster.address, timeout_s=60) as client:
             pieces, token_ids = [], []
             with client.stream(prompt(num_before), max_tokens=MAX_TOKENS) as stream:
                 for chunk in stream:
                     pieces.append(chunk.text)
                     token_ids += chunk.token_ids
-                    if answer_ids[num_before - 1] in chunk.token_ids:
-                        fault.seen.set()
+                    if last_id not in chunk.token_ids:
+                        continue
+                    if how == "its-server-stops":
+                        (busy,) = [h.worker_id for h in directory.handles() if h.num_in_flight]
+                        # NOTE: its streams cut, as when its process dies; its engine is let go
+                        # after, and stopped with the cluster.
+                        cluster.run(cluster.worker(busy).server.stop(0))
+                    fault.seen.set()
+                    fault.released.set()
                 result = stream.result
-    assert fault.failed.is_set()
+    assert fault.held.is_set()
     assert result.route.reason.startswith("failover: ")
     assert token_ids == result.token_ids == [*answer_ids, checkpoint.eos_token_id]
     assert "".join(pieces) == result.text == decode(result.token_ids) == ANSWER
