@@ -93,13 +93,27 @@ def check_prompt_length(num_tokens: int, field: str, limits: RequestLimits) -> N
         )
 
 
+# The most output tokens a request weighs on a worker that does not say its context (an older
+# worker: ``WorkerInfo.max_model_len`` 0). The weight only steers routing (the worker stops at
+# its own context); a client's max_tokens, up to 2^32 - 1 on a router without a limit, would
+# make that worker look busy for ever.
+MAX_UNKNOWN_OUTPUT_TOKENS = 32768
+
+
 def output_budget(max_tokens: int, num_prompt_tokens: int, max_model_len: int) -> int:
     """The most output tokens a request can get: its ``max_tokens``, cut to what the model's
-    context leaves after the prompt (``max_model_len`` 0 = unknown, no cut). The router counts
-    a worker's outstanding work from this, not from what a client asked for."""
+    context leaves after the prompt (``max_model_len`` 0 = unknown, no cut)."""
     if not max_model_len:
         return max_tokens
     return max(min(max_tokens, max_model_len - num_prompt_tokens), 1)
+
+
+def output_charge(max_tokens: int, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The output tokens a request weighs on its worker's outstanding work, from the router's
+    view: ``output_budget``, and at most ``MAX_UNKNOWN_OUTPUT_TOKENS`` where the worker's
+    context is unknown (``max_model_len`` 0). Never what a client asked for past that."""
+    num_tokens = output_budget(max_tokens, num_prompt_tokens, max_model_len)
+    return num_tokens if max_model_len else min(num_tokens, MAX_UNKNOWN_OUTPUT_TOKENS)
 
 
 class ClientStreams:

@@ -5,7 +5,9 @@ milliseconds later. A burst of requests on one long document would see nothing c
 window and scatter. So after routing, the router guesses that the chosen worker will soon hold
 the prompt's full blocks, and counts the guess as a match until the index confirms it (the
 guess is then dropped: the index now says so) or until ``ttl_s`` passes unconfirmed (dropped as
-wrong: the request may have failed, or its blocks were evicted at once).
+wrong: the request may have failed, or its blocks were evicted at once). A guess whose request
+will not run there after all (the worker refused it, or it never reached the worker) is taken
+back at once (``discard``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class _Guess:
     worker_id: str
     block_hashes: tuple[bytes, ...]
     expires_s: float
+    num_requests: int = 1  # the routed requests behind it (a repeated guess adds its own)
     live: bool = True
 
 
@@ -103,12 +106,14 @@ class PendingBlocks:
         # burst on one document keeps one guess per worker, with the latest deadline.
         guesses = self._workers.get(worker_id)
         old = guesses.by_end.get(block_hashes[-1]) if guesses is not None else None
+        num_requests = 1
         if old is not None:
+            num_requests += old.num_requests
             self._drop(old)
         guesses = self._workers.get(worker_id)
         if guesses is None:
             guesses = self._workers[worker_id] = _WorkerGuesses()
-        guess = _Guess(worker_id, tuple(block_hashes), self._clock() + self.ttl_s)
+        guess = _Guess(worker_id, tuple(block_hashes), self._clock() + self.ttl_s, num_requests)
         guesses.add(guess)
         self._by_deadline.append(guess)
         self._num_live += 1
@@ -136,6 +141,21 @@ class PendingBlocks:
             self.num_confirmed += 1
             self._drop(guess)
         return matches
+
+    def discard(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
+        """Take back one ``add(worker_id, block_hashes)``: its request will not make the worker
+        hold the chain after all (refused there, or never sent). The guess goes once no other
+        request routed there with the same chain stands behind it; one already confirmed,
+        expired or forgotten is left as it is."""
+        if not block_hashes:
+            return
+        guesses = self._workers.get(worker_id)
+        guess = guesses.by_end.get(block_hashes[-1]) if guesses is not None else None
+        if guess is None:
+            return
+        guess.num_requests -= 1
+        if guess.num_requests <= 0:
+            self._drop(guess)
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every guess about a worker (it failed or left)."""

@@ -258,6 +258,12 @@ class Router:
             self.pending.add(decision.worker_id, plan.block_hashes)
         self.heat.record(plan.block_hashes)
 
+    def withdrawn(self, plan: RoutePlan, decision: Decision | None) -> None:
+        """The request ``routed`` by ``decision`` will not run there after all (the worker
+        refused it, or it never reached the worker): take back the guess ``routed`` made."""
+        if decision is not None and not decision.fetch_from:
+            self.pending.discard(decision.worker_id, plan.block_hashes)
+
     def num_uncached_tokens(self, plan: RoutePlan, decision: Decision) -> int:
         request = RouteRequest(len(plan.token_ids), plan.block_size)
         return request.num_uncached_tokens(decision.num_matched_blocks)

@@ -7,6 +7,11 @@ One request::
         |   failed before its first token: the next best worker             |
         +-- failed mid-stream: another worker, prompt + tokens already sent +
                                                     chunks -> client, then one final message
+
+Towards the workers a request goes by an id of the router's own (``fleet_request_id``: engine
+request id, prefill lease, KV pulls), fresh for every request it forwards: the client's
+``request_id`` is a label (logs, metrics, what the client reads back), so two routers, or a
+client reusing its ids, never collide on a worker.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from kvswitch.router.limits import (
     check_request,
     client_of,
     output_budget,
+    output_charge,
 )
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.policy import Decision
@@ -63,6 +69,8 @@ _INLINE_TOKENIZE_CHARS = 1024
 _ANSWER_MARGIN_S = 0.1  # a waiting request gives up this long before its deadline
 _CLIENT_RETRY_AFTER_MS = 100  # asked of a client at its limit of open streams
 _FLEET_FULL_RETRY_AFTER_MS = 100  # asked while every worker refused lately (until a load poll)
+# What the router's own request ids start with, on the workers (their logs, engine, leases).
+FLEET_REQUEST_ID_PREFIX = "rt-"
 # A request whose worker's engine raised (INTERNAL) is retried elsewhere once: if it breaks a
 # second engine too, the request itself is the likely cause, and it would break every worker.
 MAX_ENGINE_FAILURES = 2
@@ -104,8 +112,9 @@ class _WorkerBusy(Exception):
 class _Refused(Exception):
     """The worker judged the request itself (bad input, deadline passed): tell the client."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, handle: WorkerHandle, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
+        self.handle = handle
         self.code = code
         self.details = details
 
@@ -129,8 +138,9 @@ _FINISH_REASON_BY_CODE = {
 class _Outcome:
     """How a request ended, for the metrics."""
 
-    request_id: str
+    request_id: str  # the client's (a label), or the fleet id where it named none
     metrics: RouterMetrics
+    fleet_request_id: str = ""  # what the workers know it by
     finish_reason: str = "error"
     ttft_s: float | None = None  # as the router saw it: arrival to first token relayed
     num_prompt_tokens: int = 0
@@ -167,6 +177,9 @@ class _Progress:
 
     outcome: _Outcome
     sent: list[int] = dataclasses.field(default_factory=list)  # output tokens relayed
+    # Disaggregated: the prefill worker holding the prompt's blocks under a lease, until a decode
+    # worker has taken them; released at once when the request ends before that.
+    leased_on: WorkerHandle | None = None
     # How many of the last ``sent`` tokens had no text relayed yet (a character not complete):
     # the next worker of the stream sends it.
     num_pending_text_tokens: int = 0
@@ -179,6 +192,9 @@ async def _abort(
 ) -> None:
     outcome.finish_reason = _FINISH_REASON_BY_CODE.get(code, "error")
     outcome.record()
+    if outcome.fleet_request_id:
+        # NOTE: a worker's words name the request by the fleet's id; the client knows its own.
+        details = details.replace(outcome.fleet_request_id, outcome.request_id)
     await context.abort(code, details)
 
 
@@ -202,7 +218,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._front_key = front_key
         self._limits = limits if limits is not None else RequestLimits()
         self._client_streams = ClientStreams(self._limits.max_streams_per_client)
-        self._running_ids: set[str] = set()  # client-chosen ids of the requests streaming now
+        self._releases: set[asyncio.Task] = set()  # leases let go of, not waited for
         self._disagg = disagg if disagg is not None else DisaggConfig()
         self._directory = router.directory
         self._metrics = metrics or RouterMetrics()
@@ -214,7 +230,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         # NOTE: written with context.write, not as an async generator, so that a cancelled RPC
         # raises CancelledError in here and the worker's call is cancelled with it.
-        outcome = _Outcome(request.request_id or f"router-{uuid.uuid4().hex}", self._metrics)
+        fleet_request_id = f"{FLEET_REQUEST_ID_PREFIX}{uuid.uuid4().hex}"
+        outcome = _Outcome(request.request_id or fleet_request_id, self._metrics, fleet_request_id)
+        progress = _Progress(outcome)
         # NOTE: a call from the HTTP front counts against the HTTP client it stands for.
         forwarded = forwarded_client(context.invocation_metadata(), self._front_key)
         client = forwarded or client_of(context.peer())
@@ -227,51 +245,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"this client has {self._client_streams.num_open(client)} streams open, the "
                 "most this router takes from one client; retry once one has ended",
             )
-        running_id = ""  # this call's entry in the running ids, once it made one
         try:
-            running_id = await self._admit(request, context, outcome)
-            await self._generate(request, context, outcome)
+            try:
+                check_request(request, self._limits)
+            except ValueError as e:
+                await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._generate(request, context, progress)
         except asyncio.CancelledError:
             outcome.finish_reason = "abort"
             raise
         finally:
             self._client_streams.close(client)
-            self._running_ids.discard(running_id)
+            if progress.leased_on is not None:
+                # NOTE: ended (failed, refused, cancelled) before a decode worker took the
+                # prompt's blocks: nobody will; let them go now, not a lease later.
+                self._release_later(progress.leased_on, fleet_request_id)
             outcome.record()  # unless the end already did
-
-    async def _admit(
-        self,
-        request: router_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
-        outcome: _Outcome,
-    ) -> str:
-        """Refuse (INVALID_ARGUMENT) a request out of bounds or one whose id is running; the id
-        it now runs under ("" for a request that named none)."""
-        try:
-            check_request(request, self._limits)
-        except ValueError as e:
-            await _abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not request.request_id:
-            return ""
-        if request.request_id in self._running_ids:
-            await _abort(
-                context,
-                outcome,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request_id {request.request_id!r} is already running on this router; "
-                "request ids must be unique",
-            )
-        self._running_ids.add(request.request_id)
-        return request.request_id
 
     async def _generate(
         self,
         request: router_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
-        outcome: _Outcome,
+        progress: _Progress,
     ) -> None:
-        request_id = outcome.request_id
-        log = {"extra": {"request_id": request_id}}
+        outcome = progress.outcome
+        request_id = outcome.fleet_request_id  # towards the workers
+        log = {"extra": {"request_id": outcome.request_id, "fleet_request_id": request_id}}
         remaining_s = context.time_remaining()
         wait_s = self._wait_for_worker_s
         if remaining_s is not None:
@@ -303,10 +302,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await _abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
 
         num_prompt_tokens = len(plan.token_ids)
-        progress = _Progress(outcome)
         sent = progress.sent  # output tokens already relayed to the client
         failed: set[str] = set()
         busy: set[str] = set()  # workers at their queue limit: not tried again for this request
+        # Decode workers that left while the prompt was prefilled for them: no failover.
+        left: set[str] = set()
         retry_after_ms = 0  # the longest wait those asked for
         num_engine_failures = 0
         # Disaggregated: the worker that prefilled the prompt (and holds its blocks), its final.
@@ -328,7 +328,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     resumed,  # noqa: B023 (awaited within this iteration)
                     policy=request.routing.policy,
                     weights=dict(request.routing.weights),
-                    exclude=failed | busy,
+                    exclude=failed | busy | left,
                     # NOTE: only a prompt not prefilled yet is: a resumed stream goes to one worker.
                     disagg=self._disagg if not sent else None,
                 )
@@ -336,7 +336,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             try:
                 # NOTE: only the first choice waits: a failover has the others to go to now.
                 route = await self._when_a_worker_serves(
-                    choose, wait_until_s if not (failed or busy) else 0.0
+                    choose, wait_until_s if not (failed or busy or left) else 0.0
                 )
             except ValueError as e:  # the request's routing overrides
                 field = "routing.weights" if request.routing.weights else "routing.policy"
@@ -354,6 +354,31 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decision, handle = route.decision, route.handle
             if failed:
                 decision = dataclasses.replace(decision, reason=f"failover: {decision.reason}")
+            # NOTE: the decode worker is charged (in flight, its guess) as it is chosen, also
+            # while another worker prefills the prompt for it: charged only once the prefill
+            # was done, it looked idle to a whole burst routed meanwhile, which piled onto it.
+            # The first token, when a prefill worker samples it before the decode worker runs.
+            num_first = 1 if route.prefill_handle is not None else 0
+            goes_on = max_tokens > 1  # a P/D request's decode worker has output to make
+            if num_first or (prefilled is not None and prefilled[0].worker_id not in failed):
+                # The decode worker computes only what it neither holds nor can take: the tail
+                # past the prompt's full blocks (and, after a prefill, its first token).
+                num_tail = len(resumed.token_ids) + num_first
+                num_uncached = max(num_tail - len(plan.block_hashes) * plan.block_size, 1)
+            else:
+                num_uncached = self._router.num_uncached_tokens(resumed, decision)
+            # NOTE: what this worker's context leaves, which may be less than the fleet's.
+            num_output_left = output_charge(
+                max_tokens - len(sent) - num_first,
+                len(resumed.token_ids) + num_first,
+                handle.info.max_model_len,
+            )
+            flight = self._directory.begin(handle, num_uncached, num_output_left)
+            guessed_plan = resumed  # the chain the decode worker is guessed to hold soon
+            guessed = goes_on or not num_first  # not for a P/D request done at its first token
+            if guessed:
+                self._router.routed(guessed_plan, decision)
+            reached = False  # the decode worker got the request
             try:
                 if route.prefill_handle is not None:
                     assert route.prefill_decision is not None
@@ -364,7 +389,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         route.prefill_handle,
                         context,
                         progress,
-                        goes_on=max_tokens > 1,
+                        goes_on=goes_on,
                     )
                     prefilled = route.prefill_handle, final
                     if (
@@ -372,6 +397,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         or len(sent) >= max_tokens
                     ):
                         # Done with its first token: nothing to decode, nothing to take.
+                        progress.leased_on = None
                         await self._release(route.prefill_handle, request_id)
                         client_final = _final(
                             final, route.prefill_decision, num_prompt_tokens, len(sent)
@@ -379,6 +405,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         outcome.finished(client_final)
                         await context.write(router_pb2.GenerateResponse(final=client_final))
                         return
+                    if not self._serves(handle):
+                        # NOTE: it left (or stopped answering) while the prompt was prefilled;
+                        # it never got the request, so nothing failed: choose another.
+                        left.add(handle.worker_id)
+                        logger.info(
+                            "decode worker %s left during the prefill; choosing another",
+                            handle.worker_id,
+                            **log,
+                        )
+                        continue
                     resumed = self._router.extend(plan, sent)
                 # NOTE: per decision at DEBUG: an INFO line per request costs the router ~0.3 ms.
                 logger.debug(
@@ -390,15 +426,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     len(resumed.block_hashes),
                     **log,
                 )
-                self._router.routed(resumed, decision)
                 self._metrics.routed(decision.policy, decision.reason, decision.worker_id)
-                if prefilled is not None and prefilled[0].worker_id not in failed:
-                    # The decode worker computes only what it neither holds nor can take.
-                    num_uncached = max(
-                        len(resumed.token_ids) - len(plan.block_hashes) * plan.block_size, 1
-                    )
-                else:
-                    num_uncached = self._router.num_uncached_tokens(resumed, decision)
                 worker_request = worker_pb2.WorkerGenerateRequest(
                     request_id=request_id,
                     # NOTE: bytes, not the repeated field: one copy, not 8K varints for 8K ids.
@@ -416,17 +444,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     source = self._kv_source(route.fetch_handle, "")
                     source.on_failure = "recompute"
                     worker_request.kv_source.CopyFrom(source)
-                # NOTE: what this worker's context leaves, which may be less than the fleet's.
-                num_output_left = output_budget(
-                    max_tokens - len(sent), len(resumed.token_ids), handle.info.max_model_len
-                )
-                flight = self._directory.begin(handle, num_uncached, num_output_left)
-                try:
-                    worker_final = await self._stream(
-                        worker_request, handle, flight, context, progress
-                    )
-                finally:
-                    self._directory.finish(flight)
+                reached = True
+                worker_final = await self._stream(worker_request, handle, flight, context, progress)
+                progress.leased_on = None  # taken (or found here already) before it ran
                 final = _final(worker_final, decision, num_prompt_tokens, len(sent))
                 if prefilled is not None:
                     _prefilled_stats(final.stats, prefilled)
@@ -437,8 +457,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await context.write(router_pb2.GenerateResponse(final=final))
                 return
             except _Refused as e:
+                # NOTE: refused, the request leaves no guess there (nor on the decode worker it
+                # never reached: the `finally` below).
+                if e.handle is route.prefill_handle:
+                    self._router.withdrawn(plan, route.prefill_decision)
+                elif reached:
+                    self._router.withdrawn(guessed_plan, decision)
                 await _abort(context, outcome, e.code, e.details)
             except _WorkerBusy as e:
+                if e.handle is route.prefill_handle:
+                    self._router.withdrawn(plan, route.prefill_decision)
+                elif reached:
+                    self._router.withdrawn(guessed_plan, decision)
                 e.handle.full = True
                 busy.add(e.handle.worker_id)
                 retry_after_ms = max(retry_after_ms, e.retry_after_ms)
@@ -470,6 +500,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     f"resuming after {len(sent)} tokens" if sent else "retrying",
                     **log,
                 )
+            finally:
+                self._directory.finish(flight)
+                if guessed and not reached:
+                    self._router.withdrawn(guessed_plan, decision)
 
     async def _overloaded(
         self,
@@ -507,7 +541,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._router.routed(plan, decision)
         self._metrics.routed(decision.policy, "prefill", decision.worker_id)
         worker_request = worker_pb2.WorkerGenerateRequest(
-            request_id=progress.outcome.request_id,
+            request_id=progress.outcome.fleet_request_id,
             prompt_token_ids_u32le=tokens_to_bytes(plan.token_ids),
             sampling=_remaining_sampling(request.sampling, 1, 0),
             lora=request.lora,
@@ -517,6 +551,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             hold_blocks_ms=round(self._disagg.lease_s * 1000) if goes_on else 0,
         )
         flight = self._directory.begin(handle, self._router.num_uncached_tokens(plan, decision), 1)
+        if goes_on:
+            # NOTE: from now: a prefill cancelled as it ends may have left its blocks held.
+            progress.leased_on = handle
         try:
             return await self._stream(worker_request, handle, flight, context, progress)
         finally:
@@ -529,6 +566,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             transport=self._disagg.transport,
             on_failure=self._disagg.on_transfer_failure,
         )
+
+    def _release_later(self, handle: WorkerHandle, transfer_id: str) -> None:
+        """``_release`` in the background: the request that held the lease is over (perhaps
+        cancelled, when nothing more may be awaited for it)."""
+        task = asyncio.get_running_loop().create_task(self._release(handle, transfer_id))
+        self._releases.add(task)  # a reference, so that the task is not collected unfinished
+        task.add_done_callback(self._releases.discard)
+
+    def _serves(self, handle: WorkerHandle) -> bool:
+        """Whether a request may still go to ``handle``: live, registered, not failing lately."""
+        return any(h is handle for h in self._directory.routable(roles=(handle.info.role,)))
 
     async def _release(self, handle: WorkerHandle, transfer_id: str) -> None:
         """Tell a prefill worker that nobody will fetch the blocks it holds; if it cannot be
@@ -611,11 +659,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code in _CLIENT_ERRORS:
-                raise _Refused(code, e.details() or code.name) from None
+                raise _Refused(handle, code, e.details() or code.name) from None
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise _WorkerBusy(handle, retry_after_ms(e.trailing_metadata())) from None
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise _Refused(code, "the request's deadline passed") from None
+                raise _Refused(handle, code, "the request's deadline passed") from None
             raise _WorkerFailed(
                 handle,
                 f"{code.name}: {e.details()}",

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import os
+import signal
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from kvswitch.cache_index.index import ROLES
@@ -45,6 +48,30 @@ def _task_stacks(loop: asyncio.AbstractEventLoop) -> str:
                 awaiting, "gi_yieldfrom", None
             )
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def paused_core(worker: WorkerServer) -> Iterator[None]:
+    """The worker's engine core stopped (SIGSTOP) until the block ends: its serving process
+    still takes calls and answers load polls, but nothing it submits runs, so a test can hold
+    requests at a known point (a prefill not finished, a pull not started)."""
+    pid = worker.engine.pid
+    assert pid is not None, "the engine core runs on a thread: nothing to stop"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; TimeoutError naming ``what`` after ``timeout_s`` (a
+    bound for a hang, far above any wait a working run makes)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"never: {what}")
+        time.sleep(0.01)
 
 
 class BackgroundCluster:

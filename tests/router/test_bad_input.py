@@ -277,23 +277,17 @@ def test_an_out_of_bounds_worker_request_is_invalid_argument_naming_the_field(
     assert message in answer.details, answer.details
 
 
-def test_duplicate_request_ids_are_refused_while_one_runs(
+def test_one_request_id_many_times_at_once_is_served_every_time(
     cluster: BackgroundCluster, router_channel: grpc.Channel
 ) -> None:
+    """A client's request id is a label: the workers know each request by the router's own."""
     data = router_request(
         request_id="twin", token_ids=ids(256, *[65] * 150), sampling={"max_tokens": 8}
     ).SerializeToString()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: call(router_channel, ROUTER_GENERATE, data), range(8)))
-    served = [a for a in answers if a.code == grpc.StatusCode.OK]
-    refused = [a for a in answers if a.code != grpc.StatusCode.OK]
-    assert served and len(served) + len(refused) == 8
-    assert all(a.num_messages >= 2 for a in served)  # its tokens and a final message
-    for answer in refused:
-        assert answer.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "request_id 'twin' is already running" in answer.details
-    # Once none runs, the id is free again.
-    assert call(router_channel, ROUTER_GENERATE, data).code == grpc.StatusCode.OK
+    assert [a.code for a in answers] == [grpc.StatusCode.OK] * 8, answers
+    assert all(a.num_messages >= 2 for a in answers)  # its tokens and a final message
     assert_workers_whole(cluster)
 
 

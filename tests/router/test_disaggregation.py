@@ -4,6 +4,7 @@ stream with the tokens one worker alone would have produced."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -17,11 +18,19 @@ from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.client import Client, KvswitchError
 from kvswitch.router.disagg import DisaggConfig, prefill_locally
 from kvswitch.router.policy import WorkerState
+from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.request import SamplingParams
 from kvswitch.worker.server import WorkerServer
-from tests.router.harness import BLOCK_BYTES, BLOCK_SIZE, ROUTER_CONFIG, BackgroundCluster
+from tests.router.harness import (
+    BLOCK_BYTES,
+    BLOCK_SIZE,
+    ROUTER_CONFIG,
+    BackgroundCluster,
+    paused_core,
+    wait_until,
+)
 
 DOCUMENT = b"A long shared document, block after block of it. "
 MAX_TOKENS = 8
@@ -66,6 +75,38 @@ def num_held_blocks(worker: WorkerServer, timeout_s: float = 2.0) -> int:
         if not held or time.monotonic() > deadline:
             return held
         time.sleep(0.02)
+
+
+def num_held_blocks_now(worker: WorkerServer, prompt: list[int]) -> int:
+    """Blocks no request holds but a lease does, as the engine core has them once it has
+    handled every command sent to it so far."""
+    hashes = hash_prompt_blocks(prompt, BLOCK_SIZE, worker.engine.namespace)
+    # NOTE: two calls in a row: the core answers a call before it sends the load of that round,
+    # and that load is here before the answer to the next call.
+    for _ in range(2):
+        worker.engine.read_blocks(hashes, with_data=False).result(timeout=10)
+    load = worker.engine.load
+    assert not load.num_running_requests and not load.num_waiting_requests, load
+    return load.num_total_blocks - load.num_free_blocks
+
+
+def guessed(cluster: BackgroundCluster, prompt: list[int], lora: str = "") -> dict[str, int]:
+    """The workers this router guesses will soon hold the prompt's blocks, and how many."""
+
+    async def read() -> dict[str, int]:
+        router = cluster.router.router
+        plan = router.plan(token_ids=prompt, lora=lora or None)
+        return router.pending.match(plan.block_hashes, {})
+
+    return cluster.run(read())
+
+
+def num_failovers(cluster: BackgroundCluster) -> float:
+    registry = cluster.router.metrics.registry
+    return sum(
+        registry.get_sample_value("kvswitch_router_failovers_total", {"kind": kind}) or 0.0
+        for kind in ("mid_stream", "before_first_token")
+    )
 
 
 def test_a_long_prompt_is_prefilled_on_the_prefill_worker_and_decoded_elsewhere(
@@ -329,3 +370,142 @@ def test_a_character_split_between_the_prefill_and_the_decode_worker_is_whole(
     assert result.stats.prefill_worker_id == "p0" != result.stats.decode_worker_id
     assert result.token_ids == expected(reference, prompt)
     assert result.text == bytes(result.token_ids).decode("utf-8", errors="replace")
+
+
+def test_a_burst_of_disaggregated_requests_spreads_over_the_decode_workers(
+    reference: LLMEngine,
+) -> None:
+    """Eight long prompts at once on four decode workers: each decode worker is charged as it
+    is chosen, before its request's prefill ends, so the burst does not pile onto the one that
+    looked best (d0, the largest cache: every tie goes to it). The prefill worker's core is
+    held until all eight are routed."""
+    with BackgroundCluster(num_workers=0) as cluster:
+        prefiller = cluster.add_worker("p0", role="prefill")
+        cluster.add_worker("d0", role="decode", kv_cache_bytes=512 * BLOCK_BYTES)
+        for i in range(1, 4):
+            cluster.add_worker(f"d{i}", role="decode")
+        directory = cluster.router.router.directory
+        wait_until(
+            lambda: all(h.load is not None for h in directory.handles()), "a load report each"
+        )
+        prompts = [prompt_of(40 + i) for i in range(8)]
+        with (
+            concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool,
+            Client(cluster.address) as client,
+        ):
+            with paused_core(prefiller):
+                running = [
+                    pool.submit(
+                        client.generate, prompt_token_ids=p, max_tokens=MAX_TOKENS, timeout_s=120
+                    )
+                    for p in prompts
+                ]
+                wait_until(
+                    lambda: (
+                        prefiller.engine.num_requests == len(prompts)
+                        or any(r.done() for r in running)
+                    ),
+                    "all eight prefills submitted",
+                )
+            results = [r.result(timeout=120) for r in running]
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.token_ids == expected(reference, prompt)
+            assert result.stats.prefill_worker_id == "p0"
+        per_decoder = collections.Counter(r.stats.decode_worker_id for r in results)
+        assert max(per_decoder.values()) <= 3, per_decoder
+        assert num_failovers(cluster) == 0
+
+
+def test_a_decode_worker_that_leaves_during_the_prefill_is_replaced_without_a_failover(
+    reference: LLMEngine,
+) -> None:
+    """The decode worker chosen with the prefill worker leaves while the prompt is prefilled:
+    the router chooses another decode worker once the prefill is done, and counts no failover
+    (nothing failed on the one that left: it never got the request)."""
+    with BackgroundCluster(num_workers=0) as cluster:
+        prefiller = cluster.add_worker("p0", role="prefill")
+        leaving = cluster.add_worker("d0", role="decode")
+        prompt = prompt_of(50)
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+            Client(cluster.address, max_retries=0) as client,
+        ):
+            with paused_core(prefiller):
+                running = pool.submit(
+                    client.generate, prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout_s=120
+                )
+                wait_until(
+                    lambda: prefiller.engine.num_requests == 1 or running.done(),
+                    "the prefill submitted",
+                )
+                cluster.add_worker("d1", role="decode")
+                cluster.stop_worker(leaving)
+                cluster.wait_for_workers()
+            result = running.result(timeout=120)
+        assert result.token_ids == expected(reference, prompt)
+        assert (result.stats.prefill_worker_id, result.stats.decode_worker_id) == ("p0", "d1")
+        assert result.stats.num_transferred_blocks == 18
+        assert not result.route.reason.startswith("failover"), result.route.reason
+        assert num_failovers(cluster) == 0
+        handles = cluster.router.router.directory.handles()
+        assert {h.worker_id: h.num_in_flight for h in handles} == {"p0": 0, "d1": 0}
+
+
+def test_a_refused_disaggregated_request_leaves_no_guess_and_no_load_behind(
+    cluster: BackgroundCluster,
+) -> None:
+    """The prefill worker refuses the request (INVALID_ARGUMENT: an adapter it lacks): neither
+    it nor the decode worker chosen with it is guessed to hold the prompt, nor charged for it,
+    and the client reads its own request id in the error."""
+    prompt = prompt_of(60)
+    with Client(cluster.address, max_retries=0) as client, pytest.raises(KvswitchError) as error:
+        client.generate(
+            prompt_token_ids=prompt,
+            max_tokens=MAX_TOKENS,
+            lora="absent",
+            request_id="mine",
+            timeout_s=60,
+        )
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(error.value) == (
+        "request mine failed with INVALID_ARGUMENT: "
+        "lora: unknown adapter 'absent'; this worker serves none"
+    )
+    assert guessed(cluster, prompt, lora="absent") == {}
+    directory = cluster.router.router.directory
+    assert all(
+        (h.num_in_flight, h.num_prefill_tokens, h.num_output_tokens) == (0, 0, 0)
+        for h in directory.handles()
+    )
+
+
+def test_a_request_cancelled_after_its_prefill_releases_the_lease_at_once() -> None:
+    """The client goes away after its first token, before the decode worker took the blocks:
+    the router tells the prefill worker to let them go then, not a lease (60 s here) later."""
+    config = dataclasses.replace(ROUTER_CONFIG, kv_lease_s=60.0)
+    with BackgroundCluster(num_workers=0, router_config=config) as cluster:
+        prefiller = cluster.add_worker("p0", role="prefill")
+        decoder = cluster.add_worker("d0", role="decode")
+        prompt = prompt_of(70)
+        request = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+        )
+        with grpc.insecure_channel(cluster.address) as channel, paused_core(decoder):
+            call = router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120)
+            first = next(call)
+            assert first.chunk.token_ids  # the prefill worker's token
+            # The decode worker cannot start its pull: the prompt's 18 blocks stay leased.
+            wait_until(
+                lambda: (
+                    prefiller.engine.num_requests == 0
+                    and num_held_blocks_now(prefiller, prompt) == 18
+                ),
+                "the prefill finished and its blocks leased",
+            )
+            call.cancel()
+            wait_until(
+                lambda: num_held_blocks_now(prefiller, prompt) == 0,
+                "the lease released",
+                timeout_s=30.0,
+            )

@@ -69,6 +69,24 @@ def test_a_repeated_guess_replaces_the_old_one_and_renews_it() -> None:
     assert pending.num_expired == 0
 
 
+def test_a_discarded_guess_goes_once_no_request_stands_behind_it() -> None:
+    pending = PendingBlocks(clock=Clock())
+    pending.add("w1", DOC)
+    pending.add("w1", DOC)  # a second request on the same document, the same worker
+    pending.add("w1", QUESTION)
+    pending.add("w2", DOC)
+    pending.discard("w1", DOC)  # one of the two was refused: the other still stands
+    assert pending.match(DOC, {}) == {"w1": 8, "w2": 8}
+    pending.discard("w1", DOC)
+    pending.discard("w2", chain("never", 3))  # never guessed: nothing changes
+    pending.discard("w3", DOC)
+    # The question's own guess still holds the document: its blocks lead its chain.
+    assert pending.match(QUESTION, {}) == {"w1": 10, "w2": 8}
+    pending.discard("w1", QUESTION)
+    assert pending.match(QUESTION, {}) == {"w2": 8}
+    assert (len(pending), pending.num_expired, pending.num_confirmed) == (1, 0, 0)
+
+
 def test_forgetting_a_worker_drops_its_guesses() -> None:
     pending = PendingBlocks(clock=Clock())
     pending.add("w1", DOC)
