@@ -48,6 +48,11 @@ def retry_after_ms(trailing_metadata: Any) -> int:
 KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 1000),
+    # NOTE: gRPC 1.85 ends a connection on this timeout, not on keepalive_timeout_ms alone: without
+    # it a frozen peer (SIGSTOP) held a stream 29 s, until its 30 s deadline. A peer
+    # whose serving loop is only busy still answers pings (gRPC's own threads ACK them: a 4 s
+    # block, asleep or spinning with the GIL held, kept its stream), so this tells frozen from busy.
+    ("grpc.http2.ping_timeout_ms", 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # NOTE: a server-streaming call sends no data after its request; without this, gRPC may
