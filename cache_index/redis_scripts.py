@@ -459,38 +459,37 @@ local function step(b, value, pos)
         if now == 0 then num_active = num_active - 1 end
     end
 end
+-- Whether every active candidate holds the block whose bitmap is value.
+local function keeps_all(value)
+    for k = 1, #bytes do
+        local b = bytes[k]
+        if band(active[b], byte(value, b) or 0) ~= active[b] then return false end
+    end
+    return true
+end
 -- HMGET over growing slices of the chain (a short match stops after a small first slice), until
 -- no candidate holds every block so far.
 local i, size = 1, 128
 while num_active > 0 and i <= #chain do
     local last = math.min(i + size - 1, #chain)
     local values = redis.call('HMGET', KEYS[2], unpack(chain, i, last))
-    if #bytes == 1 then  -- at most 8 slots in use, the common case: one byte per bitmap
-        local b = bytes[1]
-        local was = active[b]
-        -- Few distinct bitmaps come back: remember, per bitmap, whether it keeps every active
-        -- candidate (a table lookup is cheaper than the bit test), until a candidate drops.
-        local keeps = {{}}
-        for j = 1, #values do
-            local value = values[j]  -- false where no worker holds the block
-            local keep = keeps[value]
-            if keep == nil then
-                keep = value and band(was, byte(value, b) or 0) == was or false
-                keeps[value] = keep
-            end
-            if not keep then
-                step(b, value or '', i + j - 1)
-                was, keeps = active[b], {{}}
-                if was == 0 then break end
-            end
+    -- Few distinct bitmaps come back (a run of blocks held by the same workers): remember, per
+    -- bitmap, whether it keeps every active candidate (a table lookup is cheaper than the bit
+    -- tests over every byte), until a candidate drops.
+    local keeps = {{}}
+    for j = 1, #values do
+        local value = values[j]  -- false where no worker holds the block
+        local keep = keeps[value]
+        if keep == nil then
+            keep = value and keeps_all(value) or false
+            keeps[value] = keep
         end
-    else
-        for j = 1, #values do
-            local value = values[j] or ''
+        if not keep then
             for k = 1, #bytes do
-                if active[bytes[k]] ~= 0 then step(bytes[k], value, i + j - 1) end
+                if active[bytes[k]] ~= 0 then step(bytes[k], value or '', i + j - 1) end
             end
             if num_active == 0 then break end
+            keeps = {{}}
         end
     end
     i, size = last + 1, math.min(size * 4, 1024)

@@ -318,6 +318,22 @@ def test_bench_index_writes_json(tmp_path: Path) -> None:
     assert 0 < figures["lookup_p50_ms"] <= figures["lookup_p99_ms"]
     assert figures["events_per_s"] > 0
     assert figures["bytes_per_entry"] >= 16
+    assert figures["workers_dropped"] == 0 and figures["busy_errors"] == 0
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_bench_index_times_lookups_while_a_worker_resyncs(tmp_path: Path, backend: str) -> None:
+    out = tmp_path / "index.json"
+    fleet = ["--num-workers", "4", "--num-other-blocks", "1000", "--resync-blocks", "20000"]
+    counts = ["--num-lookups", "20", "--num-event-batches", "10"]
+    main(["bench", "index", "--backend", backend, *fleet, *counts, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["config"]["resync_blocks"] == 20_000
+    # 4 workers' prefixes and their 1,000 other blocks, and the resynced worker's snapshot
+    assert figures["num_entries"] == sum(128 * (k + 1) for k in range(4)) + 1000 + 20_000
+    assert figures["resync_s"] > 0 and figures["num_lookups_during_resync"] >= 1
+    assert figures["lookup_during_resync_p50_ms"] <= figures["lookup_during_resync_p99_ms"]
+    assert figures["workers_dropped"] == 0 and figures["busy_errors"] == 0
 
 
 def test_bench_serve_checks_a_local_cluster_against_the_reference(tmp_path: Path) -> None:

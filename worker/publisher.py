@@ -217,8 +217,9 @@ class EventPublisher:
                 raise
             except Exception as e:
                 end_if_cancelled()
-                # NOTE: the next heartbeat comes well within the TTL; the publisher's own calls
-                # find a lasting outage.
+                # NOTE: the next heartbeat comes well within the TTL; an index gone for longer
+                # answers UNKNOWN_WORKER or a refused heartbeat once it is back.
+                self.num_errors += 1
                 logger.warning("index heartbeat failed: %s", e)
                 continue
             if not alive and self.num_registers == num_registers:

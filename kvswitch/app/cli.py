@@ -102,11 +102,16 @@ DECODE_HELP = {
     "seed": "random seed of the prompts",
 }
 INDEX_HELP = {
-    "backend": "memory (embedded), redis (starts a local redis-server) or cluster (3 local nodes)",
+    "backend": "memory (embedded), redis (starts a local redis-server) or redis-cluster (3 local "
+    "nodes; 'cluster' is the same)",
     "num_workers": "workers holding overlapping prefixes of the prompt",
     "num_prompt_tokens": "prompt length in tokens (its chain is what every lookup matches)",
     "block_size": "tokens per block",
-    "num_other_blocks": "unrelated blocks each worker also holds",
+    "num_other_blocks": "unrelated blocks the workers also hold, over the whole fleet",
+    "resync_blocks": "if > 0, one more worker holding this many blocks resyncs as many (half "
+    "new) while lookups are timed (lookup_p99_during_resync_ms)",
+    "heartbeat_s": "seconds between each worker's heartbeats while lookups are timed",
+    "ttl_s": "a worker whose heartbeat is this late lapses (counted in workers_dropped)",
     "num_lookups": "match calls timed",
     "num_event_batches": "event batches applied to time ingestion (128 block events each)",
     "seed": "random seed",

@@ -274,6 +274,7 @@ class TimingOutIndex(MemoryIndex):
         super().__init__()
         self.num_timeouts = 0
         self.timed_out = asyncio.Event()  # all of them
+        self.answered = asyncio.Event()  # an apply went through since
         self.answers: list[tuple[int, ApplyStatus]] = []
 
     def time_out(self, num_timeouts: int) -> None:
@@ -290,6 +291,7 @@ class TimingOutIndex(MemoryIndex):
             raise TimeoutError("the index did not answer in time")
         status = await super().apply(worker_id, seq, events)
         self.answers.append((seq, status))
+        self.answered.set()
         return status
 
 
@@ -305,6 +307,7 @@ def test_a_failed_round_tries_the_same_batch_again_and_never_resyncs() -> None:
         publisher.start()
         await generate(engine, "r1", [256, *b"a slow index " * 5])
         await asyncio.wait_for(index.timed_out.wait(), 5)
+        await asyncio.wait_for(index.answered.wait(), 5)
         await index_matches_worker(index, engine)
         assert publisher.num_errors == 3
         # One registration and one snapshot, however many calls failed: each failed round
