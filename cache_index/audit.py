@@ -116,6 +116,7 @@ async def stats_report(config: IndexToolConfig) -> dict:
                     "namespace": w.namespace,
                     "role": w.role,
                     "block_size": w.block_size,
+                    "block_hash": w.describe_block_hash(),
                     "num_blocks": w.num_blocks,
                     "num_entries": len(await index.worker_block_hashes(w.worker_id)),
                 }

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from kvswitch.cache_index.hashing import HASH_BYTES
+from kvswitch.cache_index.hashing import HASH_BYTES, XXH3
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo
 from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.v1 import index_pb2, index_pb2_grpc
@@ -287,11 +287,14 @@ def worker_info_to_proto(info: WorkerInfo) -> index_pb2.WorkerInfo:
         role=info.role,
         num_blocks=info.num_blocks,
         max_model_len=info.max_model_len,
+        block_hash=info.block_hash,
+        block_hash_key_id=info.block_hash_key_id,
     )
 
 
 def worker_info_from_proto(info: index_pb2.WorkerInfo) -> WorkerInfo:
-    """Raises ValueError for an empty id, an unknown role or a zero block size."""
+    """Raises ValueError for an empty id, an unknown role, a zero block size or an unknown
+    block hash."""
     return WorkerInfo(
         info.worker_id,
         info.address,
@@ -300,6 +303,9 @@ def worker_info_from_proto(info: index_pb2.WorkerInfo) -> WorkerInfo:
         info.role,
         info.num_blocks,
         info.max_model_len,
+        # NOTE: empty from a worker older than the field: it named blocks with xxh3.
+        info.block_hash or XXH3,
+        info.block_hash_key_id,
     )
 
 

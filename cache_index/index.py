@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvswitch.cache_index.events import CacheEvent
+from kvswitch.cache_index.hashing import HASH_MODES, XXH3, BlockNaming
 from kvswitch.serving import end_if_cancelled
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,23 @@ class WorkerInfo:
     role: str = "both"
     num_blocks: int = 0  # KV cache capacity in blocks
     max_model_len: int = 0  # longest context (prompt plus output) in tokens; 0 = unknown
+    # How it names blocks (cache_index/hashing.py BlockNaming): the mode and the key's public id
+    # (empty for xxh3). A registration that says nothing (an older worker) means xxh3.
+    block_hash: str = XXH3
+    block_hash_key_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
+        if self.block_hash not in HASH_MODES:
+            raise ValueError(
+                f"block_hash must be one of {', '.join(HASH_MODES)}, got {self.block_hash!r}"
+            )
+        if (self.block_hash == XXH3) != (not self.block_hash_key_id):
+            raise ValueError(
+                "block_hash_key_id names the key of a keyed block hash: set it with "
+                f"blake2b-keyed, and only then (block_hash {self.block_hash!r})"
+            )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.block_size <= 0:
@@ -56,6 +70,16 @@ class WorkerInfo:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+
+    def describe_block_hash(self) -> str:
+        """``xxh3`` or ``blake2b-keyed (key <key id>)``, as ``BlockNaming.describe`` says it."""
+        if not self.block_hash_key_id:
+            return self.block_hash
+        return f"{self.block_hash} (key {self.block_hash_key_id})"
+
+    def names_blocks_as(self, naming: BlockNaming) -> bool:
+        """Whether this worker's block names are ``naming``'s: same mode, same key."""
+        return (self.block_hash, self.block_hash_key_id) == (naming.mode, naming.key_id)
 
 
 class ApplyStatus(enum.Enum):

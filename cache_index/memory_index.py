@@ -159,23 +159,27 @@ class MemoryIndex(BlockIndex):
             if entry.expires_at > now and entry.trusted and entry.info.namespace == namespace:
                 result[worker_id] = 0
                 bit_to_worker[entry.bit] = worker_id
-        # NOTE: one walk: the mask of workers holding every block so far only loses bits.
+        # NOTE: one walk: the mask of workers holding every block so far only loses bits, and
+        # only the bits it loses are visited (one per worker, however many workers).
         mask = sum(bit_to_worker)
         get = self._hash_to_workers.get
         num_walked = 0
         for block_hash in block_hashes:
             held = get(block_hash, 0) & mask
             if held != mask:
-                for bit, worker_id in bit_to_worker.items():
-                    if mask & bit and not held & bit:
-                        result[worker_id] = num_walked
+                lost = mask ^ held
+                while lost:
+                    bit = lost & -lost
+                    result[bit_to_worker[bit]] = num_walked
+                    lost ^= bit
                 mask = held
                 if not mask:
                     break
             num_walked += 1
-        for bit, worker_id in bit_to_worker.items():
-            if mask & bit:
-                result[worker_id] = num_walked
+        while mask:
+            bit = mask & -mask
+            result[bit_to_worker[bit]] = num_walked
+            mask ^= bit
         return result
 
     async def worker_block_hashes(self, worker_id: str) -> set[bytes]:

@@ -35,16 +35,16 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from kvswitch.cache_index import redis_scripts
 from kvswitch.cache_index.events import AllBlocksCleared, BlockStored, CacheEvent
-from kvswitch.cache_index.hashing import HASH_BYTES
+from kvswitch.cache_index.hashing import HASH_BYTES, XXH3
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
 
 AnyPipeline = Pipeline | ClusterPipeline
 
 # NOTE: a script runs alone on Redis, so these bound how long a lookup can wait behind an index
-# write: about a millisecond for a slice of 2,048 (a 200,000-block resync as one script stalled
-# lookups 0.45 s, a million-block one 4 s, docs/INDEX.md).
-RESYNC_SLICE = 2048  # snapshot hashes per RESYNC_FILL
-CLEAR_SLICE = 4096  # retired blocks whose map bits one CLEAR_RETIRED clears
+# write: a few milliseconds at most (a 200,000-block resync as one script stalled lookups
+# 0.45 s, a million-block one 4 s; docs/INDEX.md has the figures).
+RESYNC_SLICE = 512  # snapshot hashes per RESYNC_FILL
+CLEAR_SLICE = 512  # retired blocks whose map bits one CLEAR_RETIRED clears
 
 
 def default_retry() -> Retry:
@@ -489,7 +489,16 @@ def _events_to_args(events: Sequence[CacheEvent]) -> list[bytes | str | int]:
     return args
 
 
-_INFO_FIELDS = ("address", "namespace", "block_size", "role", "num_blocks", "max_model_len")
+_INFO_FIELDS = (
+    "address",
+    "namespace",
+    "block_size",
+    "role",
+    "num_blocks",
+    "max_model_len",
+    "block_hash",
+    "block_hash_key_id",
+)
 
 
 def _info_to_fields(info: WorkerInfo) -> list[str | int]:
@@ -507,4 +516,7 @@ def _info_from_fields(worker_id: str, meta: dict[bytes, bytes]) -> WorkerInfo:
         num_blocks=int(fields["num_blocks"]),
         # NOTE: absent from a worker registered by an older kvswitch: unknown.
         max_model_len=int(fields.get("max_model_len", 0)),
+        # NOTE: absent from a worker registered by an older kvswitch: it named blocks with xxh3.
+        block_hash=fields.get("block_hash") or XXH3,
+        block_hash_key_id=fields.get("block_hash_key_id", ""),
     )
