@@ -128,7 +128,9 @@ class Router:
                 f"the prompt has {len(ids)} tokens; the model's context length is "
                 f"{max_model_len} tokens, prompt and output together"
             )
-        hasher = BlockHasher(namespace, block_size, lora=lora, cache_salt=cache_salt)
+        hasher = BlockHasher(
+            namespace, block_size, lora=lora, cache_salt=cache_salt, naming=self.directory.naming
+        )
         block_hashes = hasher.hash_blocks(ids)
         return RoutePlan(ids, namespace, block_size, block_hashes, lora, cache_salt, max_model_len)
 
@@ -145,7 +147,11 @@ class Router:
             return plan
         ids = np.concatenate((plan.token_ids, np.asarray(token_ids, np.uint32)))
         hasher = BlockHasher(
-            plan.namespace, plan.block_size, lora=plan.lora, cache_salt=plan.cache_salt
+            plan.namespace,
+            plan.block_size,
+            lora=plan.lora,
+            cache_salt=plan.cache_salt,
+            naming=self.directory.naming,
         )
         hashes = plan.block_hashes + hasher.hash_blocks(ids, plan.block_hashes)
         return dataclasses.replace(plan, token_ids=ids, block_hashes=hashes)
@@ -307,6 +313,10 @@ class Router:
             if not handles:
                 raise NoWorkerError(f"no live worker serves {self.namespace!r}")
         served = {(h.info.namespace, h.info.block_size) for h in handles}
+        if not served and self.directory.refused:
+            raise NoWorkerError(
+                "no worker is routable: " + "; ".join(sorted(self.directory.refused.values()))
+            )
         if not served:
             raise NoWorkerError("no worker is live: none has registered with the index")
         if len(served) > 1:

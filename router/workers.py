@@ -21,6 +21,10 @@ streams fail over, only on evidence that it is gone: ``lost_after_failed_polls``
 a row, or its connection dead (the channel in TRANSIENT_FAILURE or SHUTDOWN: a refused connect).
 A worker whose RPC failed is left out for ``down_s`` (it may be dying; the index drops it when
 its registration lapses).
+
+A worker that names blocks another way than this router (``BlockNaming``: another hash mode, or
+another key) is refused when it registers, with an error naming both: its cached blocks could
+never match this router's names, and its own cache would not be keyed as the fleet's is.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
 from kvswitch.router.policy import WorkerState
@@ -154,9 +159,13 @@ class WorkerDirectory:
         clock: Callable[[], float] = time.monotonic,
         channel_options: list[tuple[str, object]] | None = None,
         security: FleetSecurity = PLAINTEXT,
+        naming: BlockNaming = XXH3_NAMING,
     ) -> None:
         self.index = index
         self._security = security  # how the workers are reached
+        self.naming = naming  # how this router names blocks; workers must name them alike
+        # Live workers refused for naming blocks otherwise: worker id -> why, as logged.
+        self.refused: dict[str, str] = {}
         self.config = config or DirectoryConfig()
         self._clock = clock
         self._channel_options = (
@@ -274,7 +283,10 @@ class WorkerDirectory:
         except self.index.unavailable_errors as e:  # it may be restarting: keep what we know
             self._refresh_warning.warning("cannot read the live workers from the index: %s", e)
             return
-        live = {info.worker_id: info for info in infos}
+        live = {info.worker_id: info for info in infos if self._admits(info)}
+        self.refused = {
+            worker_id: why for worker_id, why in self.refused.items() if worker_id not in live
+        }
         changed = False
         for worker_id, handle in list(self._handles.items()):
             if worker_id not in live or live[worker_id].address != handle.info.address:
@@ -299,6 +311,21 @@ class WorkerDirectory:
                 handle.info = info
         if changed:
             self._signal_change()
+
+    def _admits(self, info: WorkerInfo) -> bool:
+        """Whether ``info``'s worker names blocks as this router does; a worker that does not
+        is refused, and the error logged once per registration."""
+        if info.names_blocks_as(self.naming):
+            return True
+        why = (
+            f"worker {info.worker_id} hashes blocks with {info.describe_block_hash()} but this "
+            f"router uses {self.naming.describe()}: refused. Give every router and worker the "
+            "same --fleet-token and --block-hash (docs/HASHING.md)"
+        )
+        if self.refused.get(info.worker_id) != why:
+            logger.error("%s", why)
+        self.refused[info.worker_id] = why
+        return False
 
     def _signal_change(self) -> None:
         self._changed.set()

@@ -197,7 +197,12 @@ class LLMEngine:
 
     def hasher(self, cache_salt: str | None = None) -> BlockHasher:
         """What names this engine's blocks for a request with this salt."""
-        return BlockHasher(self.namespace, self.config.block_size, cache_salt=cache_salt)
+        return BlockHasher(
+            self.namespace,
+            self.config.block_size,
+            cache_salt=cache_salt,
+            naming=self.config.block_naming,
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not running."""

@@ -42,7 +42,7 @@ import numpy as np
 import zmq
 
 from kvswitch.cache_index.events import CacheEvent
-from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.cache_index.hashing import XXH3_NAMING, BlockHasher, BlockNaming
 from kvswitch.logs import Throttled, log_settings
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, StepGap
@@ -155,8 +155,10 @@ class EngineClient:
         core: multiprocessing.process.BaseProcess | threading.Thread,
         socket_dir: str,
         max_event_batches: int,
+        block_naming: BlockNaming = XXH3_NAMING,
     ) -> None:
         self.facts = facts
+        self.block_naming = block_naming  # the core's, from its config: how prompts are hashed
         self._context = context
         self._inbox = inbox  # commands to the core
         self._outbox = outbox  # what the core sends back; the receiver thread's alone
@@ -244,7 +246,16 @@ class EngineClient:
             context.term()
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        return cls(facts, context, inbox, outbox, core, socket_dir, max_event_batches)
+        return cls(
+            facts,
+            context,
+            inbox,
+            outbox,
+            core,
+            socket_dir,
+            max_event_batches,
+            config.block_naming,
+        )
 
     def stop(self, timeout_s: float | None = 30.0) -> None:
         """Let the core finish its current step, fail whatever is still pending with
@@ -388,7 +399,12 @@ class EngineClient:
 
     def hasher(self, cache_salt: str | None = None) -> BlockHasher:
         """What names this engine's blocks for a request with this salt."""
-        return BlockHasher(self.facts.namespace, self.facts.block_size, cache_salt=cache_salt)
+        return BlockHasher(
+            self.facts.namespace,
+            self.facts.block_size,
+            cache_salt=cache_salt,
+            naming=self.block_naming,
+        )
 
     def snapshot(self) -> Future[tuple[int, list[bytes]]]:
         """``(event_seq, every cached block hash)``, consistent with each other."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,6 +36,8 @@ class EngineConfig:
     # idle; a broken one stops the engine core, loudly. For tests and fault drills: it walks
     # every block.
     check_integrity: bool = False
+    # How the engine names its blocks (with the key, for blake2b-keyed); the routers' must match.
+    block_naming: BlockNaming = XXH3_NAMING
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):

@@ -97,6 +97,8 @@ def test_keys_follow_the_documented_schema(redis_url: str) -> None:
             b"role": b"prefill",
             b"num_blocks": b"256",
             b"max_model_len": b"1024",
+            b"block_hash": b"xxh3",
+            b"block_hash_key_id": b"",
             b"last_seq": b"1",
             b"trusted": b"1",
             b"epoch": b"1",
