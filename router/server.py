@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index import grpc_index
 from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index, redacted
+from kvswitch.cache_index.hashing import BlockNaming
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX, check_model_dir
 from kvswitch.guard import ServerGuard
@@ -99,6 +100,9 @@ class RouterConfig:
     tls_ca: str = ""
     tls_client_auth: bool = False
     fleet_token: str = ""
+    # How blocks are named (cache_index/hashing.py): xxh3, blake2b-keyed (keyed by a key derived
+    # from fleet_token), or "" = blake2b-keyed when there is a fleet token, else xxh3.
+    block_hash: str = ""
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     http_port: int = -1  # the OpenAI-compatible HTTP API (docs/OPENAI.md); -1 = none, 0 = free
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
@@ -128,9 +132,14 @@ class RouterConfig:
         self.disagg_config()
         self.limits()
         self.security()
+        self.block_naming()
 
     def security(self) -> FleetSecurity:
         return FleetSecurity.of(self)
+
+    def block_naming(self) -> BlockNaming:
+        """How this router names blocks; every worker it routes to must name them alike."""
+        return BlockNaming.from_fleet_token(self.fleet_token, self.block_hash)
 
     def limits(self) -> RequestLimits:
         return RequestLimits(
@@ -267,7 +276,8 @@ async def start_router(config: RouterConfig) -> RouterServer:
     except (ValueError, OSError) as e:
         raise RouterStartError(str(e)) from e
 
-    directory = WorkerDirectory(index, config.directory_config(), security=security)
+    naming = config.block_naming()
+    directory = WorkerDirectory(index, config.directory_config(), security=security, naming=naming)
     router = Router(
         index,
         directory,
@@ -331,10 +341,11 @@ async def start_router(config: RouterConfig) -> RouterServer:
         loop.create_task(_report_health(directory, health_servicer)),
     ]
     logger.info(
-        "router listening on %s: index %s, policy %s",
+        "router listening on %s: index %s, policy %s, block names %s",
         address,
         redacted(config.index),
         config.policy,
+        naming.describe(),
     )
     return RouterServer(
         address,

@@ -24,7 +24,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index
-from kvswitch.cache_index.hashing import tokens_from_bytes
+from kvswitch.cache_index.hashing import BlockNaming, tokens_from_bytes
 from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.checkpoint import check_model_dir
 from kvswitch.guard import ServerGuard
@@ -136,6 +136,9 @@ class WorkerConfig:
     tls_ca: str = ""
     tls_client_auth: bool = False
     fleet_token: str = ""
+    # How blocks are named (cache_index/hashing.py): xxh3, blake2b-keyed (keyed by a key derived
+    # from fleet_token), or "" = blake2b-keyed when there is a fleet token, else xxh3.
+    block_hash: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -163,10 +166,21 @@ class WorkerConfig:
     def security(self) -> FleetSecurity:
         return FleetSecurity.of(self)
 
+    def block_naming(self) -> BlockNaming:
+        """How this worker names blocks; the routers must name them alike."""
+        return BlockNaming.from_fleet_token(self.fleet_token, self.block_hash)
+
     def engine_config(self) -> EngineConfig:
-        """The engine's config: every ``EngineConfig`` field has a field of the same name here."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
-        return EngineConfig(**{**values, "model": self.model or None})
+        """The engine's config: every ``EngineConfig`` field but ``block_naming`` (made from
+        ``fleet_token`` and ``block_hash``) has a field of the same name here."""
+        values = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(EngineConfig)
+            if f.name != "block_naming"
+        }
+        return EngineConfig(
+            **{**values, "model": self.model or None, "block_naming": self.block_naming()}
+        )
 
 
 # -- protobuf <-> domain ---------------------------------------------------------------------------
@@ -686,6 +700,8 @@ async def _serve_engine(
             config.role,
             engine.facts.num_blocks,
             engine.facts.max_model_len,
+            engine.block_naming.mode,
+            engine.block_naming.key_id,
         )
         publisher = EventPublisher(index, engine, info)
         publisher.start()
@@ -705,12 +721,14 @@ async def _serve_engine(
         lambda message: asyncio.run_coroutine_threadsafe(worker._engine_has_died(message), loop)
     )
     logger.info(
-        "worker %s listening on %s: model %s, %d KV blocks of %d tokens, engine core %s",
+        "worker %s listening on %s: model %s, %d KV blocks of %d tokens, block names %s, "
+        "engine core %s",
         worker_id,
         worker.address,
         engine.namespace,
         engine.facts.num_blocks,
         config.block_size,
+        engine.block_naming.describe(),
         f"pid {engine.pid}" if engine.pid is not None else "in process",
     )
     if metrics_server is not None:

@@ -127,6 +127,12 @@ SECURITY_HELP = {
     "fleet_token": "bearer token routers and workers present to each other; workers (and the "
     "router's embedded index) refuse calls without it; or set KVSWITCH_FLEET_TOKEN",
 }
+BLOCK_HASH_HELP = (
+    "how blocks are named: xxh3 (fast, unkeyed: prompts whose blocks collide can be built), "
+    "blake2b-keyed (keyed with a key derived from the fleet token; refused without one), or "
+    "empty = blake2b-keyed when a fleet token is set, else xxh3. Every router and worker of a "
+    "fleet must agree; a router refuses workers that do not (docs/HASHING.md)"
+)
 INDEX_TOOL_HELP = {
     "index": "the index: redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT, or "
     "grpc://ROUTER_HOST:PORT for a router's embedded index",
@@ -220,6 +226,7 @@ WORKER_HELP = {
     "engine_in_process": "run the engine core on a thread of the serving process instead of a "
     "process of its own: one process to debug or profile, sharing one GIL with token streaming",
     **SECURITY_HELP,
+    "block_hash": BLOCK_HASH_HELP,
 }
 DEMO_HELP = {
     "workers": "CPU workers in the local cluster",
@@ -306,6 +313,7 @@ ROUTER_HELP = {
     "(docs/OPENAI.md)",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
     **SECURITY_HELP,
+    "block_hash": BLOCK_HASH_HELP,
 }
 UP_HELP = {
     "workers": "number of workers that prefill and decode (role both); -1 = 2, or 0 when "
