@@ -18,6 +18,7 @@ knows no workers: ``apply`` answers UNKNOWN_WORKER, and the worker registers and
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -155,7 +156,7 @@ class RedisIndex(BlockIndex):
         self._resync_commit = client.register_script(redis_scripts.RESYNC_COMMIT)
         self._drop = client.register_script(redis_scripts.DROP)
         self._clear_retired = client.register_script(redis_scripts.CLEAR_RETIRED)
-        self._match_worker = client.register_script(redis_scripts.MATCH_WORKER)
+        self._match_node = client.register_script(redis_scripts.MATCH_NODE)
         self._match_namespace = client.register_script(redis_scripts.MATCH_NAMESPACE)
         self._worker_stats = client.register_script(redis_scripts.WORKER_STATS)
         # Cluster only: namespace -> (when read, its worker ids), so that a match asks each node
@@ -301,22 +302,34 @@ class RedisIndex(BlockIndex):
                 args=[self._keys.worker_key_prefix, namespace, chain],
             )
             return {reply[i].decode(): reply[i + 1] for i in range(0, len(reply), 2)}
-        # NOTE: a cluster script may touch only its own slot: ask each worker's node, all of them
-        # at once (one pipeline per node), for the workers the registry lists.
+        # NOTE: one MATCH_NODE per node, all at once, for the workers the registry lists whose
+        # keys it serves.
         worker_ids = await self._cluster_workers(namespace)
+        client: RedisCluster = self._client  # type: ignore[assignment]
+        node_to_workers: dict[Any, list[str]] = {}
+        for worker_id in worker_ids:
+            node = client.get_node_from_key(self._keys.worker(worker_id).meta)
+            node_to_workers.setdefault(node, []).append(worker_id)
 
-        def build(pipe: AnyPipeline) -> None:
-            for worker_id in worker_ids:
-                worker_keys = self._keys.worker(worker_id).all
-                self._queue(pipe, self._match_worker, worker_keys, [namespace, chain])
+        async def ask(node: Any, node_worker_ids: list[str]) -> list[int]:
+            keys = [key for w in node_worker_ids for key in self._keys.worker(w).all]
+            args = ["EVALSHA", self._match_node.sha, 0, namespace, chain, *keys]
+            try:
+                return await client.execute_command(*args, target_nodes=node)
+            except NoScriptError:
+                await self._load_scripts()
+                return await client.execute_command(*args, target_nodes=node)
 
-        counts = await self._pipeline(build)
-        return {w: n for w, n in zip(worker_ids, counts, strict=True) if n >= 0}
+        replies = await asyncio.gather(*(ask(n, ws) for n, ws in node_to_workers.items()))
+        counts = {}
+        for node_worker_ids, node_counts in zip(node_to_workers.values(), replies, strict=True):
+            counts.update(zip(node_worker_ids, node_counts, strict=True))
+        return {w: counts[w] for w in worker_ids if counts[w] >= 0}
 
     async def _cluster_workers(self, namespace: str) -> list[str]:
         """The namespace's registered worker ids, read at most every ``WORKER_LIST_TTL_S``.
 
-        Lapsed, deregistered and untrusted workers answer -1 to MATCH_WORKER, so a stale list
+        Lapsed, deregistered and untrusted workers answer -1 to MATCH_NODE, so a stale list
         never puts a wrong worker in an answer; it can only leave out, for that long, a worker
         that another client registered meanwhile. This client's own changes refresh it at once.
         """

@@ -15,7 +15,7 @@ namespace's inverted map (``<prefix>:ns:<namespace>:map``, block hash -> bitmap 
 slot table (``<prefix>:ns:<namespace>:slots``, worker id -> slot) in step, in the same script;
 they derive those keys from the map prefix in ARGV and the namespace in meta, which only a
 single Redis allows. MATCH_NAMESPACE answers from the map. On a cluster the map prefix is '':
-no map, and match runs MATCH_WORKER per worker.
+no map, and match runs MATCH_NODE once per node over the per-worker sets.
 
 No script's work grows with a worker's whole set (a million blocks took seconds, and Redis
 serves nobody while a script runs). A set is never cleared in place: a script renames it aside
@@ -33,7 +33,7 @@ from __future__ import annotations
 # slices of this many.
 _UNPACK_SLICE = 1000
 
-# Shared by both match scripts: the packed chain split into its hashes. MATCH_WORKER adds how
+# Shared by both match scripts: the packed chain split into its hashes. MATCH_NODE adds how
 # many leading chain hashes a worker holds, or -1 where the worker is lapsed, untrusted or of
 # another namespace.
 _SPLIT_CHAIN_FN = """
@@ -404,14 +404,23 @@ end
 return num_left
 """
 
-MATCH_WORKER = f"""
--- KEYS[1] - meta, KEYS[2] - alive, KEYS[3] - blocks
+# NOTE: the shebang's flags let one call read the keys of every worker whose slots this node
+# serves (Redis 7): a cluster lookup is one call per node, not one per worker. The keys come as
+# ARGV, since a cluster refuses declared KEYS of several slots whatever the flags say.
+MATCH_NODE = f"""#!lua flags=allow-cross-slot-keys,no-writes
+-- No KEYS (see above)
 -- ARGV[1] - the namespace
 -- ARGV[2] - the chain of block hashes, concatenated (16 bytes each)
--- returns how many leading chain blocks the worker holds, or -1 if it is lapsed, untrusted or
---         of another namespace
+-- ARGV[3..] - meta, alive, blocks of each worker asked, three keys a worker; all on this node
+-- returns, per worker in ARGV order, how many leading chain blocks it holds, or -1 if it is
+--         lapsed, untrusted or of another namespace
 {_LEADING_BLOCKS_FN}
-return leading_blocks(KEYS[1], KEYS[2], KEYS[3], ARGV[1], split_chain(ARGV[2]))
+local chain = split_chain(ARGV[2])
+local counts = {{}}
+for i = 3, #ARGV, 3 do
+    counts[#counts + 1] = leading_blocks(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[1], chain)
+end
+return counts
 """
 
 MATCH_NAMESPACE = f"""
@@ -536,7 +545,7 @@ ALL_SCRIPTS = (
     RESYNC_COMMIT,
     DROP,
     CLEAR_RETIRED,
-    MATCH_WORKER,
+    MATCH_NODE,
     MATCH_NAMESPACE,
     WORKER_STATS,
 )

@@ -251,6 +251,12 @@ def test_match_is_one_round_trip_on_a_single_redis(redis_url: str, sends: Counte
     run(body())
 
 
+def cluster_evalsha_calls(url: str) -> int:
+    with redis.RedisCluster.from_url(url) as admin:
+        stats = admin.info("commandstats", target_nodes=redis.RedisCluster.PRIMARIES)
+    return sum(node.get("cmdstat_evalsha", {}).get("calls", 0) for node in stats.values())
+
+
 def test_match_on_a_cluster_asks_each_node_once(
     redis_cluster_url: str, sends: Counter[str]
 ) -> None:
@@ -265,8 +271,11 @@ def test_match_on_a_cluster_asks_each_node_once(
         assert sum(sends.values()) == 1 + 3
         assert len(sends) == 3
         sends.clear()
+        before = cluster_evalsha_calls(redis_cluster_url)
         assert await index.match(NS, CHAIN) == {f"w{i}": 0 for i in range(12)}
         assert sum(sends.values()) == 3  # the worker list is reused: one message per node
+        # ... and one script call per node, for all 12 workers (one per worker before).
+        assert cluster_evalsha_calls(redis_cluster_url) == before + 3
         # A worker another client registers shows up once the list is read again.
         await other.register(worker("late"), TTL_S)
         assert "late" not in await index.match(NS, CHAIN)
