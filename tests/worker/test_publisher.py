@@ -6,10 +6,15 @@ import asyncio
 import logging
 
 import pytest
+import redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.cache_index.memory_index import MemoryIndex
+from kvswitch.cache_index.redis_index import RedisIndex
 from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.publisher import Backoff, EventPublisher, PublisherConfig
@@ -373,5 +378,45 @@ def test_a_stalled_index_write_never_lets_the_registration_lapse() -> None:
 
     try:
         asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+def test_a_busy_redis_makes_no_worker_register_or_resync_again() -> None:
+    """A script holds a real Redis busy (it answers everyone else BUSY): the publisher's calls
+    fail and are tried again, and once it is free the same registration goes on with the same
+    batches. Before, each failed round registered again and resent every block."""
+    engine = start_engine()
+    steady = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=30.0)
+
+    async def main(server: LocalRedis) -> None:
+        index = await RedisIndex.connect(server.url, prefix="busy", retry=Retry(NoBackoff(), 0))
+        info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
+        publisher = EventPublisher(index, engine, info, steady, Backoff(0.01, 0.05))
+        publisher.start()
+        await generate(engine, "r0", [256, *b"before it is busy " * 4])
+        await index_matches_worker(index, engine)
+        with redis.Redis(port=server.port) as admin:
+            admin.config_set("busy-reply-threshold", 10)
+
+            def hold_busy() -> None:
+                with redis.Redis(port=server.port) as client:
+                    client.eval("while true do end", 0)  # until SCRIPT KILL
+
+            busy = asyncio.get_running_loop().run_in_executor(None, hold_busy)
+            await generate(engine, "r1", [256, *b"while it is busy " * 4])
+            while publisher.num_errors < 3:  # its calls are answered BUSY
+                await asyncio.sleep(0.01)
+            admin.script_kill()
+        with pytest.raises(redis.exceptions.ResponseError, match="killed"):
+            await busy
+        await index_matches_worker(index, engine)
+        assert publisher.num_registers == 1 and publisher.num_resyncs == 1
+        await publisher.stop()
+        await index.close()
+
+    try:
+        with LocalRedis() as server:
+            asyncio.run(main(server))
     finally:
         engine.stop()
