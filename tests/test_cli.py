@@ -173,6 +173,9 @@ def test_bench_hash_writes_json(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["tokens_per_s"] > 0
     assert figures["tokens_per_s_list_input"] > 0
+    assert figures["tokens_per_s_blake2b_keyed"] > 0
+    assert figures["tokens_per_s_blake2b_keyed_list_input"] > 0
+    assert figures["blocks_per_s_blake2b_keyed"] == figures["tokens_per_s_blake2b_keyed"] / 16
     assert figures["num_tokens"] == 8192
 
 
