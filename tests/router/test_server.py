@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.client import Client, KvswitchError, KvswitchTimeoutError
-from kvswitch.router import servicer as servicer_module
+from kvswitch.router import outcome as outcome_module
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.server import RouterConfig, RouterStartError, start_router
 from kvswitch.tokenizer import ByteTokenizer, SentencePieceTokenizer
@@ -654,12 +654,12 @@ def test_a_request_is_counted_before_its_last_message_leaves() -> None:
             seen.append(count("rejected"))
 
     seen: list[float | None] = []
-    outcome = servicer_module._Outcome("r1", metrics)
-    asyncio.run(servicer_module._abort(Context(), outcome, grpc.StatusCode.INVALID_ARGUMENT, "x"))
+    outcome = outcome_module.Outcome("r1", metrics)
+    asyncio.run(outcome_module.abort(Context(), outcome, grpc.StatusCode.INVALID_ARGUMENT, "x"))
     assert seen == [1.0]
     outcome.record()  # the handler's finally: no second count
     assert count("rejected") == 1.0
 
     final = router_pb2.GenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
-    servicer_module._Outcome("r2", metrics).finished(final)  # just before the final is written
+    outcome_module.Outcome("r2", metrics).finished(final)  # just before the final is written
     assert count("length") == 1.0
