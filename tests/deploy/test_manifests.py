@@ -1,7 +1,10 @@
 """The deployment files, checked without Docker or Kubernetes: every command a container runs
 parses with the CLI it calls (so each flag exists and takes its value), every environment
-variable it sets is one kvswitch reads, every GPU worker has a GPU of its own, and every
-healthcheck runs a command the image installs."""
+variable it sets is one kvswitch reads, every GPU worker has a GPU of its own, every
+healthcheck runs a command the image installs, and the fleet is secured by default: every
+router and worker gets the fleet token from a secret (so none needs --insecure, and blocks are
+named with the keyed hash), Redis takes a password every index URL carries, and Kubernetes
+NetworkPolicies let only routers and workers reach workers and Redis."""
 
 from __future__ import annotations
 
@@ -13,25 +16,34 @@ import pytest
 import yaml
 
 from kvswitch.app.cli import build_parser
+from kvswitch.app.cli_args import config_from_args
+from kvswitch.cache_index.hashing import BLAKE2B_KEYED
 from kvswitch.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
+from kvswitch.router.server import RouterConfig
+from kvswitch.security import FLEET_TOKEN_ENV, TOKEN_ENV
+from kvswitch.worker.server import WorkerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE_FILES = sorted(DEPLOY.glob("docker-compose*.yml"))
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 # What the code reads from the environment (kvswitch/logs.py), and what the image sets for it.
-KNOWN_ENV = {LOG_FORMAT_ENV, LOG_LEVEL_ENV, "HF_HOME"}
+KNOWN_ENV = {LOG_FORMAT_ENV, LOG_LEVEL_ENV, "HF_HOME", FLEET_TOKEN_ENV, TOKEN_ENV}
+# The Redis password every index URL carries: compose's required variable, Kubernetes' $(VAR).
+COMPOSE_REDIS_URL = "redis://:<KVSWITCH_REDIS_PASSWORD>@redis:6379"
+K8S_REDIS_URL = "redis://:$(REDIS_PASSWORD)@kvswitch-redis:6379"
 KVSWITCH_IMAGES = ("kvswitch-router", "kvswitch-worker")
 
 
 def substitute(value: str) -> str:
     """A compose ``${NAME:-default}`` / ``${NAME:?message}`` or a Kubernetes ``$(NAME)`` as a
-    container would see it with the variable unset (compose) or set to an example (pods)."""
+    container would see it with the variable unset (compose; a required one as ``<NAME>``) or
+    set to an example (pods)."""
     value = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
-    value = re.sub(r"\$\{[A-Z_]+:\?[^}]*\}", "/set/by/the/user", value)
+    value = re.sub(r"\$\{([A-Z_]+):\?[^}]*\}", r"<\1>", value)
     return re.sub(r"\$\(([A-Z_]+)\)", lambda m: EXAMPLES[m.group(1)], value)
 
 
-EXAMPLES = {"POD_IP": "10.1.2.3", "POD_NAME": "kvswitch-worker-0"}
+EXAMPLES = {"POD_IP": "10.1.2.3", "POD_NAME": "kvswitch-worker-0", "REDIS_PASSWORD": "0123abcd"}
 
 
 def parse_command(argv: list[Any]) -> Any:
@@ -94,7 +106,7 @@ def test_compose_services_run_commands_the_cli_takes(name: str, overrides: tuple
         args = parse_command(service["command"])
         assert args.command in ("router", "worker"), service_name
         if args.command == "worker":
-            assert args.index == "redis://redis:6379"
+            assert args.index == COMPOSE_REDIS_URL
             # Registered as HOSTNAME:PORT, which the router must resolve: its own hostname.
             assert args.host == "0.0.0.0" and service["hostname"] == service_name
         assert set(service.get("environment", {})) <= KNOWN_ENV, service_name
@@ -180,7 +192,7 @@ def test_routers_are_replicated_and_never_all_down_in_an_update() -> None:
     assert router["spec"]["replicas"] >= 2
     assert router["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     args = parse_command(container(router)["args"])
-    assert args.index == "redis://kvswitch-redis:6379"
+    assert args.index == K8S_REDIS_URL.replace("$(REDIS_PASSWORD)", EXAMPLES["REDIS_PASSWORD"])
     probes = container(router)
     assert probes["readinessProbe"]["grpc"] == {"port": 50051, "service": "kvswitch.v1.Router"}
     assert probes["livenessProbe"]["grpc"]["port"] == args.port
@@ -198,7 +210,7 @@ def test_workers_get_a_gpu_each_and_time_to_load_their_model() -> None:
     spec = container(workers)
     args = parse_command(spec["args"])
     assert (args.host, args.worker_id) == (EXAMPLES["POD_IP"], EXAMPLES["POD_NAME"])
-    assert args.device == "cuda" and args.index == "redis://kvswitch-redis:6379"
+    assert args.device == "cuda"
     assert {e["name"] for e in spec["env"]} <= KNOWN_ENV | set(EXAMPLES)
     assert spec["resources"]["limits"]["nvidia.com/gpu"] == 1
     startup = spec["startupProbe"]
@@ -217,3 +229,126 @@ def test_every_pod_runs_as_a_user() -> None:
         if kind in ("Deployment", "StatefulSet") and name != "kvswitch-redis":
             security = obj["spec"]["template"]["spec"]["securityContext"]
             assert security["runAsNonRoot"] and security["runAsUser"] == 1000, name
+
+
+# -- secured by default ---------------------------------------------------------------------------
+
+SECRET_VALUES = {FLEET_TOKEN_ENV: "fleet-token-example", TOKEN_ENV: "client-token-example"}
+
+
+def built_config(argv: list[Any], env: dict[str, str]) -> RouterConfig | WorkerConfig:
+    """The config the container's command builds with ``env``'s tokens, as ``kvswitch router``
+    and ``kvswitch worker`` take them from the environment: it raises (as the process would
+    refuse to start) if a port beyond loopback would take any caller."""
+    args = parse_command(argv)
+    for name, variable in (("token", TOKEN_ENV), ("fleet_token", FLEET_TOKEN_ENV)):
+        if hasattr(args, name) and not getattr(args, name):
+            setattr(args, name, env.get(variable, ""))
+    return config_from_args(RouterConfig if args.command == "router" else WorkerConfig, args)
+
+
+def required(variable: str) -> str:
+    """How a compose file says: this variable, and refuse to start without it."""
+    return "${" + variable + ":?"
+
+
+@pytest.mark.parametrize(("name", "overrides"), COMPOSES, ids=lambda v: str(v))
+def test_compose_fleets_are_secured_by_default(name: str, overrides: tuple) -> None:
+    services = compose(DEPLOY / name, *(DEPLOY / o for o in overrides))
+    ours = {n: s for n, s in services.items() if s.get("image", "").startswith(KVSWITCH_IMAGES)}
+    for service_name, service in ours.items():
+        env = service["environment"]
+        # Each token from the operator's env file, never on a command line (ps shows those).
+        assert env[FLEET_TOKEN_ENV].startswith(required(FLEET_TOKEN_ENV)), service_name
+        command = [str(arg) for arg in service["command"]]
+        assert not {"--token", "--fleet-token", "--insecure"} & set(command), service_name
+        config = built_config(command, {v: SECRET_VALUES[v] for v in env if v in SECRET_VALUES})
+        assert config.index == COMPOSE_REDIS_URL, service_name
+        assert config.block_naming().mode == BLAKE2B_KEYED, service_name
+        if config.host != "127.0.0.1":
+            assert config.fleet_token, service_name
+    assert ours["router"]["environment"][TOKEN_ENV].startswith(required(TOKEN_ENV))
+    # Metrics have no authentication: published on this host's loopback only.
+    assert [p for p in ours["router"]["ports"] if p.endswith(":9100")] == [
+        "127.0.0.1:${KVSWITCH_METRICS_PORT:-9100}:9100"
+    ]
+    redis = services["redis"]
+    assert "ports" not in redis  # the compose network only
+    command = redis["command"]
+    password = command[command.index("--requirepass") + 1]
+    assert password.startswith(required("KVSWITCH_REDIS_PASSWORD"))
+    assert redis["environment"]["REDISCLI_AUTH"] == password  # its healthcheck's redis-cli
+
+
+def env_of(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in spec.get("env", [])}
+
+
+def from_secret(entry: dict[str, Any]) -> tuple[str, str]:
+    ref = entry["valueFrom"]["secretKeyRef"]
+    assert not ref.get("optional", False)  # no pod starts without the Secret
+    return ref["name"], ref["key"]
+
+
+def test_k8s_pods_take_their_secrets_from_the_secret() -> None:
+    objects = k8s_objects()
+    for kind, name in (("Deployment", "kvswitch-router"), ("StatefulSet", "kvswitch-worker")):
+        spec = container(objects[(kind, name)])
+        env = env_of(spec)
+        assert from_secret(env[FLEET_TOKEN_ENV]) == ("kvswitch", "fleet-token"), name
+        assert from_secret(env["REDIS_PASSWORD"]) == ("kvswitch", "redis-password"), name
+        # Every $(VAR) in the command is one the container sets.
+        for arg in spec["args"]:
+            assert set(re.findall(r"\$\(([A-Z_]+)\)", str(arg))) <= set(env), (name, arg)
+        assert K8S_REDIS_URL in spec["args"], name
+        assert not {"--token", "--fleet-token", "--insecure"} & set(spec["args"]), name
+        values = {v: SECRET_VALUES[v] for v in env if v in SECRET_VALUES}
+        assert built_config(spec["args"], values).block_naming().mode == BLAKE2B_KEYED, name
+    router = env_of(container(objects[("Deployment", "kvswitch-router")]))
+    assert from_secret(router[TOKEN_ENV]) == ("kvswitch", "client-token")
+    redis = container(objects[("Deployment", "kvswitch-redis")])
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    redis_env = env_of(redis)
+    for variable in ("REDIS_PASSWORD", "REDISCLI_AUTH"):  # the server's, its probe's redis-cli
+        assert from_secret(redis_env[variable]) == ("kvswitch", "redis-password")
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def pod_labels(obj: dict[str, Any]) -> dict[str, str]:
+    return obj["spec"]["template"]["metadata"]["labels"]
+
+
+def test_k8s_network_policies_let_only_the_fleet_reach_workers_and_redis() -> None:
+    objects = k8s_objects()
+    pods = {
+        name: obj for (kind, name), obj in objects.items() if kind in ("Deployment", "StatefulSet")
+    }
+    allowed = {"kvswitch-worker": {"kvswitch-router", "kvswitch-worker"},
+               "kvswitch-redis": {"kvswitch-router", "kvswitch-worker"}}  # fmt: skip
+    for target, callers in allowed.items():
+        policy = objects[("NetworkPolicy", target)]["spec"]
+        selected = {
+            n
+            for n, o in pods.items()
+            if selects(policy["podSelector"]["matchLabels"], pod_labels(o))
+        }
+        assert selected == {target}
+        assert policy["policyTypes"] == ["Ingress"]
+        (rule,) = policy["ingress"]
+        let_in = {
+            n
+            for n, o in pods.items()
+            for source in rule["from"]
+            if set(source) == {"podSelector"}  # no namespaces, no address blocks
+            and selects(source["podSelector"]["matchLabels"], pod_labels(o))
+        }
+        assert let_in == callers, target
+        serving = {p["containerPort"] for p in container(pods[target])["ports"]}
+        ports = {p["port"] for p in rule["ports"]}
+        assert ports <= serving and len(ports) == 1, target
+    worker_args = parse_command(container(pods["kvswitch-worker"])["args"])
+    (worker_rule,) = objects[("NetworkPolicy", "kvswitch-worker")]["spec"]["ingress"]
+    assert [p["port"] for p in worker_rule["ports"]] == [worker_args.port]
