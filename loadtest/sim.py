@@ -29,12 +29,13 @@ from dataclasses import dataclass
 
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
+from kvswitch.loadtest.policies import ALL_POLICIES, make_any_policy
 from kvswitch.loadtest.profiles import PROFILES, get_profile
 from kvswitch.loadtest.sim_worker import Job, SimWorker
 from kvswitch.loadtest.trace import TRACE_NAMESPACE, TraceRequest, block_hashes
 from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
-from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
+from kvswitch.router.policy import fetch_costs, make_policy
 from kvswitch.router.router import RoutePlan, Router
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
 
@@ -77,9 +78,9 @@ class SimConfig:
             )
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
-        if self.policy != "all" and self.policy not in POLICIES:
+        if self.policy != "all" and self.policy not in ALL_POLICIES:
             raise ValueError(
-                f"policy must be all or one of {', '.join(POLICIES)}, got {self.policy!r}"
+                f"policy must be all or one of {', '.join(ALL_POLICIES)}, got {self.policy!r}"
             )
         if not 0 < self.rate_scale < math.inf:
             raise ValueError(f"rate_scale must be a positive number, got {self.rate_scale}")
@@ -99,7 +100,7 @@ class SimConfig:
 
     @property
     def policies(self) -> tuple[str, ...]:
-        return POLICIES if self.policy == "all" else (self.policy,)
+        return ALL_POLICIES if self.policy == "all" else (self.policy,)
 
     def weights(self) -> dict[str, float]:
         """The cost policy's weights: ``cost_weights`` over the peer-fetch ones the speeds
@@ -262,13 +263,13 @@ async def _simulate(
         index,
         _SimDirectory(index, [w.handle for w in workers]),
         None,
-        policy=policy,
         namespace=TRACE_NAMESPACE,
         pending=PendingBlocks(config.pending_ttl_s, clock),
         heat=PrefixHeat(clock=clock),
     )
     weights = config.weights() if policy == "cost" else None
-    router.default_policy = make_policy(policy, weights, rng=random.Random(config.seed))
+    # NOTE: the router's default set aside: the simulator also replays other routers' rules.
+    router.default_policy = make_any_policy(policy, weights, rng=random.Random(config.seed))
 
     jobs: list[Job] = []
     worker_ids: list[str] = []

@@ -137,7 +137,7 @@ class RandomPolicy(Policy):
         return Decision(worker.worker_id, self.name, "random", worker.num_matched_blocks, 0.0)
 
 
-class _Ranked(Policy):
+class RankedPolicy(Policy):
     """Lowest key wins; ties go by free cache space, then a rotation over the tied workers."""
 
     def __init__(self) -> None:
@@ -153,7 +153,7 @@ class _Ranked(Policy):
         return tied[next(self._counter) % len(tied)]
 
 
-class LeastLoaded(_Ranked):
+class LeastLoaded(RankedPolicy):
     name = "least_loaded"
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
@@ -167,7 +167,7 @@ class LeastLoaded(_Ranked):
         )
 
 
-class PrefixPolicy(_Ranked):
+class PrefixPolicy(RankedPolicy):
     """Longest cached prefix, then least loaded."""
 
     name = "prefix"
@@ -189,7 +189,7 @@ class PrefixPolicy(_Ranked):
         )
 
 
-class CostPolicy(_Ranked):
+class CostPolicy(RankedPolicy):
     """The module docstring's cost; ``temperature`` > 0 samples near-ties instead.
 
     With ``fetch_token_cost`` > 0, a worker may also take the prompt's cached prefix from the
@@ -324,142 +324,9 @@ class CostPolicy(_Ranked):
         return costs, fetches
 
 
-# -- other routers' rules, for comparison -----------------------------------------------------
-# Each follows its project's published rule and defaults, read onto what our router sees: the
-# index's matched blocks, the workers' load reports and this router's in-flight counts.
-
-
-class SGLangLike(_Ranked):
-    """SGLang's cache-aware router: while the fleet is balanced, the longest match if it covers
-    more than ``cache_threshold`` of the prompt, else the worker with the most free cache; once the
-    fleet is imbalanced (busiest minus idlest > ``balance_abs_threshold`` requests and busiest >
-    ``balance_rel_threshold`` x idlest), the one with the fewest requests."""
-
-    name = "sglang_like"
-    weight_names = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
-
-    def __init__(
-        self,
-        cache_threshold: float = 0.5,
-        balance_abs_threshold: float = 32,
-        balance_rel_threshold: float = 1.0001,
-    ) -> None:
-        super().__init__()
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
-        loads = [w.num_requests for w in workers]
-        busiest, idlest = max(loads), min(loads)
-        if (
-            busiest - idlest > self.balance_abs_threshold
-            and busiest > self.balance_rel_threshold * idlest
-        ):
-            worker = self._pick([((w.num_requests,), w) for w in workers])
-            reason = "imbalanced: fewest requests"
-        else:
-            best = max(w.num_matched_blocks for w in workers)
-            matched = min(best * request.block_size, request.num_prompt_tokens)
-            if matched / request.num_prompt_tokens > self.cache_threshold:
-                worker = self._pick([((-w.num_matched_blocks,), w) for w in workers])
-                reason = "match above the cache threshold"
-            else:
-                worker = self._pick([((-w.num_free_blocks,), w) for w in workers])
-                reason = "match below the cache threshold: most free cache"
-        return Decision(
-            worker.worker_id, self.name, reason, worker.num_matched_blocks, worker.num_requests
-        )
-
-
-class DynamoLike(_Ranked):
-    """Dynamo's KV router: the lowest ``overlap_score_weight`` x prefill blocks (the prompt's
-    uncached blocks plus those queued there) + decode blocks (the blocks running requests hold
-    there, plus the prompt's), in blocks."""
-
-    name = "dynamo_like"
-    weight_names = ("overlap_score_weight",)
-
-    def __init__(self, overlap_score_weight: float = 1.0) -> None:
-        super().__init__()
-        self.overlap_score_weight = overlap_score_weight
-
-    def logit(self, request: RouteRequest, worker: WorkerState) -> float:
-        block_size = request.block_size
-        prefill = request.num_uncached_tokens(worker.num_matched_blocks) + worker.num_prefill_tokens
-        active = worker.num_total_blocks - worker.num_free_blocks
-        decode = active + -(-request.num_prompt_tokens // block_size)
-        return self.overlap_score_weight * prefill / block_size + decode
-
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
-        worker = self._pick([((self.logit(request, w),), w) for w in workers])
-        return Decision(
-            worker.worker_id,
-            self.name,
-            "lowest prefill + decode blocks",
-            worker.num_matched_blocks,
-            self.logit(request, worker),
-        )
-
-
-class LlmdLike(_Ranked):
-    """llm-d's inference scheduler: the highest weighted sum of scores in [0, 1]: the prefix
-    cached there as a fraction of the prompt's blocks (``prefix_weight``), the queue, min-max
-    scaled over the candidates so that the shortest scores 1 (``queue_weight``), and the free
-    fraction of the KV cache (``kv_cache_weight``)."""
-
-    name = "llmd_like"
-    weight_names = ("prefix_weight", "queue_weight", "kv_cache_weight")
-
-    def __init__(
-        self, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_cache_weight: float = 2.0
-    ) -> None:
-        super().__init__()
-        self.prefix_weight = prefix_weight
-        self.queue_weight = queue_weight
-        self.kv_cache_weight = kv_cache_weight
-
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
-        num_blocks = max(-(-request.num_prompt_tokens // request.block_size), 1)
-        queues = [w.num_requests for w in workers]
-        shortest, longest = min(queues), max(queues)
-
-        def score(w: WorkerState) -> float:
-            prefix = min(w.num_matched_blocks / num_blocks, 1.0)
-            queue = (longest - w.num_requests) / (longest - shortest) if longest > shortest else 1
-            free = w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 1.0
-            return (
-                self.prefix_weight * prefix
-                + self.queue_weight * queue
-                + self.kv_cache_weight * free
-            )
-
-        worker = self._pick([((-score(w),), w) for w in workers])
-        return Decision(
-            worker.worker_id,
-            self.name,
-            "highest prefix + queue + free-cache score",
-            worker.num_matched_blocks,
-            score(worker),
-        )
-
-
-POLICIES = (
-    "cost",
-    "prefix",
-    "least_loaded",
-    "round_robin",
-    "random",
-    "sglang_like",
-    "dynamo_like",
-    "llmd_like",
-)
-_TUNABLE: dict[str, type[Policy]] = {
-    "cost": CostPolicy,
-    "sglang_like": SGLangLike,
-    "dynamo_like": DynamoLike,
-    "llmd_like": LlmdLike,
-}
+# What the serving router offers (``kvswitch router --policy``, a request's ``routing.policy``).
+# Other routers' rules, kept for comparison, live beside the simulator (loadtest/policies.py).
+POLICIES = ("cost", "prefix", "least_loaded", "round_robin", "random")
 
 
 def fetch_costs(
@@ -473,28 +340,30 @@ def fetch_costs(
     }
 
 
+def check_weights(name: str, weights: Mapping[str, float], known: Sequence[str]) -> None:
+    """ValueError naming the weights that the policy ``name``, which takes ``known``, does not."""
+    unknown = sorted(set(weights) - set(known))
+    if not unknown:
+        return
+    if not known:
+        raise ValueError(f"the {name} policy takes no weights")
+    raise ValueError(f"unknown {name} weights {unknown}; known: {', '.join(known)}")
+
+
 def make_policy(
     name: str, weights: Mapping[str, float] | None = None, *, rng: random.Random | None = None
 ) -> Policy:
-    """The policy called ``name``; ``weights`` tunes those that take parameters (``cost``: its
-    ``CostPolicy.weight_names``; the anchors their published knobs) and is refused for
-    the others. ``rng`` is what a policy that samples draws from (a seeded one makes a
-    simulation repeat); None: a fresh one. ValueError says what is wrong."""
+    """The policy called ``name``, one of ``POLICIES``; ``weights`` tunes ``cost`` (its
+    ``CostPolicy.weight_names``) and is refused for the others. ``rng`` is what a policy that
+    samples draws from (a seeded one makes a simulation repeat); None: a fresh one. ValueError
+    says what is wrong."""
     weights = dict(weights or {})
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
-    tunable = _TUNABLE.get(name)
-    if tunable is not None:
-        unknown = sorted(set(weights) - set(tunable.weight_names))
-        if unknown:
-            raise ValueError(
-                f"unknown {name} weights {unknown}; known: {', '.join(tunable.weight_names)}"
-            )
-        if name == "cost":
-            return CostPolicy(**weights, rng=rng)
-        return tunable(**weights)
-    if weights:
-        raise ValueError(f"the {name} policy takes no weights")
+    if name == "cost":
+        check_weights(name, weights, CostPolicy.weight_names)
+        return CostPolicy(**weights, rng=rng)
+    check_weights(name, weights, ())
     if name == "random":
         return RandomPolicy(rng)
     return {"prefix": PrefixPolicy, "least_loaded": LeastLoaded, "round_robin": RoundRobin}[name]()

@@ -2,8 +2,8 @@
 
 The ``Router`` owns the request-path logic and nothing about gRPC servers: ``plan`` turns a
 request into a ``RoutePlan`` (token ids and their block chain), ``choose`` turns a plan into a
-``Decision`` and the worker to send it to. The servicer in ``router/server.py`` forwards, streams
-and fails over.
+``Decision`` and the worker to send it to. The servicer (``router/servicer.py``) and each
+request's attempts (``router/attempt.py``) forward, stream and fail over.
 
 Matches come from the index and from the router's own pending guesses (``router/pending.py``);
 scores from the policy (``router/policy.py``), the default or one a request names.

@@ -259,8 +259,8 @@ ROUTER_HELP = {
     "built-in model's byte tokenizer",
     "namespace": "the model to route for, as the workers name it; empty = the one every live "
     "worker serves",
-    "policy": "how to pick a worker: cost, prefix, least_loaded, round_robin or random; or "
-    "another router's rule for comparison: sglang_like, dynamo_like or llmd_like (docs/ROUTER.md)",
+    "policy": "how to pick a worker: cost, prefix, least_loaded, round_robin or random "
+    "(docs/ROUTER.md)",
     "prefill_weight": "cost policy: what one uncached prompt token costs, in tokens of queued work",
     "temperature": "cost policy: 0 = always the cheapest worker; > 0 = sample near-ties, in tokens",
     "decode_weight": "cost policy: what one output token still to decode on a worker costs, in "
@@ -413,7 +413,9 @@ SIM_HELP = {
     "workers": "simulated workers",
     "capacity_blocks": "KV cache blocks per worker",
     "block_tokens": "tokens per block: one hash id of the trace names one block",
-    "policy": "routing policy to replay, or all",
+    "policy": "routing policy to replay: the router's own (cost, prefix, least_loaded, "
+    "round_robin, random), another router's rule for comparison (sglang_like, dynamo_like, "
+    "llmd_like), or all",
     "rate_scale": "arrivals come this many times as fast as in the trace",
     "target_utilization": "find the rate scale at which round_robin keeps the workers this busy "
     "on average (in (0, 1)), and replay every policy at it; 0 = use --rate-scale",
@@ -438,8 +440,9 @@ LOADTEST_HELP = {
     "workload": "shared_prefix, long_document_qa, multi_turn_chat, no_sharing or trace",
     "workload_args": "the workload's parameters over its defaults, 'key=value,...' (e.g. "
     "'groups=4,users=8' or 'path=trace.jsonl,block_len=16'); a wrong key lists the known ones",
-    "policies": "routing policies to run the workload under, one phase each, comma-separated; "
-    "'all', or 'default' for the router's own",
+    "policies": "routing policies the router offers (cost, prefix, least_loaded, round_robin, "
+    "random) to run the workload under, one phase each, comma-separated; 'all', or 'default' "
+    "for the router's own default",
     "rate": "sessions started per second (open loop); inf = all at once; a trace replays at its "
     "own times unless a rate is given",
     "burstiness": "gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier",

@@ -9,11 +9,11 @@ import statistics
 import pytest
 
 from kvswitch.loadtest.cache_bounds import global_cache_hit_rate, infinite_cache_hit_rate
+from kvswitch.loadtest.policies import ALL_POLICIES
 from kvswitch.loadtest.profiles import CPU
 from kvswitch.loadtest.rate_search import find_rate_scale
 from kvswitch.loadtest.sim import SimConfig, check_capacity, prepare, simulate
 from kvswitch.loadtest.trace import TraceRequest
-from kvswitch.router.policy import POLICIES
 from tests.loadtest.helpers import B, chat_trace, config, sim_requests, spaced
 
 
@@ -48,7 +48,7 @@ def test_cache_aware_policies_find_more_of_the_prompt_cached() -> None:
     assert hit_rate(runs["round_robin"]) + 0.1 < hit_rate(runs["prefix"]) <= infinite
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", ALL_POLICIES)
 def test_the_books_balance_at_every_arrival_through_preemptions(policy: str) -> None:
     requests = prepare(chat_trace(150, requests_per_s=200.0), B)
     run = simulate(requests, config(capacity_blocks=24), policy, 1.0, check=True)

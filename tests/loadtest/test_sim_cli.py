@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvswitch.app.cli import main
+from kvswitch.loadtest.policies import ALL_POLICIES
 from kvswitch.loadtest.trace import write_trace
-from kvswitch.router.policy import POLICIES
 from tests.loadtest.helpers import chat_trace
 from tests.test_extras import CLI, _run
 
@@ -36,7 +36,7 @@ def test_sim_writes_exactly_the_figures_as_json(
     figures = json.loads(out.read_text())
     assert figures == json.loads(capsys.readouterr().out)
     assert set(figures) == {"policies", "global_cache", "infinite_cache", "rate_scale"}
-    assert set(figures["policies"]) == set(POLICIES)
+    assert set(figures["policies"]) == set(ALL_POLICIES)
     assert all(set(f) == FIGURES for f in figures["policies"].values())
     assert set(figures["global_cache"]) == set(figures["infinite_cache"]) == {"token_hit_rate"}
     assert figures["rate_scale"] == 1.0

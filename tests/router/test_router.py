@@ -25,7 +25,7 @@ def test_a_requests_weights_keep_the_routers_own_for_the_rest() -> None:
     policy = router._policy("", {"temperature": 5.0})
     assert (policy.prefill_weight, policy.decode_weight, policy.temperature) == (3.0, 2, 5.0)
     assert router._policy("cost", {"prefill_weight": 1.0}).prefill_weight == 1.0
-    assert router._policy("llmd_like", {"queue_weight": 1.0}).prefix_weight == 3.0  # its own
+    assert router._policy("prefix", {}).name == "prefix"  # the router's weights are cost's
 
 
 class _Fleet(WorkerDirectory):
