@@ -3,7 +3,8 @@
 Four ``kvswitch worker`` processes run on this machine (built-in model, 16-token blocks of 32 KiB
 in fp32, KV caches in shared memory: ``--kv-cache-shm``). The holder computes ``num_prompts``
 distinct prompts of ``prompt_tokens`` tokens; then three takers pull every prompt's chain from it
-(``Worker.PullBlocks``), one over each transport:
+(``Worker.PullBlocks``, which a worker serves only with ``--allow-pull-blocks``, a switch for
+benchmarks: its caller names the peer), one over each transport:
 
 - ``grpc``: the holder streams the blocks over gRPC on loopback in chunks of 1 MiB, each read out
   between two of its engine steps; the taker writes each chunk into its prefix cache as it
@@ -61,6 +62,7 @@ def run(config: TransferBenchConfig) -> dict[str, object]:
     kv_cache_bytes = num_blocks * (32 << 10)
     args = ["worker", "--port", "0", "--kv-cache-bytes", str(kv_cache_bytes)]
     args += ["--block-size", str(BLOCK_SIZE), "--model", "random:tiny-long", "--kv-cache-shm"]
+    args += ["--allow-pull-blocks"]
     workers = [start_server_process(args) for _ in range(4)]
     try:
         holder_address = workers[0][1]

@@ -59,6 +59,9 @@ class ClusterConfig:
     # --decode-workers order) on the i+1-th after it; -1 = none, 0 = a free port each.
     metrics_port: int = -1
     grace_s: float = 5.0
+    # Every process listens beyond loopback without the fleet token or mutual TLS (and the HTTP
+    # API without keys): passed on as --insecure. On 127.0.0.1 none is needed.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers"):
@@ -394,6 +397,7 @@ class LocalCluster:
             "--policy", config.policy,
             *(["--http-port", str(config.http_port)] if http and config.http_port >= 0 else []),
             *(["--metrics-port", str(config.metrics_port_of("router"))] if http else []),
+            *(["--insecure"] if config.insecure else []),
         ]  # fmt: skip
 
     def _worker_argv(self, name: str, role: str) -> list[str]:
@@ -415,6 +419,7 @@ class LocalCluster:
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
             *(["--cuda-graphs"] if config.cuda_graphs else []),
             *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),
+            *(["--insecure"] if config.insecure else []),
             *self._extra_worker_args,
         ]  # fmt: skip
 

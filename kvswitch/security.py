@@ -11,19 +11,38 @@ trusting ``tls_ca`` (the system's roots when empty). With ``tls_client_auth`` a 
 each caller for a certificate signed by ``tls_ca``, and the process presents its own when it
 calls. The fleet token travels as ``authorization: Bearer <token>`` on every call between
 routers and workers; ``kvswitch.guard.ServerGuard`` checks it.
+
+``check_exposure`` is the one rule every server starts under: a port that other machines can reach
+takes callers only with credentials (the fleet token or mutual TLS; API keys for the HTTP API),
+unless the operator asked for an open one with ``--insecure``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from kvswitch.serving import host_port
+
 TOKEN_ENV = "KVSWITCH_TOKEN"  # the router's client token, instead of --token
 FLEET_TOKEN_ENV = "KVSWITCH_FLEET_TOKEN"  # instead of --fleet-token
+API_KEYS_ENV = "KVSWITCH_API_KEYS"  # instead of --api-key: the HTTP API's keys, comma-separated
+
+# How a gRPC server that other machines can reach is kept from taking any caller.
+FLEET_WAYS_OUT = (
+    f"a fleet token (--fleet-token or {FLEET_TOKEN_ENV})",
+    "mutual TLS (--tls-cert, --tls-key, --tls-ca and --tls-client-auth)",
+)
+# How the router's OpenAI-compatible HTTP API is.
+HTTP_WAYS_OUT = (
+    f"API keys (--api-key or {API_KEYS_ENV}; or the client token, --token)",
+    FLEET_WAYS_OUT[1],
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +78,12 @@ class FleetSecurity:
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def authenticates_callers(self) -> bool:
+        """Whether a server with this security takes only callers that prove they are of the
+        fleet: by the fleet token, or by a certificate of its CA."""
+        return bool(self.fleet_token) or self.tls_client_auth
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """What a server listens with; None for plaintext."""
@@ -99,6 +124,47 @@ class FleetSecurity:
 
 
 PLAINTEXT = FleetSecurity()
+
+
+def parse_api_keys(text: str) -> tuple[str, ...]:
+    """The API keys of a comma-separated list (spaces around each dropped); ValueError for a key
+    an HTTP header cannot carry as ``Bearer KEY`` (not printable ASCII, or with a space)."""
+    keys = tuple(key.strip() for key in text.split(",") if key.strip())
+    for key in keys:
+        if not (key.isascii() and key.isprintable()) or " " in key:
+            raise ValueError(
+                "api_key: a key must be printable ASCII without spaces (keys are comma-separated)"
+            )
+    return keys
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only: 127.0.0.0/8,
+    ``::1`` (bracketed or not) and ``localhost``. A wildcard (``0.0.0.0``, ``::``, empty) and any
+    other name are not: a name may resolve to anything."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(
+    server: str, host: str, port: int, ways_out: Sequence[str], *, guarded: bool, insecure: bool
+) -> None:
+    """ValueError unless ``server``, to listen on ``host``:``port``, is safe to start: it listens
+    on loopback only, or it is ``guarded`` (its callers must show one of ``ways_out``), or the
+    operator passed ``insecure``. The message names the address and every way out."""
+    if guarded or insecure or is_loopback(host):
+        return
+    ways = " or ".join(ways_out)
+    raise ValueError(
+        f"{server} would listen on {host_port(host, port)}, which other machines can reach, and "
+        f"take any caller there: give it {ways}; or listen on 127.0.0.1 only; or pass "
+        "--insecure to serve it open anyway"
+    )
 
 
 def _read(path: str) -> bytes:

@@ -18,6 +18,11 @@ from kvswitch.v1 import router_pb2
 
 # What a request holds besides its prompt, at most: names, sampling, stop ids, routing weights.
 MESSAGE_OVERHEAD_BYTES = 16 << 10
+# The HTTP API's largest request body by default (--max-body-bytes). A prompt of the default
+# max_prompt_tokens (131072) spelled as JSON takes about 8 bytes a token at worst: a token id of
+# six digits and its comma, or a character outside ASCII escaped as \uXXXX. That is 1 MiB; twice
+# that leaves room for a chat's framing and for the odd longer token.
+DEFAULT_MAX_BODY_BYTES = 2 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +34,7 @@ class RequestLimits:
     max_stop_token_ids: int = 256
     max_streams_per_client: int = 1024  # open Generate streams per client address
     max_message_bytes: int = 4 << 20  # a larger request is refused, with its size
+    request_overrides: bool = True  # whether a request may set routing.policy / routing.weights
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -74,6 +80,12 @@ def check_request(request: router_pb2.GenerateRequest, limits: RequestLimits) ->
             f"router, got {num_stops}"
         )
     routing = request.routing
+    if not limits.request_overrides and (routing.policy or routing.weights):
+        field = "routing.policy" if routing.policy else "routing.weights"
+        raise ValueError(
+            f"{field}: this router takes no per-request routing overrides "
+            "(--no-request-overrides); leave routing empty"
+        )
     if routing.policy and routing.policy not in POLICIES:
         raise ValueError(
             f"routing.policy: unknown routing policy {routing.policy!r}; choose from "

@@ -5,13 +5,16 @@ The front holds no routing of its own. Each HTTP request becomes one ``kvswitch.
 ``Generate`` call to this very router, over a loopback channel, so it passes the same guard,
 limits, routing and failover as any gRPC client's::
 
-    POST /v1/chat/completions --> token?, parse, check --> chat template --> token ids
-        --> Router.Generate (loopback: the client's bearer token, its address, the front key)
-        --> chunks --> text (cut at stop strings) --> JSON, or server-sent events
+    POST /v1/chat/completions --> API key?, body size, parse, check --> chat template
+        --> token ids --> Router.Generate (loopback: the router's token, the client's address,
+        the front key) --> chunks --> text (cut at stop strings) --> JSON, or server-sent events
 
-- auth: the front refuses a request without the router's token before reading it, and the
-  client's ``Authorization`` header travels with the call, which the router's guard checks as
-  it checks a gRPC client's.
+- auth: every endpoint refuses a request without one of the API keys (``--api-key``; the
+  router's client token when none is given) with 401 before reading its body. The front then
+  calls the router with the router's own token: the client's key is checked here, and need not
+  open the gRPC API.
+- body size: a body over ``--max-body-bytes`` is 413, refused unread where its length is
+  declared and as soon as it passes the limit where it is not.
 - open streams per client: the call names the HTTP client's address next to a key only this
   process knows (``router/forwarded.py``), and the servicer counts the stream against that
   address, so HTTP and gRPC streams from one address share its limit.
@@ -63,8 +66,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# JSON spells a prompt out longer than protobuf carries it (escapes, token ids as digits).
-BODY_BYTES_PER_MESSAGE_BYTE = 4
 _INLINE_RENDER_CHARS = 1024  # longer conversations are rendered and tokenized on a thread
 
 
@@ -75,16 +76,22 @@ class FrontConfig:
     host: str
     http_port: int
     model: str  # whose chat template to use; empty = the built-in model's
-    token: str
+    token: str  # the router's client token, which the front's calls to the router carry
     max_message_bytes: int
+    max_body_bytes: int  # the largest request body taken (413 past it)
     max_output_tokens: int  # a chat request without max_tokens may have this many; 0 = no limit
     wait_for_worker_s: float  # a request finding no worker waits this long for one
     security: FleetSecurity
+    keys: tuple[str, ...] = ()  # what a client must present as "Bearer KEY"; () = nothing
 
     @classmethod
     def of(cls, config: Any) -> FrontConfig:
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "security"]
-        return cls(**{name: getattr(config, name) for name in names}, security=config.security())
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("security", "keys")]
+        return cls(
+            **{name: getattr(config, name) for name in names},
+            security=config.security(),
+            keys=config.http_keys(),
+        )
 
 
 class OpenAIFront:
@@ -101,7 +108,7 @@ class OpenAIFront:
         self._router = router
         self._stub = stub
         self._front_key = front_key
-        self._max_body_bytes = BODY_BYTES_PER_MESSAGE_BYTE * config.max_message_bytes
+        self._max_body_bytes = config.max_body_bytes
         self._template, self._no_template_reason = load_chat_template(
             config.model, router.tokenizer
         )
@@ -119,7 +126,7 @@ class OpenAIFront:
     # -- endpoints ---------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        self._check_token(request)
+        self._check_key(request)
         body = await self._parse(request, CompletionRequest)
         await self._check_model_soon(body.model)
         call = self._grpc_request(
@@ -136,7 +143,7 @@ class OpenAIFront:
         return await self._answer(request, body, call, reply, "prompt", count_prompt)
 
     async def chat_completions(self, request: Request) -> Response:
-        self._check_token(request)
+        self._check_key(request)
         body = await self._parse(request, ChatCompletionRequest)
         await self._check_model_soon(body.model)
         template = self._template
@@ -162,12 +169,12 @@ class OpenAIFront:
         return await self._answer(request, body, call, reply, "messages", count_prompt)
 
     async def models(self, request: Request) -> Response:
-        self._check_token(request)
+        self._check_key(request)
         data = [self._model_card(name) for name in self._served_models()]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request, model_id: str) -> Response:
-        self._check_token(request)
+        self._check_key(request)
         self._check_model(model_id)
         return JSONResponse(self._model_card(model_id))
 
@@ -248,10 +255,9 @@ class OpenAIFront:
     def _metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
         client = http_client(request.client.host) if request.client else "unknown"
         metadata = [(FRONT_KEY_HEADER, self._front_key), (FORWARDED_CLIENT_HEADER, client)]
-        authorization = request.headers.get("authorization")
-        # NOTE: gRPC takes printable ASCII only; a token is that, so nothing else is sent.
-        if authorization is not None and authorization.isascii() and authorization.isprintable():
-            metadata.append(("authorization", authorization))
+        # NOTE: the router's own token, not the client's key: the key was checked here.
+        if self._config.token:
+            metadata.append(("authorization", f"Bearer {self._config.token}"))
         return tuple(metadata)
 
     # -- checks --------------------------------------------------------------------------------
@@ -260,7 +266,8 @@ class OpenAIFront:
         length = request.headers.get("content-length", "")
         too_large = OpenAIError(
             413,
-            f"the request body is larger than the {self._max_body_bytes} bytes this router takes",
+            f"the request body is larger than the {self._max_body_bytes} bytes this router takes "
+            "(--max-body-bytes)",
             code="request_too_large",
         )
         if length.isdigit() and int(length) > self._max_body_bytes:
@@ -309,14 +316,16 @@ class OpenAIFront:
             )
         self._check_model(name)
 
-    def _check_token(self, request: Request) -> None:
-        """401 unless the request carries the router's token, before anything is read or
-        rendered for it. (The router's guard checks every call again, as a gRPC client's.)"""
-        token = self._config.token
-        if not token:
+    def _check_key(self, request: Request) -> None:
+        """401 unless the request carries one of the keys, before anything is read or rendered
+        for it."""
+        keys = self._config.keys
+        if not keys:
             return
-        sent = request.headers.get("authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+        sent = request.headers.get("authorization", "").encode()
+        # NOTE: every key compared, each in constant time: the time a guess takes says
+        # nothing of the keys, nor of which one it came close to.
+        if not any([hmac.compare_digest(sent, f"Bearer {key}".encode()) for key in keys]):
             raise _unauthenticated()
 
     def _model_card(self, name: str) -> dict[str, Any]:
@@ -351,7 +360,12 @@ def _header_value(value: str) -> str:
 
 
 def _unauthenticated() -> OpenAIError:
-    return OpenAIError(401, "missing or wrong bearer token", code="invalid_api_key")
+    return OpenAIError(
+        401,
+        "missing or wrong API key: send 'Authorization: Bearer KEY' with a key of this router",
+        code="invalid_api_key",
+        headers={"www-authenticate": "Bearer"},
+    )
 
 
 async def _error_response(request: Request, error: OpenAIError) -> JSONResponse:

@@ -29,14 +29,20 @@ from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.disagg import DisaggConfig
 from kvswitch.router.forwarded import new_front_key
-from kvswitch.router.limits import RequestLimits
+from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
 from kvswitch.router.router import Router
 from kvswitch.router.servicer import RouterServicer
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
-from kvswitch.security import FleetSecurity
+from kvswitch.security import (
+    FLEET_WAYS_OUT,
+    HTTP_WAYS_OUT,
+    FleetSecurity,
+    check_exposure,
+    parse_api_keys,
+)
 from kvswitch.serving import announce_ready, host_port, run_event_loop, wait_for_stop_signal
 from kvswitch.tokenizer import Tokenizer, TokenizerFileError, load_tokenizer
 from kvswitch.v1 import router_pb2_grpc
@@ -93,6 +99,9 @@ class RouterConfig:
     max_stop_token_ids: int = 256
     max_streams_per_client: int = 1024  # open streams per client address
     max_message_bytes: int = 4 << 20  # a larger request is refused (INVALID_ARGUMENT)
+    # Whether a request may override the routing policy and its weights (GenerateRequest.routing);
+    # off, a request that does is refused (INVALID_ARGUMENT).
+    request_overrides: bool = True
     # Every gRPC hop (kvswitch/security.py): TLS when tls_cert is set, mutual with
     # tls_client_auth; fleet_token: what routers and workers present to each other.
     tls_cert: str = ""
@@ -100,11 +109,18 @@ class RouterConfig:
     tls_ca: str = ""
     tls_client_auth: bool = False
     fleet_token: str = ""
+    # Listen beyond loopback without the fleet token or mutual TLS, and serve the HTTP API there
+    # without API keys (kvswitch/security.py).
+    insecure: bool = False
     # How blocks are named (cache_index/hashing.py): xxh3, blake2b-keyed (keyed by a key derived
     # from fleet_token), or "" = blake2b-keyed when there is a fleet token, else xxh3.
     block_hash: str = ""
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     http_port: int = -1  # the OpenAI-compatible HTTP API (docs/OPENAI.md); -1 = none, 0 = free
+    # The HTTP API's keys, comma-separated: clients send "Authorization: Bearer KEY". Empty: the
+    # client token (token), if there is one.
+    api_key: str = ""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # the HTTP API's largest request body (413)
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
 
     def __post_init__(self) -> None:
@@ -132,10 +148,42 @@ class RouterConfig:
         self.disagg_config()
         self.limits()
         self.security()
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if parse_api_keys(self.api_key) and self.http_port < 0:
+            raise ValueError("api_key is for the HTTP API: serve it with --http-port too")
+        self.check_exposure()
         self.block_naming()
 
     def security(self) -> FleetSecurity:
         return FleetSecurity.of(self)
+
+    def http_keys(self) -> tuple[str, ...]:
+        """What an HTTP client may present: the API keys, else the client token; () = none."""
+        return parse_api_keys(self.api_key) or ((self.token,) if self.token else ())
+
+    def check_exposure(self) -> None:
+        """ValueError if a port this router listens on beyond loopback would take any caller:
+        the gRPC port without the fleet token or mutual TLS, the HTTP API without keys or mutual
+        TLS (unless ``insecure``)."""
+        security = self.security()
+        check_exposure(
+            "the router",
+            self.host,
+            self.port,
+            FLEET_WAYS_OUT,
+            guarded=security.authenticates_callers,
+            insecure=self.insecure,
+        )
+        if self.http_port >= 0:
+            check_exposure(
+                "the router's HTTP API",
+                self.host,
+                self.http_port,
+                HTTP_WAYS_OUT,
+                guarded=bool(self.http_keys()) or security.tls_client_auth,
+                insecure=self.insecure,
+            )
 
     def block_naming(self) -> BlockNaming:
         """How this router names blocks; every worker it routes to must name them alike."""
@@ -148,6 +196,7 @@ class RouterConfig:
             max_stop_token_ids=self.max_stop_token_ids,
             max_streams_per_client=self.max_streams_per_client,
             max_message_bytes=self.max_message_bytes,
+            request_overrides=self.request_overrides,
         )
 
     def disagg_config(self) -> DisaggConfig:

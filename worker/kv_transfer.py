@@ -18,7 +18,9 @@ import math
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Iterator, Sequence
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -105,11 +107,7 @@ def shared_file(path: str, offset: int, size: int, *, writable: bool) -> Iterato
     # other shared memory of its host.
     if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(SHM_PREFIX):
         raise ValueError(f"{path!r} is not a block-transfer file ({SHM_DIR}/{SHM_PREFIX}*)")
-    try:
-        file = open(path, "r+b" if writable else "rb")  # noqa: SIM115 (closed below)
-    except OSError as e:
-        raise ValueError(f"cannot open {path}: {e.strerror}") from None
-    with file:
+    with _open_own(path, writable=writable) as file:
         file_size = os.fstat(file.fileno()).st_size
         if offset < 0 or size <= 0 or offset + size > file_size:
             raise ValueError(f"{path} holds {file_size:,} bytes, not {offset + size:,}")
@@ -126,6 +124,29 @@ def shared_file(path: str, offset: int, size: int, *, writable: bool) -> Iterato
                 yield view
             finally:
                 view.release()
+
+
+def _open_own(path: str, *, writable: bool) -> BinaryIO:
+    """``path`` opened, if it is a plain file of this process's user; ValueError ("cannot open
+    ...") if it is not, or cannot be opened.
+
+    NOTE: /dev/shm is writable by every user of the host. The name is checked by the callers,
+    but anyone may create a file of that name: a link to another file of ours (O_NOFOLLOW), a
+    FIFO that would block the open (O_NONBLOCK), or a file of their own, whose pages they could
+    read our blocks from or write theirs into (the owner)."""
+    flags = os.O_RDWR if writable else os.O_RDONLY
+    try:
+        descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot open {path}: {e.strerror}") from None
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid():
+        os.close(descriptor)
+        raise ValueError(
+            f"cannot open {path}: not a plain file of this worker's user (uid {os.getuid()}); "
+            f"it is owned by uid {status.st_uid}"
+        )
+    return os.fdopen(descriptor, "r+b" if writable else "rb")
 
 
 def new_cache_file() -> str:
@@ -174,10 +195,7 @@ class PeerCache:
         name = os.path.basename(path)
         if os.path.dirname(path) != SHM_DIR or not name.startswith(CACHE_PREFIX):
             raise ValueError(f"{path!r} is not a KV cache file ({SHM_DIR}/{CACHE_PREFIX}*)")
-        try:
-            file = open(path, "rb")  # noqa: SIM115 (closed below; the mapping outlives it)
-        except OSError as e:
-            raise ValueError(f"cannot open {path}: {e.strerror}") from None
+        file = _open_own(path, writable=False)  # closed below; the mapping outlives it
         element_size = layout.bytes_per_block // (
             2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim
         )

@@ -29,7 +29,7 @@ from kvswitch.cache_index.index import ROLES, WorkerInfo
 from kvswitch.checkpoint import check_model_dir
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
-from kvswitch.security import FleetSecurity
+from kvswitch.security import FLEET_WAYS_OUT, FleetSecurity, check_exposure, is_loopback
 from kvswitch.serving import (
     KEEPALIVE_SERVER_OPTIONS,
     RETRY_AFTER_KEY,
@@ -57,6 +57,7 @@ from kvswitch.worker.engine_client import (
 )
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.metrics import WorkerMetrics
+from kvswitch.worker.peers import FleetPeers, PeerRefused
 from kvswitch.worker.publisher import EventPublisher
 from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
 from kvswitch.worker.scheduler import SchedulerConfig
@@ -129,6 +130,11 @@ class WorkerConfig:
     # Run the engine core on a thread of the serving process instead of a process of its own:
     # one process to debug or profile, at the cost of sharing its GIL with token streaming.
     engine_in_process: bool = False
+    # Listen beyond loopback without the fleet token or mutual TLS (kvswitch/security.py).
+    insecure: bool = False
+    # Serve PullBlocks, which pulls blocks from whatever peer its caller names: for benchmarks
+    # and tests on one machine (off, it answers PERMISSION_DENIED).
+    allow_pull_blocks: bool = False
     # Every gRPC hop (kvswitch/security.py): TLS when tls_cert is set, mutual with
     # tls_client_auth; fleet_token: what routers and workers present to each other.
     tls_cert: str = ""
@@ -143,6 +149,20 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        check_exposure(
+            "the worker",
+            self.host,
+            self.port,
+            FLEET_WAYS_OUT,
+            guarded=self.security().authenticates_callers,
+            insecure=self.insecure,
+        )
+        if self.allow_pull_blocks and not (is_loopback(self.host) or self.insecure):
+            raise ValueError(
+                "allow_pull_blocks lets a caller name any peer to pull from: it is for "
+                f"benchmarks on one machine (--host 127.0.0.1), not on {self.host!r}, unless "
+                "you pass --insecure"
+            )
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(
                 f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}"
@@ -251,8 +271,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         max_hashes_per_chunk: int = 4096,
         transfers: BlockTransfers | None = None,
         max_requests: int = 0,
+        peers: FleetPeers | None = None,
+        allow_pull_blocks: bool = False,
     ) -> None:
         self._max_requests = max_requests  # running and waiting; 0 = no limit
+        # The only workers a kv_source may name; None: none may be named (no fleet).
+        self._peers = peers
+        self._allow_pull_blocks = allow_pull_blocks
         self._engine = engine
         self._transfers = transfers if transfers is not None else BlockTransfers(engine)
         self._worker_id = worker_id
@@ -283,6 +308,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if request.HasField("kv_source"):
                 # NOTE: a request that can never run is refused before anything moves for it.
                 _check_kv_source(request.kv_source)
+                await self._check_peer(request.kv_source.peer_address)
                 prompt = self._engine.checked_prompt(
                     prompt_token_ids,
                     lora=request.lora or None,
@@ -306,6 +332,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except EngineStopped as e:
             self._metrics.requests.finished("rejected")
             await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
+        except PeerRefused as e:
+            logger.warning("refused: kv_source: %s", e, extra=log_extra)
+            self._metrics.requests.finished("rejected")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"request {request_id}: kv_source: {e}"
+            )
         except ValueError as e:
             logger.info("rejected: %s", e, extra=log_extra)
             self._metrics.requests.finished("rejected")
@@ -424,6 +456,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def PullBlocks(
         self, request: worker_pb2.PullBlocksRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PullBlocksResponse:
+        if not self._allow_pull_blocks:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "PullBlocks is off on this worker: it pulls from any peer its caller names, so a "
+                "worker serves it only with --allow-pull-blocks (benchmarks and tests); "
+                "disaggregated prefill takes blocks through Generate's kv_source",
+            )
         hashes = list(request.block_hashes)
         if not request.peer_address or not hashes:
             await context.abort(
@@ -465,6 +504,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.transfer_id:
             self._engine.release(request.transfer_id)
         return worker_pb2.ReleaseBlocksResponse()
+
+    async def _check_peer(self, address: str) -> None:
+        """``PeerRefused`` unless ``address`` is a live worker of this worker's fleet."""
+        if self._peers is None:
+            raise PeerRefused(f"this worker takes KV blocks from no peer; refused {address}")
+        await self._peers.check(address)
 
     async def _take_prefill(
         self,
@@ -676,6 +721,8 @@ async def _serve_engine(
         max_hashes_per_chunk=config.max_hashes_per_chunk,
         transfers=transfers,
         max_requests=config.max_num_seqs + config.max_waiting_requests,
+        peers=FleetPeers(lambda: publisher.index if publisher else None, engine.namespace),
+        allow_pull_blocks=config.allow_pull_blocks,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -225,6 +225,11 @@ WORKER_HELP = {
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
     "engine_in_process": "run the engine core on a thread of the serving process instead of a "
     "process of its own: one process to debug or profile, sharing one GIL with token streaming",
+    "insecure": "listen beyond loopback (a --host other than 127.0.0.1, ::1 or localhost) "
+    "without a fleet token or mutual TLS, taking any caller; refused otherwise (docs/SECURITY.md)",
+    "allow_pull_blocks": "serve Worker.PullBlocks, which pulls blocks from whatever peer its "
+    "caller names: for benchmarks and tests on one machine (with a --host beyond loopback only "
+    "with --insecure); off, it answers PERMISSION_DENIED",
     **SECURITY_HELP,
     "block_hash": BLOCK_HASH_HELP,
 }
@@ -306,11 +311,20 @@ ROUTER_HELP = {
     "(RESOURCE_EXHAUSTED past it); 0 = no limit",
     "max_message_bytes": "largest request message accepted, in bytes (gRPC refuses a larger "
     "one with RESOURCE_EXHAUSTED)",
+    "request_overrides": "take a request's own routing policy and weights (routing.policy, "
+    "routing.weights); with --no-request-overrides a request that sets them is refused "
+    "(INVALID_ARGUMENT)",
+    "insecure": "listen beyond loopback (a --host other than 127.0.0.1, ::1 or localhost) "
+    "without a fleet token or mutual TLS, and serve the HTTP API there without API keys, "
+    "taking any caller; refused otherwise (docs/SECURITY.md)",
     "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
     "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
     "http_port": "TCP port for the OpenAI-compatible HTTP API at http://HOST:PORT/v1 "
     "(completions, chat, models; https with --tls-cert); 0 picks a free one, -1 = none "
     "(docs/OPENAI.md)",
+    "api_key": "HTTP API: keys clients must send as 'Authorization: Bearer KEY', "
+    "comma-separated; or set KVSWITCH_API_KEYS; empty = the client token (--token), if set",
+    "max_body_bytes": "HTTP API: largest request body, in bytes (413 past it)",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
     **SECURITY_HELP,
     "block_hash": BLOCK_HASH_HELP,
@@ -339,6 +353,9 @@ UP_HELP = {
     "i+1-th after it (workers, then prefill, then decode workers); 0 = a free port each (in "
     "their logs), -1 = none",
     "grace_s": "seconds running requests get to finish when the cluster stops",
+    "insecure": "let every process listen on a --host beyond loopback without a fleet token "
+    "or mutual TLS (passed on as --insecure); on 127.0.0.1 nothing is needed, elsewhere set "
+    "KVSWITCH_FLEET_TOKEN (and KVSWITCH_API_KEYS for --http-port) instead",
 }
 HEALTH_HELP = {
     "target": "the router or worker, HOST:PORT",
@@ -553,11 +570,15 @@ def _worker_command(args: argparse.Namespace) -> None:
 
 def _tokens_from_env(args: argparse.Namespace) -> argparse.Namespace:
     """Tokens not given as options, from the environment (a command line shows in ps)."""
-    from kvswitch.security import FLEET_TOKEN_ENV, TOKEN_ENV
+    from kvswitch.security import API_KEYS_ENV, FLEET_TOKEN_ENV, TOKEN_ENV
 
     for name, env in (("token", TOKEN_ENV), ("fleet_token", FLEET_TOKEN_ENV)):
         if hasattr(args, name) and not getattr(args, name):
             setattr(args, name, os.environ.get(env, ""))
+    # NOTE: API keys only for a router that serves HTTP: a router without --http-port refuses
+    # --api-key, and an environment set for the whole fleet must not make it fail.
+    if hasattr(args, "api_key") and not args.api_key and args.http_port >= 0:
+        args.api_key = os.environ.get(API_KEYS_ENV, "")
     return args
 
 

@@ -94,6 +94,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 [
                     "router", "--host", hosts.hosts[name], "--port", "50051", "--index", index,
                     "--refresh-s", "0.1", "--load-poll-s", "0.1", "--wait-for-worker-s", "20",
+                    # NOTE: on the hosts' addresses, beyond loopback, open: the client and the
+                    # checks call the workers without credentials.
+                    "--insecure",
                 ],
                 prefix=hosts.prefix_for(name),
             )  # fmt: skip
@@ -107,6 +110,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                     # NOTE: three CPU workers on this machine's cores: each its share, or their
                     # thread pools spin against each other and every step slows many times over.
                     "--cpu-threads", "1",
+                    "--insecure",
                 ],
                 prefix=hosts.prefix_for(name),
             )  # fmt: skip

@@ -25,7 +25,8 @@ from tests.worker.background import BackgroundWorker
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
-CONFIG = WorkerConfig(port=0, kv_cache_bytes=64 * BLOCK_BYTES, grace_s=0.0)
+# NOTE: PullBlocks is what these tests drive: a worker serves it only when allowed to.
+CONFIG = WorkerConfig(port=0, kv_cache_bytes=64 * BLOCK_BYTES, grace_s=0.0, allow_pull_blocks=True)
 PROMPT = [256, *b"A long shared document, block after block of it. " * 6]  # 301 tokens: 18 blocks
 
 

@@ -1,16 +1,22 @@
 """Disaggregated prefill between two live workers over real gRPC: a prefill worker computes the
 prompt and holds its blocks under a lease; a decode worker takes the ones it lacks and decodes the
-rest, token for token as one worker alone would."""
+rest, token for token as one worker alone would. Both publish to the embedded index of a router
+process: a worker takes blocks only from the live workers listed there."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
+from kvswitch.cache_index.grpc_index import GrpcIndex
 from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.index import WorkerInfo
+from kvswitch.serving import start_server_process
 from kvswitch.v1 import common_pb2, worker_pb2
 from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
@@ -23,9 +29,39 @@ NUM_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[BackgroundWorker, BackgroundWorker, BackgroundWorker]]:
-    """(prefill, decode, alone): the third serves each prompt by itself, for reference."""
-    started = [BackgroundWorker(CONFIG) for _ in range(3)]
+def index_address() -> Iterator[str]:
+    """A router process, for its embedded index."""
+    router, address = start_server_process(["router", "--port", "0"])
+    yield address
+    router.terminate()
+    router.wait(timeout=30)
+
+
+async def on_index(index_address: str, call):
+    index = GrpcIndex(index_address)
+    try:
+        return await call(index)
+    finally:
+        await index.close()
+
+
+def live_addresses(index_address: str) -> set[str]:
+    workers = asyncio.run(on_index(index_address, lambda index: index.live_workers()))
+    return {w.address for w in workers}
+
+
+@pytest.fixture(scope="module")
+def workers(
+    index_address: str,
+) -> Iterator[tuple[BackgroundWorker, BackgroundWorker, BackgroundWorker]]:
+    """(prefill, decode, alone): the first two in the index's fleet; the third, outside it,
+    serves each prompt by itself, for reference."""
+    in_fleet = dataclasses.replace(CONFIG, index=f"grpc://{index_address}")
+    started = [BackgroundWorker(in_fleet), BackgroundWorker(in_fleet), BackgroundWorker(CONFIG)]
+    deadline = time.monotonic() + 30
+    while not {w.server.address for w in started[:2]} <= live_addresses(index_address):
+        assert time.monotonic() < deadline, "the workers did not register"
+        time.sleep(0.05)
     yield tuple(started)
     for worker in started:
         worker.close()
@@ -128,10 +164,13 @@ def test_a_lease_nobody_fetches_runs_out_on_an_idle_worker(workers) -> None:
     assert 0.1 < waited_s < 1.5  # the core woke up for it: no request came to wake it
 
 
-def test_a_failed_transfer_is_recomputed_or_fails_as_asked(workers) -> None:
+def test_a_failed_transfer_is_recomputed_or_fails_as_asked(workers, index_address) -> None:
     _, d, alone = workers
     prompt = prompt_of(4)
     expected, _, _ = alone.generate(prompt, max_tokens=NUM_TOKENS)
+    # A worker of the fleet, as far as the index knows, that no longer answers.
+    gone_info = WorkerInfo("gone", "127.0.0.1:1", d.server.engine.namespace, BLOCK_SIZE)
+    asyncio.run(on_index(index_address, lambda index: index.register(gone_info, 60.0)))
     gone = worker_pb2.KVSource(peer_address="127.0.0.1:1", transfer_id="x", timeout_ms=2000)
     tokens, final = decode(d, prompt, expected[0], gone)
     assert [expected[0], *tokens] == expected
@@ -176,3 +215,28 @@ def test_a_lease_longer_than_the_limit_is_refused(workers) -> None:
 
 def cached(worker: BackgroundWorker) -> set[bytes]:
     return {h for c in worker.stub.Snapshot(worker_pb2.SnapshotRequest()) for h in c.block_hashes}
+
+
+def test_a_peer_outside_the_fleet_is_refused_and_nothing_moves(workers) -> None:
+    """A worker takes blocks only from a live worker of its index: a kv_source naming any other
+    address, even a real worker's that holds the prompt, is refused before anything moves."""
+    _, d, alone = workers
+    prompt = prompt_of(8)
+    expected, _, _ = alone.generate(prompt, max_tokens=NUM_TOKENS)  # alone holds its blocks
+    hashes = set(hash_prompt_blocks(prompt, BLOCK_SIZE, d.server.engine.namespace))
+    for address in (alone.server.address, "10.9.8.7:50061"):
+        source = worker_pb2.KVSource(peer_address=address, transfer_id="x")
+        with pytest.raises(grpc.RpcError) as error:
+            decode(d, prompt, expected[0], source, request_id=f"outsider-{address}")
+        assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert f"{address} is not a live worker of model" in error.value.details()
+        assert not hashes & cached(d)
+
+
+def test_pull_blocks_is_off_unless_allowed(workers) -> None:
+    p, d, _ = workers
+    request = worker_pb2.PullBlocksRequest(peer_address=p.server.address, block_hashes=[b"\1" * 16])
+    with pytest.raises(grpc.RpcError) as error:
+        d.stub.PullBlocks(request, timeout=10)
+    assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "--allow-pull-blocks" in error.value.details()
