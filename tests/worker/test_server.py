@@ -72,6 +72,9 @@ def reference() -> LLMEngine:
 def test_config_defaults_match_the_engine() -> None:
     engine_defaults = dataclasses.asdict(EngineConfig())
     engine_defaults["model"] = ""
+    # Made from fleet_token and block_hash, which the worker has instead.
+    del engine_defaults["block_naming"]
+    assert WorkerConfig().engine_config().block_naming == EngineConfig().block_naming
     worker_defaults = dataclasses.asdict(WorkerConfig())
     missing = set(engine_defaults) - set(worker_defaults)
     assert not missing, f"add {missing} to WorkerConfig (and their help to the CLI)"
