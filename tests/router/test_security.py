@@ -4,18 +4,27 @@ and worker -> the router's embedded index. A throwaway CA signs every certificat
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx2
 import pytest
 
-from kvswitch.app import generate, health
+from kvswitch.app import cli, generate, health
+from kvswitch.app.cli_args import config_from_args
 from kvswitch.cache_index.audit import audit
 from kvswitch.cache_index.grpc_index import GrpcIndex
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.client import Client, KvswitchError
-from kvswitch.security import FleetSecurity
+from kvswitch.deploy.local import ClusterConfig, running
+from kvswitch.router.server import RouterConfig
+from kvswitch.security import API_KEYS_ENV, FLEET_TOKEN_ENV, FleetSecurity, is_loopback
+from kvswitch.serving import start_server_process
 from kvswitch.v1 import worker_pb2
 from tests.certs import TestCA
 from tests.router.harness import ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
@@ -180,3 +189,203 @@ def test_kvswitch_generate_speaks_tls(cluster: BackgroundCluster, ca: TestCA) ->
     )
     # It presents no certificate: served over TLS, refused where the router asks for one.
     assert generate.run(config) == (1 if cluster.mutual else 0)  # type: ignore[attr-defined]
+
+
+# -- secure by default: who may listen where, and on what terms -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("LocalHost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("10.0.0.5", False),
+        ("router.internal", False),
+        ("localhost.example.com", False),
+    ],
+)
+def test_loopback_is_127_8_1_and_localhost_only(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def kvswitch_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvswitch.app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("command", ["router", "worker"])
+def test_a_server_beyond_loopback_without_credentials_refuses_to_start(command: str) -> None:
+    env = {FLEET_TOKEN_ENV: ""}
+    refused = kvswitch_cli(command, "--host", "0.0.0.0", "--port", "0", env=env)
+    assert refused.returncode != 0
+    message = " ".join(refused.stderr.split())
+    assert f"the {command} would listen on 0.0.0.0:0" in message
+    for way_out in ("--fleet-token", FLEET_TOKEN_ENV, "--tls-client-auth", "--insecure"):
+        assert way_out in message
+    assert "listening on" not in refused.stdout
+
+
+def test_the_http_api_beyond_loopback_needs_api_keys() -> None:
+    fleet_only = {"host": "0.0.0.0", "fleet_token": FLEET_TOKEN, "http_port": 0}
+    with pytest.raises(ValueError, match=r"the router's HTTP API would listen on 0\.0\.0\.0:0"):
+        RouterConfig(**fleet_only)
+    # Keys, the client token in their place, or --insecure, and it may.
+    RouterConfig(**fleet_only, api_key="k1")
+    RouterConfig(**fleet_only, token=CLIENT_TOKEN)
+    RouterConfig(**fleet_only, insecure=True)
+    with pytest.raises(ValueError, match="api_key is for the HTTP API"):
+        RouterConfig(api_key="k1")
+
+
+def test_an_insecure_router_and_worker_start_beyond_loopback() -> None:
+    router, address = start_server_process(
+        ["router", "--host", "0.0.0.0", "--port", "0", "--insecure"]
+    )
+    try:
+        worker, _ = start_server_process(
+            [
+                "worker", "--host", "0.0.0.0", "--port", "0", "--insecure",
+                "--index", f"grpc://127.0.0.1:{address.rsplit(':', 1)[1]}",
+            ]
+        )  # fmt: skip
+        try:
+            target = f"127.0.0.1:{address.rsplit(':', 1)[1]}"
+            with Client(target) as client:
+                assert len(client.generate(prompt_token_ids=[256, 65], max_tokens=2).token_ids) == 2
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+
+
+def test_a_router_with_the_fleet_token_starts_beyond_loopback() -> None:
+    config = dataclasses.replace(
+        ROUTER_CONFIG, host="0.0.0.0", fleet_token=FLEET_TOKEN, http_port=0, api_key="k1"
+    )
+    with BackgroundCluster(0, config, WORKER_CONFIG) as cluster:
+        assert cluster.address.startswith("0.0.0.0:")
+        assert cluster.router.http_address is not None
+
+
+def test_kvswitch_up_on_loopback_needs_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FLEET_TOKEN_ENV, raising=False)
+    with (
+        running(ClusterConfig(workers=1, port=0, grace_s=0.0)) as cluster,
+        Client(cluster.address) as client,
+    ):
+        assert len(client.generate(prompt_token_ids=[256, 65], max_tokens=2).token_ids) == 2
+
+
+# -- the HTTP API: API keys and the body limit ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[BackgroundCluster]:
+    """A router whose HTTP API takes two keys, and whose gRPC API takes the client token."""
+    router = dataclasses.replace(
+        ROUTER_CONFIG,
+        http_port=0,
+        api_key="key-one, key-two",
+        token=CLIENT_TOKEN,
+        max_body_bytes=4096,
+    )
+    worker = dataclasses.replace(WORKER_CONFIG, engine_in_process=True)
+    with BackgroundCluster(1, router, worker) as cluster:
+        yield cluster
+
+
+def http(cluster: BackgroundCluster, key: str | None) -> httpx2.Client:
+    front = cluster.router.http_front
+    assert front is not None
+    headers = {"authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx2.Client(base_url=front.url, headers=headers, timeout=30)
+
+
+COMPLETION = {"model": "kvswitch-tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+def test_the_http_api_takes_its_api_keys_and_nothing_else(keyed: BackgroundCluster) -> None:
+    for key in (None, "wrong", CLIENT_TOKEN, "key-one,key-two"):
+        with http(keyed, key) as client:
+            for response in (client.get("/models"), client.post("/completions", json=COMPLETION)):
+                assert response.status_code == 401, (key, response.text)
+                error = response.json()["error"]
+                assert error["code"] == "invalid_api_key"
+                assert set(error) == {"message", "type", "param", "code"}
+                assert response.headers["www-authenticate"] == "Bearer"
+    for key in ("key-one", "key-two"):
+        with http(keyed, key) as client:
+            assert client.get("/models").json()["data"][0]["id"] == "kvswitch-tiny"
+            completion = client.post("/completions", json=COMPLETION)
+            assert completion.status_code == 200, completion.text
+            assert completion.json()["usage"]["completion_tokens"] == 2
+    # An API key does not open the gRPC API: that takes the client token.
+    with Client(keyed.address, token="key-one") as client, pytest.raises(KvswitchError) as error:
+        client.generate(prompt_token_ids=[256, 65], max_tokens=1)
+    assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_body_past_the_limit_is_413_declared_or_streamed(keyed: BackgroundCluster) -> None:
+    prompt_of = {"fits": "x" * 3000, "too_large": "x" * 5000}
+    with http(keyed, "key-one") as client:
+        fits = client.post("/completions", json={**COMPLETION, "prompt": prompt_of["fits"]})
+        assert fits.status_code == 200, fits.text
+        too_large = json.dumps({**COMPLETION, "prompt": prompt_of["too_large"]}).encode()
+        declared = client.post("/completions", content=too_large)
+
+        def chunks() -> Iterator[bytes]:  # no content-length: read until past the limit
+            yield from (too_large[i : i + 1024] for i in range(0, len(too_large), 1024))
+
+        streamed = client.post("/completions", content=chunks())
+    for response in (declared, streamed):
+        assert response.status_code == 413
+        assert "larger than the 4096 bytes this router takes" in response.json()["error"]["message"]
+
+
+def test_api_keys_come_from_the_environment_for_a_router_serving_http(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(API_KEYS_ENV, "from-env-1,from-env-2")
+    parser = cli.build_parser("router")
+
+    def config(*args: str) -> RouterConfig:
+        return config_from_args(RouterConfig, cli._tokens_from_env(parser.parse_args(args)))
+
+    assert config("router", "--http-port", "0").http_keys() == ("from-env-1", "from-env-2")
+    assert config("router", "--http-port", "0", "--api-key", "k").http_keys() == ("k",)
+    # A router without the HTTP API leaves them: an environment set for a fleet is no error.
+    assert config("router").api_key == ""
+
+
+# -- routing overrides, when the operator turns them off -------------------------------------
+
+
+def test_routing_overrides_are_refused_when_turned_off() -> None:
+    router = dataclasses.replace(ROUTER_CONFIG, request_overrides=False, http_port=0)
+    worker = dataclasses.replace(WORKER_CONFIG, engine_in_process=True)
+    with BackgroundCluster(1, router, worker) as cluster, Client(cluster.address) as client:
+        assert len(client.generate(prompt_token_ids=[256, 65], max_tokens=1).token_ids) == 1
+        for overrides in ({"policy": "round_robin"}, {"weights": {"prefill_weight": 0.0}}):
+            with pytest.raises(KvswitchError) as error:
+                client.generate(prompt_token_ids=[256, 65], max_tokens=1, **overrides)
+            assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "takes no per-request routing overrides" in str(error.value)
+        with http(cluster, None) as front:
+            body = {**COMPLETION, "routing": {"policy": "random"}}
+            refused = front.post("/completions", json=body)
+        assert refused.status_code == 400
+        assert "--no-request-overrides" in refused.json()["error"]["message"]

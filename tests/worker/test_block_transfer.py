@@ -137,6 +137,49 @@ def test_a_worker_writes_blocks_into_no_shared_memory_but_a_transfer_file(pair) 
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_transfer_file_that_is_a_link_or_someone_elses_is_refused(pair, tmp_path) -> None:
+    """Anyone on the host may create files in /dev/shm: a worker opens a transfer file, or a
+    peer's cache file, only when it is a plain file of its own user, never through a link (to a
+    file of ours it would write over) nor one another user could read our blocks from."""
+    holder, _ = pair
+    holder.generate(PROMPT, max_tokens=2)
+    size = 64 * BLOCK_BYTES
+    target = tmp_path / "ours"
+    target.write_bytes(b"\0" * size)
+    made = []
+
+    def planted(prefix: str, kind: str) -> str:
+        path = f"{SHM_DIR}/{prefix}{kind}-{os.getpid()}"
+        made.append(path)
+        if kind == "link":
+            os.symlink(target, path)
+        else:
+            with open(path, "wb") as file:
+                file.write(b"\0" * size)
+            os.chown(path, 65534, 65534)
+        return path
+
+    # NOTE: only root can give a file away; as another user, the link case alone.
+    kinds = {"link": "cannot open", "theirs": "not a plain file of this worker's user"}
+    if os.getuid() != 0:
+        del kinds["theirs"]
+    layout = KVLayout(2, BLOCK_SIZE, 2, 64, "float32")
+    try:
+        for kind, why in kinds.items():
+            path = planted(SHM_PREFIX, kind)
+            request = worker_pb2.FetchBlocksRequest(block_hashes=chain(holder), shm_path=path)
+            with pytest.raises(grpc.RpcError) as error:
+                list(holder.stub.FetchBlocks(request, timeout=30))
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert why in error.value.details()
+            with pytest.raises(ValueError, match=why):
+                PeerCache(planted(CACHE_PREFIX, kind), layout, 64)
+        assert target.read_bytes() == b"\0" * size  # nothing written through the link
+    finally:
+        for path in made:
+            os.unlink(path)
+
+
 def test_a_peer_that_is_not_there_is_unavailable_and_nothing_is_cached(pair) -> None:
     _, taker = pair
     with pytest.raises(grpc.RpcError) as error:
