@@ -99,7 +99,6 @@ class Progress:
     left: set[str] = dataclasses.field(default_factory=set)  # decode workers gone during prefill
     retry_after_ms: int = 0  # the longest wait the busy ones asked for
     num_engine_failures: int = 0
-    steps: list[Step] = dataclasses.field(default_factory=list)  # the states, in order
 
     def excluded(self) -> set[str]:
         """The workers this request no longer goes to."""
@@ -171,10 +170,12 @@ class Attempts:
         }
 
     async def run(self) -> None:
+        """Step from ROUTE to DONE. A worker full or failed sends its attempt to FAILOVER; one
+        that refuses the request ends the call. An attempt ends (``_end_attempt``) as the next
+        state is ROUTE or DONE, or as the call ends any other way."""
         step = Step.ROUTE
         try:
             while step is not Step.DONE:
-                self._progress.steps.append(step)
                 try:
                     step = await self._states[step]()
                 except (WorkerBusy, WorkerFailed) as e:
@@ -185,7 +186,6 @@ class Attempts:
                     await self._refused(e)
                 if step in (Step.ROUTE, Step.DONE):
                     self._end_attempt()
-            self._progress.steps.append(Step.DONE)
         finally:
             self._end_attempt()
 
