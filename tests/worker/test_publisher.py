@@ -223,7 +223,10 @@ def test_a_lost_batch_or_a_forgotten_worker_triggers_a_resync() -> None:
     async def main() -> None:
         index = MemoryIndex()
         info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
-        publisher = EventPublisher(index, engine, info, FAST)
+        # NOTE: not started, so nothing heartbeats: a TTL no machine outlasts here, so that only
+        # the deregister below makes the index forget the worker.
+        unhurried = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=600.0)
+        publisher = EventPublisher(index, engine, info, unhurried)
         await publisher.publish_pending()  # not synced yet: registers and resyncs
         assert publisher.num_resyncs == 1
         await generate(engine, "r1", [256, *b"first document " * 4])
