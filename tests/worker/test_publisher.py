@@ -309,7 +309,8 @@ def test_a_failed_round_tries_the_same_batch_again_and_never_resyncs() -> None:
     async def main() -> None:
         index = TimingOutIndex()
         info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
-        publisher = EventPublisher(index, engine, info, FAST, Backoff(0.01, 0.05))
+        steady = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=30.0)
+        publisher = EventPublisher(index, engine, info, steady, Backoff(0.01, 0.05))
         await publisher.publish_pending()
         index.time_out(3)
         publisher.start()
@@ -363,12 +364,14 @@ def test_a_stalled_index_write_never_lets_the_registration_lapse() -> None:
     async def main() -> None:
         index = StallingIndex()
         info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
-        publisher = EventPublisher(index, engine, info, FAST)
+        # NOTE: a TTL of 20 heartbeats, so that a loaded machine's scheduling does not lapse it.
+        config = PublisherConfig(interval_s=0.01, heartbeat_s=0.05, ttl_s=1.0)
+        publisher = EventPublisher(index, engine, info, config)
         publisher.start()
         await generate(engine, "r1", [256, *b"stalls the index " * 4])
         await asyncio.wait_for(index.stalled.wait(), 5)
         # Heartbeats go on while the write stalls, for longer than the TTL ...
-        num_beats = index.num_heartbeats + round(2 * FAST.ttl_s / FAST.heartbeat_s)
+        num_beats = index.num_heartbeats + round(2 * config.ttl_s / config.heartbeat_s)
         async with index.beats:
             await asyncio.wait_for(
                 index.beats.wait_for(lambda: index.num_heartbeats >= num_beats), 10
