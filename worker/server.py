@@ -308,7 +308,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if request.HasField("kv_source"):
                 # NOTE: a request that can never run is refused before anything moves for it.
                 _check_kv_source(request.kv_source)
-                await self._check_peer(request.kv_source.peer_address)
                 prompt = self._engine.checked_prompt(
                     prompt_token_ids,
                     lora=request.lora or None,
@@ -332,12 +331,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except EngineStopped as e:
             self._metrics.requests.finished("rejected")
             await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
-        except PeerRefused as e:
-            logger.warning("refused: kv_source: %s", e, extra=log_extra)
-            self._metrics.requests.finished("rejected")
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"request {request_id}: kv_source: {e}"
-            )
         except ValueError as e:
             logger.info("rejected: %s", e, extra=log_extra)
             self._metrics.requests.finished("rejected")
@@ -520,11 +513,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> int:
         """Disaggregated prefill, the decode side: pull the prompt's blocks (``hashes``, its
         chain) from the prefill worker before the request runs; how many moved. A failed pull is
-        computed here instead, or ends the request with ABORTED when the source says ``fail``."""
+        computed here instead, or ends the request with ABORTED when the source says ``fail``. A
+        source that is not a live worker of this fleet counts as a failed pull: nothing is asked
+        of it (a prefill worker that left meanwhile is recomputed for, a stranger never heard)."""
         timeout_s = context.time_remaining()
         if source.timeout_ms:
             timeout_s = min(timeout_s or math.inf, source.timeout_ms / 1000)
         try:
+            await self._check_peer(source.peer_address)
             pulled = await self._transfers.pull(
                 source.peer_address,
                 hashes,
@@ -533,7 +529,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 transfer_id=source.transfer_id,
                 timeout_s=timeout_s,
             )
-        except (grpc.aio.AioRpcError, ValueError, ShmRefused) as e:
+        except (grpc.aio.AioRpcError, ValueError, ShmRefused, PeerRefused) as e:
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
             message = f"the KV transfer from {source.peer_address} failed: {why}"
             if source.on_failure == "fail":

@@ -217,20 +217,25 @@ def cached(worker: BackgroundWorker) -> set[bytes]:
     return {h for c in worker.stub.Snapshot(worker_pb2.SnapshotRequest()) for h in c.block_hashes}
 
 
-def test_a_peer_outside_the_fleet_is_refused_and_nothing_moves(workers) -> None:
+def test_a_peer_outside_the_fleet_is_never_asked(workers) -> None:
     """A worker takes blocks only from a live worker of its index: a kv_source naming any other
-    address, even a real worker's that holds the prompt, is refused before anything moves."""
+    address, even a real worker's that holds the prompt, is never asked. The request is computed
+    here instead, or ends ABORTED when its source says ``fail``, as after a failed pull."""
     _, d, alone = workers
     prompt = prompt_of(8)
     expected, _, _ = alone.generate(prompt, max_tokens=NUM_TOKENS)  # alone holds its blocks
     hashes = set(hash_prompt_blocks(prompt, BLOCK_SIZE, d.server.engine.namespace))
-    for address in (alone.server.address, "10.9.8.7:50061"):
-        source = worker_pb2.KVSource(peer_address=address, transfer_id="x")
+    for address in (alone.server.address, "127.0.0.1:3"):
+        source = worker_pb2.KVSource(peer_address=address, transfer_id="x", on_failure="fail")
         with pytest.raises(grpc.RpcError) as error:
             decode(d, prompt, expected[0], source, request_id=f"outsider-{address}")
-        assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert error.value.code() == grpc.StatusCode.ABORTED
         assert f"{address} is not a live worker of model" in error.value.details()
         assert not hashes & cached(d)
+    source = worker_pb2.KVSource(peer_address=alone.server.address, transfer_id="x")
+    tokens, final = decode(d, prompt, expected[0], source, request_id="outsider-recomputed")
+    assert tokens == expected[1:]
+    assert final.stats.num_transferred_blocks == 0  # computed here: nothing from the outsider
 
 
 def test_pull_blocks_is_off_unless_allowed(workers) -> None:
