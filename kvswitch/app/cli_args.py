@@ -1,12 +1,19 @@
-"""Build argparse options from a frozen config dataclass, so defaults live in one place."""
+"""What every ``kvswitch`` command shares: argparse options built from a frozen config dataclass (so
+defaults live in one place), tokens from the environment, JSON output, logging."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import re
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
+
+from kvswitch.logs import configure_logging, log_format_from_env, log_level_from_env
 
 T = TypeVar("T")
 
@@ -65,3 +72,75 @@ def with_flags(message: str, field_names: Iterable[str]) -> str:
         elif re.match(rf"{name}\b(?!-)", message):
             message = option + message[len(name) :]
     return message
+
+
+def plain_doc(doc: str | None) -> str:
+    """A module's docstring as a command's description: ``code`` marks read as noise there."""
+    return (doc or "").replace("``", "")
+
+
+def write_json(result: dict[str, Any], path: Path | None) -> None:
+    text = json.dumps(result, indent=2, sort_keys=True)
+    print(text)
+    if path is not None:
+        path.write_text(text + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def tokens_from_env(args: argparse.Namespace) -> argparse.Namespace:
+    """Tokens not given as options, from the environment (a command line shows in ps)."""
+    from kvswitch.security import API_KEYS_ENV, FLEET_TOKEN_ENV, TOKEN_ENV
+
+    for name, env in (("token", TOKEN_ENV), ("fleet_token", FLEET_TOKEN_ENV)):
+        if hasattr(args, name) and not getattr(args, name):
+            setattr(args, name, os.environ.get(env, ""))
+    # NOTE: API keys only for a router that serves HTTP: a router without --http-port refuses
+    # --api-key, and an environment set for the whole fleet must not make it fail.
+    if hasattr(args, "api_key") and not args.api_key and args.http_port >= 0:
+        args.api_key = os.environ.get(API_KEYS_ENV, "")
+    return args
+
+
+def exit_with(code: int) -> None:
+    if code:
+        sys.exit(code)
+
+
+def configure_process_logging(process_fields: dict[str, str] | None = None) -> None:
+    try:
+        log_format, log_level = log_format_from_env(), log_level_from_env()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    configure_logging(log_level, json=log_format == "json", process_fields=process_fields or {})
+
+
+def add_report_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    description: str,
+    config_cls: type,
+    helps: dict[str, str],
+    run: Callable[[Any], dict[str, Any]],
+) -> None:
+    """A command that builds ``config_cls`` from its options, runs it and prints the JSON it
+    returns; a file it cannot read or a value it refuses (ValueError) is a one-line message."""
+
+    def command(args: argparse.Namespace) -> None:
+        config = config_from_args(config_cls, args)
+        try:
+            result = run(config)
+        except (OSError, ValueError) as e:
+            fields = [field.name for field in dataclasses.fields(config_cls)]
+            sys.exit(f"kvswitch {name}: {with_flags(str(e), fields)}")
+        write_json(result, args.json)
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(sub, config_cls, helps)
+    sub.add_argument("--json", type=Path, metavar="OUT", help="also write the figures here")
+    sub.set_defaults(func=command)

@@ -16,7 +16,7 @@ import httpx2
 import pytest
 
 from kvswitch.app import cli, generate, health
-from kvswitch.app.cli_args import config_from_args
+from kvswitch.app.cli_args import config_from_args, tokens_from_env
 from kvswitch.cache_index.audit import audit
 from kvswitch.cache_index.grpc_index import GrpcIndex
 from kvswitch.cache_index.index import WorkerInfo
@@ -363,7 +363,7 @@ def test_api_keys_come_from_the_environment_for_a_router_serving_http(
     parser = cli.build_parser("router")
 
     def config(*args: str) -> RouterConfig:
-        return config_from_args(RouterConfig, cli._tokens_from_env(parser.parse_args(args)))
+        return config_from_args(RouterConfig, tokens_from_env(parser.parse_args(args)))
 
     assert config("router", "--http-port", "0").http_keys() == ("from-env-1", "from-env-2")
     assert config("router", "--http-port", "0", "--api-key", "k").http_keys() == ("k",)

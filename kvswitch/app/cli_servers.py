@@ -1,0 +1,327 @@
+"""The commands that run servers: ``kvswitch router``, ``worker``, ``up`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvswitch.app.cli_args import (
+    add_config_args,
+    config_from_args,
+    configure_process_logging,
+    plain_doc,
+    tokens_from_env,
+)
+
+SECURITY_HELP = {
+    "tls_cert": "PEM certificate chain this process presents; turns TLS on for every gRPC hop "
+    "it serves and calls (docs/SECURITY.md)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_ca": "PEM CA bundle that verifies the routers and workers this process calls (and, "
+    "with --tls-client-auth, its callers); empty = the system's roots",
+    "tls_client_auth": "mutual TLS: callers must present a certificate signed by --tls-ca, and "
+    "this process presents its own when it calls",
+    "fleet_token": "bearer token routers and workers present to each other; workers (and the "
+    "router's embedded index) refuse calls without it; or set KVSWITCH_FLEET_TOKEN",
+}
+
+BLOCK_HASH_HELP = (
+    "how blocks are named: xxh3 (fast, unkeyed: prompts whose blocks collide can be built), "
+    "blake2b-keyed (keyed with a key derived from the fleet token; refused without one), or "
+    "empty = blake2b-keyed when a fleet token is set, else xxh3. Every router and worker of a "
+    "fleet must agree; a router refuses workers that do not (docs/HASHING.md)"
+)
+
+WORKER_DESCRIPTION = """\
+Run one worker: a model with its paged KV cache, behind a gRPC server (kvswitch.v1.Worker and the
+standard grpc.health.v1 health service; see docs/PROTOCOL.md).
+
+The router sends it tokenized prompts; the worker streams the generated tokens back, reports its
+load, and can list the KV blocks it holds, so that requests whose prompt prefix is cached here are
+sent here. It runs until Ctrl-C or SIGTERM, then gives running requests --grace-s seconds to finish.
+"""
+
+WORKER_HELP = {
+    "host": "address to listen on; 0.0.0.0 listens on every network interface",
+    "port": "TCP port to listen on; 0 picks a free one (the address is printed at start)",
+    "worker_id": "name the worker reports in its replies; empty = HOST:PORT",
+    "model": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+    "empty = the built-in tiny model, which needs no files",
+    "device": "where the model runs: cpu, cuda or cuda:N",
+    "dtype": "number type of the weights and the KV cache: float32, float16 or bfloat16",
+    "block_size": "tokens per KV cache block; the router and cache index must use the same",
+    "kv_cache_bytes": "memory for the KV cache in bytes; divided into blocks, it sets how many "
+    "tokens the worker can hold",
+    "gpu_memory_fraction": "on a GPU, a fraction in (0, 1) of the memory left free after "
+    "loading the model to use for the KV cache, instead of --kv-cache-bytes; 0 = off",
+    "enable_prefix_caching": "reuse the KV blocks of earlier prompts that share a prefix",
+    "kv_cache_shm": "CPU workers: keep the KV cache in a file in /dev/shm (as large as "
+    "--kv-cache-bytes), where workers on the same host copy blocks straight out of it, the "
+    "fastest way blocks move between two workers (docs/DISAGGREGATION.md)",
+    "max_num_seqs": "most requests computed together in one step",
+    "max_waiting_requests": "requests that may wait for a place in the batch (beyond "
+    "--max-num-seqs); past them the worker answers RESOURCE_EXHAUSTED and the router tries "
+    "another worker",
+    "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
+    "prefilled in chunks",
+    "cuda_graphs": "GPU workers: capture the model's forward as CUDA graphs at start, one per "
+    "batch size up to --max-num-seqs, and replay them for decode steps (docs/WORKER.md)",
+    "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
+    "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
+    "them all, they slow each other many times over",
+    "check_integrity": "check the KV cache's invariants each time the engine falls idle; a "
+    "broken one stops the worker with the traceback (for tests and fault drills: it walks every "
+    "block)",
+    "max_hashes_per_chunk": "block hashes per message of a cache snapshot, when the "
+    "client asks for none",
+    "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM before they are "
+    "cancelled",
+    "index": "block-hash index to publish this worker's cache to: grpc://ROUTER_HOST:PORT (a "
+    "router's embedded index), redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT; "
+    "empty = publish nothing",
+    "index_prefix": "a Redis index: the prefix of every key it writes; fleets with different "
+    "prefixes share one Redis without seeing each other (docs/SECURITY.md)",
+    "role": "what the router sends here: both = whole requests; prefill = prompts to compute "
+    "for a decode worker, which takes their KV blocks from here; decode = requests whose prompt "
+    "a prefill worker computed, or short prompts it prefills itself (docs/DISAGGREGATION.md)",
+    "served_model_name": "the model's name in the block-hash index: workers of one name share "
+    "hashes; empty = derived from the checkpoint's content (docs/HASHING.md)",
+    "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
+    "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
+    "engine_in_process": "run the engine core on a thread of the serving process instead of a "
+    "process of its own: one process to debug or profile, sharing one GIL with token streaming",
+    "insecure": "listen beyond loopback (a --host other than 127.0.0.1, ::1 or localhost) "
+    "without a fleet token or mutual TLS, taking any caller; refused otherwise (docs/SECURITY.md)",
+    "allow_pull_blocks": "serve Worker.PullBlocks, which pulls blocks from whatever peer its "
+    "caller names: for benchmarks and tests on one machine (with a --host beyond loopback only "
+    "with --insecure); off, it answers PERMISSION_DENIED",
+    **SECURITY_HELP,
+    "block_hash": BLOCK_HASH_HELP,
+}
+
+DEMO_HELP = {
+    "workers": "CPU workers in the local cluster",
+    "num_documents": "long documents (markdown tables) to ask about",
+    "rows_per_document": "table rows per document",
+    "questions_per_document": "questions per document, interleaved across documents",
+    "num_chats": "multi-turn chats",
+    "chat_turns": "turns per chat",
+    "kv_cache_blocks": "KV cache blocks per worker (16 tokens each); small, so that caches fill",
+    "max_tokens": "tokens generated per request",
+    "seed": "random seed of the documents",
+}
+
+ROUTER_DESCRIPTION = """\
+Run the router: clients send it prompts (kvswitch.v1.Router, see docs/PROTOCOL.md); it hashes each
+prompt's blocks, asks the block-hash index which worker holds the longest cached prefix, weighs
+that against each worker's load and forwards the request there, streaming the output back.
+
+Workers find it through the index. With the default embedded index (memory://) the router serves
+that index on its own port: start workers with --index grpc://ROUTER_HOST:PORT. Several routers
+share one fleet through a Redis index (--index redis://...). Runs until Ctrl-C or SIGTERM.
+"""
+
+ROUTER_HELP = {
+    "host": "address to listen on; 0.0.0.0 listens on every network interface",
+    "port": "TCP port to listen on; 0 picks a free one (the address is printed at start)",
+    "index": "block-hash index: memory:// (embedded, served to workers on this port), "
+    "redis://HOST:PORT, rediss://... (TLS), redis+cluster://HOST:PORT",
+    "index_prefix": "a Redis index: the prefix of every key it writes; fleets with different "
+    "prefixes share one Redis without seeing each other (docs/SECURITY.md)",
+    "model": "checkpoint directory whose tokenizer turns text prompts into tokens; empty = the "
+    "built-in model's byte tokenizer",
+    "namespace": "the model to route for, as the workers name it; empty = the one every live "
+    "worker serves",
+    "policy": "how to pick a worker: cost, prefix, least_loaded, round_robin or random "
+    "(docs/ROUTER.md)",
+    "prefill_weight": "cost policy: what one uncached prompt token costs, in tokens of queued work",
+    "temperature": "cost policy: 0 = always the cheapest worker; > 0 = sample near-ties, in tokens",
+    "decode_weight": "cost policy: what one output token still to decode on a worker costs, in "
+    "prompt tokens (docs/ROUTING.md)",
+    "min_match": "cost policy: a cached prefix shorter than this fraction of the prompt counts as "
+    "none, so a short shared system prompt does not pull new prompts onto one worker",
+    "private_weight": "cost policy: what one uncached prompt token past the shared prefix (a "
+    "conversation's own history) costs, in tokens of queued work (docs/ROUTING.md)",
+    "peer_fetch_tokens_per_s": "peer block fetch (cost policy): tokens of KV moved a second "
+    "between two workers, as measured (kvswitch bench transfer: blocks_per_s x block size); with "
+    "--prefill-tokens-per-s, a worker may take a cached prefix from its holder instead of "
+    "computing it, where that costs less (docs/DISAGGREGATION.md); 0 = off",
+    "peer_fetch_latency_ms": "peer block fetch: what one transfer costs besides its bytes, in ms",
+    "prefill_tokens_per_s": "peer block fetch: prompt tokens a worker computes a second, as "
+    "measured (kvswitch bench ttft); 0 = off",
+    "max_failovers": "other workers to try when a worker fails a request",
+    "wait_for_worker_s": "seconds a request that finds no routable worker waits for one (never "
+    "past its deadline) before it fails with UNAVAILABLE",
+    "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the worker's "
+    "own cache events confirm it",
+    "refresh_s": "seconds between readings of the live workers from the index",
+    "load_poll_s": "seconds between load reports asked of each worker",
+    "lost_after_failed_polls": "load polls a worker fails in a row (1 s timeout each) before "
+    "the router takes it for lost and fails its streams over; one slow answer only keeps new "
+    "requests off it until it answers",
+    "min_remote_prefill_tokens": "disaggregated prefill: a prompt with fewer tokens than this "
+    "uncached on its decode worker is prefilled there, not on a prefill worker",
+    "max_prefill_queue_tokens": "disaggregated prefill: a prefill worker with more prompt tokens "
+    "than this queued takes no more; the decode worker prefills instead",
+    "kv_lease_s": "disaggregated prefill: seconds a prefill worker holds a prompt's KV blocks "
+    "for its decode worker (each fetch restarts it)",
+    "on_transfer_failure": "disaggregated prefill: when the KV transfer fails, recompute the "
+    "missing blocks on the decode worker, or fail the request (ABORTED)",
+    "kv_transport": "disaggregated prefill: how KV blocks travel: mapped (one host, copied "
+    "straight out of a --kv-cache-shm worker's cache), shm (one host, through a file), grpc, or "
+    "empty = the first of those that works",
+    "token": "if set, clients must send 'authorization: Bearer TOKEN'; or set KVSWITCH_TOKEN",
+    "max_prompt_tokens": "longest prompt a client may send, in tokens (INVALID_ARGUMENT past "
+    "it); 0 = no limit",
+    "max_output_tokens": "most tokens a request may ask for (sampling.max_tokens); 0 = no limit",
+    "max_stop_token_ids": "most stop token ids a request may list; 0 = no limit",
+    "max_streams_per_client": "most streams one client address may hold open at once "
+    "(RESOURCE_EXHAUSTED past it); 0 = no limit",
+    "max_message_bytes": "largest request message accepted, in bytes (gRPC refuses a larger "
+    "one with RESOURCE_EXHAUSTED)",
+    "request_overrides": "take a request's own routing policy and weights (routing.policy, "
+    "routing.weights); with --no-request-overrides a request that sets them is refused "
+    "(INVALID_ARGUMENT)",
+    "insecure": "listen beyond loopback (a --host other than 127.0.0.1, ::1 or localhost) "
+    "without a fleet token or mutual TLS, and serve the HTTP API there without API keys, "
+    "taking any caller; refused otherwise (docs/SECURITY.md)",
+    "metrics_port": "TCP port for Prometheus metrics at http://HOST:PORT/metrics; 0 picks a "
+    "free one, -1 = no metrics endpoint (docs/OBSERVABILITY.md)",
+    "http_port": "TCP port for the OpenAI-compatible HTTP API at http://HOST:PORT/v1 "
+    "(completions, chat, models; https with --tls-cert); 0 picks a free one, -1 = none "
+    "(docs/OPENAI.md)",
+    "api_key": "HTTP API: keys clients must send as 'Authorization: Bearer KEY', "
+    "comma-separated; or set KVSWITCH_API_KEYS; empty = the client token (--token), if set",
+    "max_body_bytes": "HTTP API: largest request body, in bytes (413 past it)",
+    "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
+    **SECURITY_HELP,
+    "block_hash": BLOCK_HASH_HELP,
+}
+
+UP_HELP = {
+    "workers": "number of workers that prefill and decode (role both); -1 = 2, or 0 when "
+    "--prefill-workers or --decode-workers is given",
+    "prefill_workers": "number of prefill workers: they compute long prompts, and decode "
+    "workers take the KV blocks from them (docs/DISAGGREGATION.md)",
+    "decode_workers": "number of decode workers",
+    "port": "the router's port (0 picks a free one)",
+    "redis": "empty = the router's embedded index; 'local' = start a redis-server for the "
+    "cluster; or a redis:// URL to use",
+    "model": WORKER_HELP["model"],
+    "device": "cpu, or cuda (worker i on GPU i mod the number of GPUs)",
+    "dtype": WORKER_HELP["dtype"],
+    "block_size": WORKER_HELP["block_size"],
+    "kv_cache_bytes": "KV cache memory per worker, in bytes",
+    "kv_cache_shm": WORKER_HELP["kv_cache_shm"],
+    "cuda_graphs": WORKER_HELP["cuda_graphs"],
+    "policy": ROUTER_HELP["policy"],
+    "host": "address every process listens on",
+    "http_port": "the router's OpenAI-compatible HTTP API at http://HOST:PORT/v1; 0 picks a "
+    "free one, -1 = none (docs/OPENAI.md)",
+    "metrics_port": "Prometheus /metrics of the router on this port and of worker i on the "
+    "i+1-th after it (workers, then prefill, then decode workers); 0 = a free port each (in "
+    "their logs), -1 = none",
+    "grace_s": "seconds running requests get to finish when the cluster stops",
+    "insecure": "let every process listen on a --host beyond loopback without a fleet token "
+    "or mutual TLS (passed on as --insecure); on 127.0.0.1 nothing is needed, elsewhere set "
+    "KVSWITCH_FLEET_TOKEN (and KVSWITCH_API_KEYS for --http-port) instead",
+}
+
+
+def _worker_command(args: argparse.Namespace) -> None:
+    from kvswitch.worker import server as worker_server
+
+    config = config_from_args(worker_server.WorkerConfig, tokens_from_env(args))
+    # NOTE: workers that share a terminal (kvswitch up) tell their lines apart by it.
+    configure_process_logging({"worker_id": config.worker_id} if config.worker_id else {})
+    try:
+        worker_server.run(config)
+    except (worker_server.WorkerStartError, worker_server.WorkerFailed) as e:
+        sys.exit(f"kvswitch worker: {e}")
+
+
+def _router_command(args: argparse.Namespace) -> None:
+    from kvswitch.router import server as router_server
+
+    config = config_from_args(router_server.RouterConfig, tokens_from_env(args))
+    configure_process_logging()
+    try:
+        router_server.run(config)
+    except router_server.RouterStartError as e:
+        sys.exit(f"kvswitch router: {e}")
+
+
+def _up_command(args: argparse.Namespace) -> None:
+    from kvswitch.deploy import local as cluster
+
+    config = config_from_args(cluster.ClusterConfig, args)
+    try:
+        cluster.run(config)
+    except cluster.ClusterError as e:
+        sys.exit(f"kvswitch up: {e}")
+
+
+def import_servers() -> None:
+    """For the commands that start routers and workers as processes: those must import here,
+    and the modules of the worker's engine core be found."""
+    import kvswitch.router.server
+    import kvswitch.worker.server
+
+    kvswitch.worker.server.check_engine_modules()
+
+
+def add_demo(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.app import demo
+
+    import_servers()
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
+        description=plain_doc(demo.__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(sub, demo.DemoConfig, DEMO_HELP)
+    sub.set_defaults(func=lambda args: demo.run(config_from_args(demo.DemoConfig, args)))
+
+
+def add_router(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.router import server as router_server
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
+        description=ROUTER_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(sub, router_server.RouterConfig, ROUTER_HELP)
+    sub.set_defaults(func=_router_command)
+
+
+def add_up(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.deploy import local as cluster
+
+    import_servers()
+
+    sub = commands.add_parser(
+        name,
+        help=summary,
+        description=plain_doc(cluster.__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(sub, cluster.ClusterConfig, UP_HELP)
+    sub.set_defaults(func=_up_command)
+
+
+def add_worker(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
+    from kvswitch.worker import server as worker_server
+
+    worker_server.check_engine_modules()
+    sub = commands.add_parser(
+        name,
+        help=summary,
+        description=WORKER_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(sub, worker_server.WorkerConfig, WORKER_HELP)
+    sub.set_defaults(func=_worker_command)
