@@ -77,7 +77,7 @@ async def _run(config: AdmissionBenchConfig) -> dict:
     from kvswitch.v1 import worker_pb2
     from kvswitch.worker.engine_client import EngineClient
     from kvswitch.worker.request import SamplingParams
-    from kvswitch.worker.server import prompt_from_proto
+    from kvswitch.worker.servicer import prompt_from_proto
 
     engine = await asyncio.to_thread(EngineClient.start, engine_config(config))
     try:

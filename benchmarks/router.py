@@ -45,7 +45,7 @@ from kvswitch.v1 import (
     worker_pb2_grpc,
 )
 from kvswitch.worker.publisher import EventPublisher
-from kvswitch.worker.server import prompt_from_proto
+from kvswitch.worker.servicer import prompt_from_proto
 
 NAMESPACE = "stub-model"
 
