@@ -8,7 +8,8 @@ prompt's 512-block chain. While lookups are timed every worker heartbeats as its
 (``heartbeat_s``, registrations lapsing after ``ttl_s``).
 
 With ``resync_blocks``, one more worker holds that many blocks, loses a batch, and resyncs a
-snapshot of as many (half of them new) while lookups go on: ``lookup_p99_during_resync_ms``. For
+snapshot of as many (half of them new) while lookups go on: ``lookup_p99_during_resync_ms``, and
+the longest the lookups' event loop went without a turn, ``loop_stall_max_during_resync_ms``. For
 the Redis backends the resync comes from a process of its own, as it does from a worker; the
 embedded index takes it on the lookups' own event loop, as a router does. A worker is dropped
 if a heartbeat of it was refused or a lookup left it out.
@@ -241,6 +242,8 @@ async def _during_resync(
     print(f"resyncing {config.resync_blocks:,} blocks during lookups ...", file=sys.stderr)
     snapshot = await _prepare_resync(index, config)
     heartbeat = asyncio.create_task(fleet.heartbeat_forever(index, RESYNCING))
+    stalls_ms: list[float] = []
+    ticker = asyncio.create_task(_time_loop_stalls(stalls_ms))
     loop = asyncio.get_running_loop()
     if config.backend == "memory":
         start = time.perf_counter()
@@ -262,8 +265,10 @@ async def _during_resync(
         if process.exitcode:
             raise RuntimeError(f"the resyncing process failed ({process.exitcode})")
     resync_s = time.perf_counter() - start
-    heartbeat.cancel()
-    await asyncio.gather(heartbeat, return_exceptions=True)
+    await asyncio.sleep(0.005)  # the ticker's turn, if the resync held the loop until now
+    for task in (heartbeat, ticker):
+        task.cancel()
+    await asyncio.gather(heartbeat, ticker, return_exceptions=True)
     if (await index.match(NAMESPACE, snapshot[:1])).get(RESYNCING) != 1:
         raise RuntimeError("the snapshot is not in the index after the resync")
     latencies_ms.sort()
@@ -276,7 +281,19 @@ async def _during_resync(
         **_percentiles("lookup_during_resync", latencies_ms),
         "num_lookups_during_resync": len(latencies_ms),
         "resync_s": resync_s,
+        # The longest the event loop of the lookups went without a turn: for the embedded index
+        # it is the router's own loop, held while a resync runs in one piece.
+        "loop_stall_max_during_resync_ms": max(stalls_ms, default=0.0),
     }
+
+
+async def _time_loop_stalls(stalls_ms: list[float]) -> None:
+    """Every millisecond or so, how much later than asked this loop got its turn."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(0.001)
+        stalls_ms.append((loop.time() - asked - 0.001) * 1e3)
 
 
 def _percentiles(name: str, latencies_ms: list[float]) -> dict[str, float | None]:
