@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 from kvswitch.app.cli import main
-from kvswitch.worker import server
+from kvswitch.worker import servicer
 
 
 def hold_then_block() -> None:
     hold_file = Path(os.environ["KVSWITCH_TEST_HOLD_FILE"])
     block_s = float(os.environ["KVSWITCH_TEST_BLOCK_S"])
-    next_outputs = server._next_outputs
+    next_outputs = servicer._next_outputs
     blocked = [False]
 
     async def held_next_outputs(queue):
@@ -34,7 +34,7 @@ def hold_then_block() -> None:
             time.sleep(block_s)  # NOTE: on purpose, in the event loop
         return await next_outputs(queue)
 
-    server._next_outputs = held_next_outputs
+    servicer._next_outputs = held_next_outputs
 
 
 if __name__ == "__main__":
