@@ -63,7 +63,7 @@ class ChaosConfig:
     concurrency: int = 4
     max_tokens: int = 128
     timeout_s: float = 8.0
-    max_retries: int = 10
+    max_retries: int = 30  # see CheckedLoad
     warmup_s: float = 5.0
     settle_s: float = 3.0
     stall_s: float = 10.0

@@ -136,7 +136,9 @@ class CheckedLoad:
         concurrency: int = 4,
         max_tokens: int = 128,
         timeout_s: float = 10.0,
-        max_retries: int = 10,
+        # NOTE: retries back off with full jitter (capped at 1 s) and never past timeout_s; ten
+        # could all be spent in under 2 s, less than a router takes to restart on a busy machine.
+        max_retries: int = 30,
         seed: int = 0,
     ) -> None:
         if concurrency < 1:
