@@ -218,7 +218,7 @@ async def _measure(index: BlockIndex, config: IndexBenchConfig, url: str) -> dic
     figures: dict = {}
     try:
         latencies_ms = sorted(await fleet.timed_lookups(index, chain, config.num_lookups))
-        figures |= _percentiles("lookup", latencies_ms)
+        figures |= _percentiles(latencies_ms)
         print(f"  lookup p50 {figures['lookup_p50_ms']:.3f} ms", file=sys.stderr)
         if config.resync_blocks:
             figures |= await _during_resync(index, config, url, fleet, chain)
@@ -278,7 +278,7 @@ async def _during_resync(
         file=sys.stderr,
     )
     return {
-        **_percentiles("lookup_during_resync", latencies_ms),
+        **_percentiles(latencies_ms, "_during_resync"),
         "num_lookups_during_resync": len(latencies_ms),
         "resync_s": resync_s,
         # The longest the event loop of the lookups went without a turn: for the embedded index
@@ -296,14 +296,14 @@ async def _time_loop_stalls(stalls_ms: list[float]) -> None:
         stalls_ms.append((loop.time() - asked - 0.001) * 1e3)
 
 
-def _percentiles(name: str, latencies_ms: list[float]) -> dict[str, float | None]:
+def _percentiles(latencies_ms: list[float], suffix: str = "") -> dict[str, float | None]:
+    """``lookup_p50_ms``, ``lookup_p99_ms`` and ``lookup_max_ms``, with ``suffix`` before
+    ``_ms`` (``lookup_p99_during_resync_ms``); None where no lookup was timed."""
+    names = [f"lookup_{q}{suffix}_ms" for q in ("p50", "p99", "max")]
     if not latencies_ms:
-        return {f"{name}_p50_ms": None, f"{name}_p99_ms": None, f"{name}_max_ms": None}
-    return {
-        f"{name}_p50_ms": statistics.median(latencies_ms),
-        f"{name}_p99_ms": latencies_ms[int(0.99 * (len(latencies_ms) - 1))],
-        f"{name}_max_ms": latencies_ms[-1],
-    }
+        return dict.fromkeys(names)
+    p99 = latencies_ms[int(0.99 * (len(latencies_ms) - 1))]
+    return dict(zip(names, (statistics.median(latencies_ms), p99, latencies_ms[-1]), strict=True))
 
 
 def run(config: IndexBenchConfig) -> dict:
