@@ -33,9 +33,12 @@ from __future__ import annotations
 # slices of this many.
 _UNPACK_SLICE = 1000
 
-# Shared by both match scripts: the packed chain split into its hashes. MATCH_NODE adds how
-# many leading chain hashes a worker holds, or -1 where the worker is lapsed, untrusted or of
-# another namespace.
+# Hashes per HMGET in MATCH_NAMESPACE: a short match stops after one slice, and struct.unpack
+# returns this many values and one more at once, well under Lua's limit.
+_MATCH_SLICE = 128
+
+# MATCH_NODE's: the packed chain split into its hashes, and how many leading chain hashes a worker
+# holds, or -1 where the worker is lapsed, untrusted or of another namespace.
 _SPLIT_CHAIN_FN = """
 -- The chain arrives as one argument, its 16-byte hashes back to back: one bulk string is far
 -- cheaper to send and to hand to Lua than hundreds of small ones.
@@ -433,94 +436,93 @@ MATCH_NAMESPACE = f"""
 -- returns worker id, count, worker id, count, ... for every live, trusted worker of it
 -- Single Redis only: it reads worker keys it derives from the slot table, which a cluster
 -- forbids, and the map exists only on a single Redis.
-{_SPLIT_CHAIN_FN}
+local band, bxor, lshift = bit.band, bit.bxor, bit.lshift
 local escapes = {{['%'] = '%25', ['{{'] = '%7B', ['}}'] = '%7D'}}
--- The candidates, grouped by the bitmap byte their slot sits in: active[b] has the bits of the
--- candidates of byte b that hold every chain block so far; members[b] lists them.
-local active, members, bytes = {{}}, {{}}, {{}}
 local slots = redis.call('HGETALL', KEYS[1])
-local bases, alive_keys = {{}}, {{}}
+local alive_keys = {{}}
 for i = 1, #slots, 2 do
-    local base = ARGV[1] .. (string.gsub(slots[i], '[%%{{}}]', escapes)) .. '}}:'
-    bases[#bases + 1] = base
-    alive_keys[#alive_keys + 1] = base .. 'alive'
+    local worker_id = slots[i]
+    if string.find(worker_id, '[%%{{}}]') then
+        worker_id = string.gsub(worker_id, '[%%{{}}]', escapes)
+    end
+    alive_keys[#alive_keys + 1] = ARGV[1] .. worker_id .. '}}:alive'
 end
 local alive = #alive_keys > 0 and redis.call('MGET', unpack(alive_keys)) or {{}}
 local untrusted = {{}}
 for _, worker_id in ipairs(redis.call('SMEMBERS', KEYS[3])) do untrusted[worker_id] = true end
+-- The candidates as 32-bit words of slot bits: active[w] has the bits of the candidates of word w
+-- that hold every chain block so far; words lists the words that have any.
 -- The slot table lists exactly the workers whose meta names this namespace and the slot (REGISTER
 -- and DROP change both together), so liveness and trust are all there is left to check.
-for n = 1, #bases do
+local candidates, slot_worker, active, words = {{}}, {{}}, {{}}, {{}}
+for n = 1, #alive_keys do
     local worker_id, slot = slots[2 * n - 1], tonumber(slots[2 * n])
     if alive[n] and not untrusted[worker_id] then
-        local b = math.floor(slot / 8) + 1
-        local mask = 2 ^ (slot % 8)
-        if not active[b] then
-            active[b], members[b] = 0, {{}}
-            bytes[#bytes + 1] = b
+        local w = math.floor(slot / 32) + 1
+        if not active[w] then
+            active[w] = 0
+            words[#words + 1] = w
         end
-        active[b] = active[b] + mask
-        members[b][#members[b] + 1] = {{worker_id, mask}}
+        active[w] = bit.bor(active[w], lshift(1, slot % 32))
+        slot_worker[slot] = worker_id
+        candidates[#candidates + 1] = worker_id
     end
 end
-local chain = split_chain(ARGV[3])
+local bit_position = {{}}  -- a single bit -> its position in the word
+for k = 0, 31 do bit_position[lshift(1, k)] = k end
+-- Word w of a bitmap, as the bit operations' signed 32-bit number; a bitmap is as long as its
+-- highest set bit needs.
+local function word(value, w)
+    local first = 4 * w - 3
+    if #value < first + 3 then
+        value = string.sub(value .. '\0\0\0\0', first, first + 3)
+        first = 1
+    end
+    return (struct.unpack('<i4', value, first))
+end
+local num_blocks = #ARGV[3] / 16
 local counts = {{}}
-local num_active = #bytes
-local band, byte = bit.band, string.byte
--- Drops from active[b] the candidates that lack the block at position pos; their count is pos - 1.
-local function step(b, value, pos)
-    local was = active[b]
-    local now = band(was, byte(value, b) or 0)
-    if now ~= was then
-        local lost = was - now
-        for _, member in ipairs(members[b]) do
-            if band(lost, member[2]) ~= 0 then counts[member[1]] = pos - 1 end
-        end
-        active[b] = now
-        if now == 0 then num_active = num_active - 1 end
-    end
-end
--- Whether every active candidate holds the block whose bitmap is value.
-local function keeps_all(value)
-    for k = 1, #bytes do
-        local b = bytes[k]
-        if band(active[b], byte(value, b) or 0) ~= active[b] then return false end
-    end
-    return true
-end
--- HMGET over growing slices of the chain (a short match stops after a small first slice), until
--- no candidate holds every block so far.
-local i, size = 1, 128
-while num_active > 0 and i <= #chain do
-    local last = math.min(i + size - 1, #chain)
-    local values = redis.call('HMGET', KEYS[2], unpack(chain, i, last))
-    -- Few distinct bitmaps come back (a run of blocks held by the same workers): remember, per
-    -- bitmap, whether it keeps every active candidate (a table lookup is cheaper than the bit
-    -- tests over every byte), until a candidate drops.
-    local keeps = {{}}
-    for j = 1, #values do
+local num_active = #words
+-- HMGET over slices of the chain (a short match stops after the first), until no candidate holds
+-- every block so far. Every bitmap that was checked holds every candidate still active after
+-- it, so a run of equal bitmaps (blocks held by the same workers) costs one string comparison a
+-- block.
+-- NOTE: HMGET takes the slice's hashes straight from struct.unpack, with no table between. The
+-- value unpack returns after them, the position that follows, asks for one more field that no map
+-- has (its fields are 16-byte hashes); its answer is past the slice and never read.
+local done, pos, checked = 0, 1, nil
+while num_active > 0 and done < num_blocks do
+    local size = math.min({_MATCH_SLICE}, num_blocks - done)
+    local fields = string.rep('c16', size)
+    local values = redis.call('HMGET', KEYS[2], struct.unpack(fields, ARGV[3], pos))
+    for j = 1, size do
         local value = values[j]  -- false where no worker holds the block
-        local keep = keeps[value]
-        if keep == nil then
-            keep = value and keeps_all(value) or false
-            keeps[value] = keep
-        end
-        if not keep then
-            for k = 1, #bytes do
-                if active[bytes[k]] ~= 0 then step(bytes[k], value or '', i + j - 1) end
+        if value ~= checked then
+            for _, w in ipairs(words) do
+                local was = active[w]
+                local now = was ~= 0 and value and band(was, word(value, w)) or 0
+                if now ~= was then
+                    -- The candidates of the lost bits hold the blocks before this one.
+                    local lost = bxor(was, now)
+                    repeat
+                        local low = band(lost, -lost)
+                        counts[slot_worker[32 * (w - 1) + bit_position[low]]] = done + j - 1
+                        lost = bxor(lost, low)
+                    until lost == 0
+                    active[w] = now
+                    if now == 0 then num_active = num_active - 1 end
+                end
             end
             if num_active == 0 then break end
-            keeps = {{}}
+            checked = value
         end
     end
-    i, size = last + 1, math.min(size * 4, 1024)
+    done, pos = done + size, pos + 16 * size
 end
 local result = {{}}
-for _, b in ipairs(bytes) do
-    for _, member in ipairs(members[b]) do
-        result[#result + 1] = member[1]
-        result[#result + 1] = counts[member[1]] or #chain
-    end
+for _, worker_id in ipairs(candidates) do
+    result[#result + 1] = worker_id
+    result[#result + 1] = counts[worker_id] or num_blocks
 end
 return result
 """

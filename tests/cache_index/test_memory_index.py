@@ -4,6 +4,7 @@ yield to it. The shared behaviour is in test_index_contract.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -75,3 +76,30 @@ def test_a_register_during_a_resync_supersedes_it_and_leaves_nothing_behind() ->
         assert await index.apply("a", 1, [AllBlocksCleared()]) is ApplyStatus.APPLIED
 
     asyncio.run(main())
+
+
+def _entries_the_collector_walks() -> int:
+    """How many references the garbage collector follows in a full collection's containers."""
+    gc.collect()
+    return sum(len(gc.get_referents(o)) for o in gc.get_objects())
+
+
+def test_held_blocks_add_nothing_for_the_garbage_collector_to_walk() -> None:
+    """The index lives in the router's process: every block the collector had to visit on each
+    full collection would hold the router's loop (40 ms a million blocks). Blocks taken in by
+    events, by a resync and by a clear must leave nothing per block for it to walk."""
+    stored, snapshot, more = many_hashes(20_000, 1), many_hashes(20_000, 2), many_hashes(5_000, 3)
+
+    async def main() -> int:
+        index = MemoryIndex()
+        before = _entries_the_collector_walks()
+        for worker_id in ("a", "b"):
+            await index.register(worker(worker_id), 60)
+        assert await index.apply("a", 1, [BlockStored(tuple(stored))]) is ApplyStatus.APPLIED
+        await index.resync("b", 5, snapshot)
+        events = [AllBlocksCleared(), BlockStored(tuple(more))]
+        assert await index.apply("b", 6, events) is ApplyStatus.APPLIED
+        assert (await index.stats()).num_entries == len(stored) + len(more)
+        return _entries_the_collector_walks() - before
+
+    assert asyncio.run(main()) < 1_000
