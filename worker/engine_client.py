@@ -76,6 +76,10 @@ __all__ = [
 # What the engine core imports and the serving process does not.
 ENGINE_MODULES = ("torch", "triton", "safetensors")
 
+# How long a core that refused to start (START_FAILED) gets to exit on its own before it is killed:
+# it only closes its pipes.
+CORE_EXIT_S = 10.0
+
 
 def check_engine_modules() -> None:
     """``ModuleNotFoundError`` naming the first module the engine core needs that this Python
@@ -238,9 +242,12 @@ class EngineClient:
             core.start()
             started = True
             facts = _wait_until_ready(outbox, core)
-        except BaseException:
+        except BaseException as e:
             if started:  # else there is nothing to stop, and joining it would raise instead
-                _stop_core(core, timeout_s=0)
+                # NOTE: a core that refused to start is on its way out: let it go quietly. One
+                # interrupted while loading would load on (it ignores SIGINT): kill it now.
+                refused = isinstance(e, EngineStartError)
+                _stop_core(core, timeout_s=CORE_EXIT_S if refused else 0, warn=refused)
             inbox.close()
             outbox.close()
             context.term()
@@ -652,11 +659,15 @@ def _wait_until_ready(
 
 
 def _stop_core(
-    core: multiprocessing.process.BaseProcess | threading.Thread, timeout_s: float | None
+    core: multiprocessing.process.BaseProcess | threading.Thread,
+    timeout_s: float | None,
+    *,
+    warn: bool = True,
 ) -> None:
     core.join(timeout_s)
     if isinstance(core, multiprocessing.process.BaseProcess) and core.is_alive():
-        logger.warning("the engine core did not stop within %s s: killing it", timeout_s)
+        if warn:
+            logger.warning("the engine core did not stop within %s s: killing it", timeout_s)
         core.kill()
         core.join()
 

@@ -112,12 +112,15 @@ class ModelConfig:
         return presets[name]
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
+    def from_hf(
+        cls, hf: dict[str, Any], name: str = "", source: str = "config.json"
+    ) -> ModelConfig:
         """Read a Hugging Face ``config.json`` of a supported architecture. Raises ValueError
         naming the field for anything that would change the model's math and that kvswitch does
         not implement (a RoPE variant, another activation, extra biases, quantized weights):
         such a checkpoint is refused, never served differently. A sliding attention window
-        shorter than the context cuts the context to it (``attention_window``)."""
+        shorter than the context cuts the context to it (``attention_window``). A required
+        field that is missing is a ValueError naming it and ``source`` (the file read)."""
         architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -133,15 +136,22 @@ class ModelConfig:
             # NOTE: within its window a sliding-window layer sees every token before, as a
             # full-attention one does: served exactly, with the context cut to the window.
             max_position_embeddings = min(max_position_embeddings, window)
-        num_q_heads = hf["num_attention_heads"]
+
+        def required(field: str) -> Any:
+            if field not in hf:
+                raise ValueError(f"{source} has no {field!r}, which {architecture} needs")
+            return hf[field]
+
+        num_q_heads = required("num_attention_heads")
+        hidden_size = required("hidden_size")
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=required("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=required("intermediate_size"),
+            num_layers=required("num_hidden_layers"),
             num_q_heads=num_q_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_q_heads,
+            head_dim=hf.get("head_dim") or hidden_size // num_q_heads,
             max_position_embeddings=max_position_embeddings,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             rope=rope,
@@ -163,7 +173,13 @@ class ModelConfig:
         path = root / "config.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-        config = cls.from_hf(json.loads(path.read_text()), name=root.name)
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not an object")
+        config = cls.from_hf(hf, name=root.name, source=str(path))
         extra = generation_eos_token_ids(root)
         eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
         return dataclasses.replace(config, eos_token_ids=eos_ids)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,43 @@ def test_bad_checkpoints_are_reported(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         load_model(tmp_path)
+
+
+def test_a_config_missing_a_field_or_not_json_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, "llama")
+    config = tmp_path / "config.json"
+    hf = json.loads(config.read_text())
+    del hf["num_attention_heads"]
+    config.write_text(json.dumps(hf))
+    with pytest.raises(ValueError) as raised:
+        load_model(tmp_path)
+    assert str(raised.value) == (
+        f"{config} has no 'num_attention_heads', which LlamaForCausalLM needs"
+    )
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"^{config} is not valid JSON: "):
+        load_model(tmp_path)
+
+
+def test_a_worker_whose_checkpoint_lacks_a_field_says_so_in_one_line(tmp_path: Path) -> None:
+    """The engine core loads the model in a process of its own: its refusal must reach the
+    operator as the worker's one line, with no traceback from either process."""
+    save_checkpoint(tmp_path, "llama")
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    command = [sys.executable, "-m", "kvswitch.app.cli", "worker", "--port", "0"]
+    done = subprocess.run(
+        [*command, "--model", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    # The core's refusal is all there is to it: no warning about killing a core on its way out.
+    assert "engine core" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"kvswitch worker: cannot load the model: {tmp_path / 'config.json'} has no "
+        "'hidden_size', which LlamaForCausalLM needs"
+    )
 
 
 def test_random_presets() -> None:
