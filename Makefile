@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU build of torch is enough for everything but the GPU benchmarks.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint proto bench clean
+.PHONY: demo test lint proto bench images clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,14 @@ bench: $(STAMP)
 	$(BIN)/kvswitch bench startup --json out/bench_startup.json
 	$(BIN)/kvswitch bench transfer --json out/bench_transfer.json
 	$(BIN)/kvswitch bench routing --plots out/routing --json out/bench_routing.json
+
+# The images the compose files run (needs a Docker engine); docs/DEPLOY.md.
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+images:
+	docker build -f deploy/Dockerfile --target router -t kvswitch-router .
+	docker build -f deploy/Dockerfile --target worker -t kvswitch-worker .
+	docker build -f deploy/Dockerfile --target worker \
+		--build-arg TORCH_INDEX_URL=$(CPU_TORCH_INDEX) -t kvswitch-worker-cpu .
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache .hypothesis

@@ -4,11 +4,17 @@ variable it sets is one kvswitch reads, every GPU worker has a GPU of its own, e
 healthcheck runs a command the image installs, and the fleet is secured by default: every
 router and worker gets the fleet token from a secret (so none needs --insecure, and blocks are
 named with the keyed hash), Redis takes a password every index URL carries, and Kubernetes
-NetworkPolicies let only routers and workers reach workers and Redis."""
+NetworkPolicies let only routers and workers reach workers and Redis. The worker image has the C
+compiler Triton needs, and `make images` builds every image the files run.
+
+Where no Docker engine can be reached these tests only parse the files: the one that builds the
+images and runs a compiler and Triton in the worker image is skipped, and says so."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +174,80 @@ def test_the_images_run_as_a_user_and_check_their_health() -> None:
         healthcheck = re.search(r"CMD (\[.*\])", lines.split("HEALTHCHECK", 1)[1]).group(1)
         parse_command(yaml.safe_load(healthcheck)[1:])
     assert "useradd --create-home --uid 1000" in targets["base"]
+
+
+def built_images() -> dict[str, dict[str, Any]]:
+    """Every image a compose file builds: its tag -> its ``build`` section."""
+    images: dict[str, dict[str, Any]] = {}
+    for path in COMPOSE_FILES:
+        for service in yaml.safe_load(path.read_text())["services"].values():
+            if "build" in service:
+                images[service["image"]] = service["build"]
+    return images
+
+
+def make_images_builds() -> dict[str, tuple[str, dict[str, str]]]:
+    """What ``make images`` builds: tag -> (Dockerfile target, build args), its variables
+    substituted."""
+    makefile = (DEPLOY.parent / "Makefile").read_text()
+    variables = dict(re.findall(r"^([A-Z_]+) :?= (.*)$", makefile, flags=re.MULTILINE))
+    recipe = makefile.split("\nimages:\n", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
+    builds = {}
+    for line in recipe.splitlines():
+        line = re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], line)
+        assert line.split()[:2] == ["docker", "build"], line
+        tag = re.search(r"-t (\S+)", line).group(1)
+        target = re.search(r"--target (\S+)", line).group(1)
+        args = dict(re.findall(r"--build-arg (\w+)=(\S+)", line))
+        builds[tag] = (target, args)
+    return builds
+
+
+def test_the_worker_image_has_the_c_compiler_triton_needs() -> None:
+    """Triton compiles a launcher with the system's C compiler when a kernel first runs: every
+    image a compose file runs a worker from is the worker target, which installs one (as root,
+    before it becomes the user kvswitch)."""
+    worker = dockerfile_targets()["worker"]
+    install = re.search(r"apt-get install [^\n]*\bgcc\b[^\n]*\blibc6-dev\b", worker)
+    assert install, "the worker target installs no C compiler"
+    assert worker.index(install.group(0)) < worker.index("USER kvswitch")
+    worker_images = {tag: b for tag, b in built_images().items() if "worker" in tag}
+    assert worker_images
+    assert all(build["target"] == "worker" for build in worker_images.values()), worker_images
+
+
+def test_make_images_builds_every_image_the_deploy_files_run() -> None:
+    builds = make_images_builds()
+    for tag, build in built_images().items():
+        assert builds.get(tag) == (build["target"], build.get("args", {})), tag
+    k8s_images = {
+        container(obj)["image"].split(":")[0]
+        for obj in k8s_objects().values()
+        if obj["kind"] in ("Deployment", "StatefulSet")
+    }
+    kvswitch_images = {image for image in k8s_images if image.startswith("kvswitch-")}
+    assert kvswitch_images and kvswitch_images <= set(builds), kvswitch_images
+
+
+def docker_engine_reachable() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(
+    not docker_engine_reachable(),
+    reason="no Docker engine here: the images were not built, the other deploy tests only parse "
+    "the files",
+)
+def test_make_images_builds_a_worker_image_that_can_compile_its_kernels() -> None:
+    root = DEPLOY.parent
+    subprocess.run(["make", "images"], cwd=root, check=True, timeout=3600)
+    check = "gcc --version && python -c 'import triton, torch; print(torch.__version__)'"
+    for tag in make_images_builds():
+        if "worker" in tag:
+            command = ["docker", "run", "--rm", "--entrypoint", "sh", tag, "-c", check]
+            subprocess.run(command, check=True, timeout=300)
 
 
 # -- Kubernetes -----------------------------------------------------------------------------------
