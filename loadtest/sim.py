@@ -32,7 +32,14 @@ from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.loadtest.policies import ALL_POLICIES, make_any_policy
 from kvswitch.loadtest.profiles import PROFILES, get_profile
 from kvswitch.loadtest.sim_worker import Job, SimWorker
-from kvswitch.loadtest.trace import TRACE_NAMESPACE, TraceRequest, block_hashes
+from kvswitch.loadtest.trace import (
+    GENERATED,
+    TRACE_NAMESPACE,
+    TraceRequest,
+    block_hashes,
+    distinct_blocks,
+    generated_shape,
+)
 from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import fetch_costs, make_policy
@@ -40,13 +47,16 @@ from kvswitch.router.router import RoutePlan, Router
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
 
 MAX_WORKERS = 1024
+# Of the trace's distinct blocks, what the fleet's caches hold together when no capacity is given:
+# enough that a policy keeping each prefix on one worker hits often, too few to keep everything.
+DERIVED_CAPACITY_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    trace: str = ""
+    trace: str = ""  # a JSON-lines file, or generated:SPEC (loadtest/trace.py load_trace)
     workers: int = 16
-    capacity_blocks: int = 0
+    capacity_blocks: int = 0  # KV blocks per worker; 0: derived from the trace (fleet_capacity)
     block_tokens: int = 512
     policy: str = "all"
     rate_scale: float = 1.0
@@ -69,15 +79,23 @@ class SimConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         make_policy("cost", self.weights())  # refuses an unknown weight or a bad value now
         if not self.trace:
-            raise ValueError("give the trace to replay: --trace FILE (JSON lines)")
+            raise ValueError(
+                "give the trace to replay: --trace FILE (JSON lines) or --trace generated:chat"
+            )
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers must be in [1, {MAX_WORKERS}], got {self.workers}")
-        if self.capacity_blocks < 1:
+        if self.capacity_blocks < 0:
             raise ValueError(
-                f"capacity_blocks must be >= 1 (KV blocks per worker), got {self.capacity_blocks}"
+                f"capacity_blocks must be >= 1 (KV blocks per worker), or 0 to derive it from "
+                f"the trace, got {self.capacity_blocks}"
             )
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+        if self.trace.startswith(GENERATED):
+            try:
+                generated_shape(self.trace, self.block_tokens)  # refuses a bad spec now
+            except ValueError as e:
+                raise ValueError(f"trace {e}") from None
         if self.policy != "all" and self.policy not in ALL_POLICIES:
             raise ValueError(
                 f"policy must be all or one of {', '.join(ALL_POLICIES)}, got {self.policy!r}"
@@ -178,6 +196,41 @@ def check_capacity(
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """KV blocks per worker, and where the number came from."""
+
+    num_blocks: int
+    how: str  # "given", or "derived: ..." with the figures it came from
+
+
+def fleet_capacity(requests: Sequence[TraceRequest], config: SimConfig) -> Capacity:
+    """``config.capacity_blocks`` if given, else ``derive_capacity`` over the trace."""
+    if config.capacity_blocks:
+        return Capacity(config.capacity_blocks, "given")
+    return derive_capacity(requests, config.workers, config.block_tokens)
+
+
+def derive_capacity(
+    requests: Sequence[TraceRequest],
+    num_workers: int,
+    block_tokens: int,
+    fraction: float = DERIVED_CAPACITY_FRACTION,
+) -> Capacity:
+    """Blocks per worker for the fleet to hold ``fraction`` of the trace's distinct blocks, but
+    never fewer than its largest request needs (``check_capacity``)."""
+    num_distinct = distinct_blocks(requests, block_tokens)
+    num_share = int(num_distinct * fraction) // num_workers
+    share = f"{fraction:g} x {num_distinct} distinct blocks in the trace / {num_workers} workers"
+    num_largest = max(blocks_needed(r, block_tokens) for r in requests)
+    if num_share >= num_largest:
+        return Capacity(num_share, f"derived: {share}")
+    return Capacity(
+        num_largest,
+        f"derived: the largest request's {num_largest} blocks, more than {share} = {num_share}",
+    )
+
+
+@dataclass(frozen=True)
 class PolicyRun:
     """What one policy did with the trace."""
 
@@ -210,7 +263,10 @@ def simulate(
     check: bool = False,
 ) -> PolicyRun:
     """Replay ``requests`` with their arrivals ``rate_scale`` times as fast, through ``policy``.
-    ``check``: verify every worker's accounting at every arrival (slow; for tests)."""
+    ``check``: verify every worker's accounting at every arrival (slow; for tests). The
+    capacity must be given (``fleet_capacity`` derives one)."""
+    if config.capacity_blocks < 1:
+        raise ValueError("capacity_blocks must be given to simulate (fleet_capacity derives it)")
     return asyncio.run(_simulate(requests, config, policy, rate_scale, check))
 
 

@@ -12,12 +12,15 @@ The figures, per policy:
 
 ``global_cache`` is the hit rate of one cache with the whole fleet's capacity serving every
 request, ``infinite_cache`` that of a cache that never evicts (loadtest/cache_bounds.py).
+``capacity`` is the KV blocks each worker had and how that number came about: given, or derived
+from the trace when none was.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,8 +28,15 @@ import numpy as np
 from kvswitch.loadtest.cache_bounds import global_cache_hit_rate, infinite_cache_hit_rate
 from kvswitch.loadtest.figures import load_imbalance
 from kvswitch.loadtest.rate_search import find_rate_scale
-from kvswitch.loadtest.sim import PolicyRun, SimConfig, check_capacity, prepare, simulate
-from kvswitch.loadtest.trace import read_trace
+from kvswitch.loadtest.sim import (
+    PolicyRun,
+    SimConfig,
+    check_capacity,
+    fleet_capacity,
+    prepare,
+    simulate,
+)
+from kvswitch.loadtest.trace import load_trace
 
 
 def policy_figures(run: PolicyRun) -> dict[str, float]:
@@ -51,10 +61,15 @@ def run(config: SimConfig, *, quiet: bool = False) -> dict[str, Any]:
         if not quiet:
             print(line, file=sys.stderr)
 
-    trace = read_trace(config.trace, config.block_tokens)
+    trace = load_trace(config.trace, config.block_tokens)
+    capacity = fleet_capacity(trace, config)
+    config = replace(config, capacity_blocks=capacity.num_blocks)
     check_capacity(trace, config.capacity_blocks, config.block_tokens)
     requests = prepare(trace, config.block_tokens)
-    say(f"  {len(requests)} requests, {config.workers} workers of {config.capacity_blocks} blocks")
+    say(
+        f"  {len(requests)} requests, {config.workers} workers of {capacity.num_blocks} blocks "
+        f"({capacity.how})"
+    )
     runs: dict[str, PolicyRun] = {}
     rate_scale = config.rate_scale
     if config.target_utilization:
@@ -78,6 +93,7 @@ def run(config: SimConfig, *, quiet: bool = False) -> dict[str, Any]:
             "token_hit_rate": infinite_cache_hit_rate(requests, config.block_tokens)
         },
         "rate_scale": rate_scale,
+        "capacity": {"blocks_per_worker": capacity.num_blocks, "how": capacity.how},
     }
     say(format_table(result, runs))
     return result

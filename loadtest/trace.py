@@ -15,10 +15,15 @@ two requests share id k at position i only if their prompts agree up to the end 
 ``block_hashes`` turns the ids of the full blocks into the chained 16-byte hashes a worker's
 block pool and the index use (one id standing for one block's tokens), so the simulator runs the
 project's own cache code on a trace. The live load test reads traces with the same reader.
+
+``load_trace`` also makes one up where a file would be named: ``generated:SHAPE,key=value,...``
+is the preset ``SHAPE`` of ``TRACE_SHAPES`` (``chat`` when left out) with ``TraceShape`` fields
+over it, e.g. ``generated:docs,num_requests=200,seed=1``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -29,11 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.loadtest.params import with_params
 
 DEFAULT_BLOCK_TOKENS = 512  # Mooncake's block of hash ids
 TRACE_NAMESPACE = "trace"  # the model name a trace's block hashes are chained under
 _MAX_HASH_ID = 2**32 - 1
 _KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+GENERATED = "generated:"  # a trace source made up on the spot, not read from a file
 
 
 class TraceError(ValueError):
@@ -77,6 +84,20 @@ def read_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> li
         raise TraceError(f"{path}: no requests")
     requests.sort(key=lambda r: r.arrival_s)
     return requests
+
+
+def load_trace(source: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[TraceRequest]:
+    """The requests of ``source``: a JSON-lines trace file, or a trace ``generated:SPEC`` makes
+    up (``generated_shape``)."""
+    if source.startswith(GENERATED):
+        return generate_trace(generated_shape(source, block_tokens))
+    return read_trace(source, block_tokens)
+
+
+def distinct_blocks(requests: Iterable[TraceRequest], block_tokens: int) -> int:
+    """Full prompt blocks the trace names, each counted once: what a cache that never evicts
+    would hold of it."""
+    return len({i for r in requests for i in r.hash_ids[: r.num_full_blocks(block_tokens)]})
 
 
 def _parse(line: str, block_tokens: int, where: str) -> TraceRequest:
@@ -164,6 +185,40 @@ class TraceShape:
         for name in ("requests_per_s", "think_time_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+
+
+# The shapes ``generated:NAME`` names; each a workload a cache-aware router should win on.
+TRACE_SHAPES = {
+    # Conversations of 4 turns on 8 shared 4,096-token system prompts, 10 requests a second.
+    "chat": TraceShape(),
+    # 32 documents of 8,192 tokens, each request one short question about one of them.
+    "docs": TraceShape(
+        num_prefixes=32,
+        prefix_tokens=8192,
+        turns_per_conversation=1,
+        message_tokens=64,
+        output_tokens=128,
+    ),
+}
+
+
+def generated_shape(source: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> TraceShape:
+    """The shape ``generated:NAME,key=value,...`` names: ``TRACE_SHAPES[NAME]`` (``chat`` when
+    the first part is a key=value or nothing) with the ``TraceShape`` fields given over it, at
+    ``block_tokens`` tokens a block. ValueError says what is accepted."""
+    spec = source.removeprefix(GENERATED)
+    name, _, params = spec.partition(",")
+    if "=" in name:
+        name, params = "", spec
+    shape = TRACE_SHAPES.get(name.strip() or "chat")
+    if shape is None:
+        raise ValueError(
+            f"{source}: unknown trace shape {name.strip()!r}; give generated:SHAPE,key=value,... "
+            f"with SHAPE one of {', '.join(TRACE_SHAPES)} (e.g. generated:chat,num_requests=200)"
+        )
+    # NOTE: the trace's blocks are the simulator's blocks, so --block-tokens sets them.
+    shape = dataclasses.replace(shape, block_tokens=block_tokens)
+    return with_params(shape, params, source, exclude=("block_tokens",))
 
 
 def generate_trace(shape: TraceShape) -> list[TraceRequest]:

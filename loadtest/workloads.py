@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvswitch.loadtest.params import with_params
 from kvswitch.loadtest.trace import DEFAULT_BLOCK_TOKENS, TraceRequest, read_trace
 
 
@@ -191,22 +192,7 @@ def make_workload(name: str, args: str = "") -> Any:
     cls = WORKLOADS.get(name)
     if cls is None:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in args.split(","))):
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or key not in fields:
-            known = ", ".join(f"{k}={f.default!r}" for k, f in fields.items())
-            raise ValueError(f"{name}: bad parameter {item!r}; known (defaults): {known}")
-        convert: Callable[[str], Any] = type(fields[key].default)
-        try:
-            values[key] = convert(text.strip())
-        except ValueError:
-            raise ValueError(
-                f"{name}: {key} must be a {convert.__name__}, got {text.strip()!r}"
-            ) from None
-    workload = cls(**values)
+    workload = with_params(cls(), args, name)
     bad = [k for k, v in dataclasses.asdict(workload).items() if isinstance(v, int) and v < 1]
     if bad:
         raise ValueError(f"{name}: {', '.join(bad)} must be at least 1")

@@ -37,9 +37,12 @@ HEALTH_HELP = {
 
 SIM_HELP = {
     "trace": "JSON-lines trace to replay (Mooncake format: timestamp ms, input_length, "
-    "output_length, hash_ids)",
+    "output_length, hash_ids), or one made up: generated:SHAPE,key=value,... with SHAPE chat "
+    "or docs and keys of TraceShape (e.g. generated:chat,num_requests=200); see "
+    "docs/SIMULATOR.md",
     "workers": "simulated workers",
-    "capacity_blocks": "KV cache blocks per worker",
+    "capacity_blocks": "KV cache blocks per worker, or auto: the fleet holds half the trace's "
+    "distinct blocks (at least the largest request's blocks a worker)",
     "block_tokens": "tokens per block: one hash id of the trace names one block",
     "policy": "routing policy to replay: the router's own (cost, prefix, least_loaded, "
     "round_robin, random), another router's rule for comparison (sglang_like, dynamo_like, "
@@ -191,6 +194,22 @@ def add_sim(commands: argparse._SubParsersAction, name: str, summary: str) -> No
     add_report_command(
         commands, name, summary, description, sim.SimConfig, SIM_HELP, sim_report.run
     )
+
+    def capacity_blocks(text: str) -> int:
+        if text == "auto":
+            return 0  # SimConfig's "derive it from the trace"
+        if not text.strip().isdecimal() or int(text) < 1:
+            raise argparse.ArgumentTypeError(
+                f"must be a number of KV blocks >= 1, or auto (derived from the trace), "
+                f"got {text!r}"
+            )
+        return int(text)
+
+    # NOTE: left out (or auto), the capacity is derived from the trace; a number given must be
+    # one a worker can hold something in, so 0 is refused here although SimConfig reads it as
+    # "derive".
+    option = commands.choices[name]._option_string_actions["--capacity-blocks"]
+    option.type, option.default = capacity_blocks, "auto"
 
 
 def add_loadtest(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
