@@ -94,7 +94,7 @@ def test_the_rate_search_finds_the_target_utilization() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"capacity_blocks": 0}, "capacity_blocks must be >= 1"),
+        ({"capacity_blocks": -1}, "capacity_blocks must be >= 1"),
         ({"policy": "fastest"}, "policy must be all or one of cost, prefix"),
         ({"rate_scale": 2.0, "target_utilization": 0.8}, "not both"),
         ({"target_utilization": 1.0}, "target_utilization must be in (0, 1)"),

@@ -35,7 +35,7 @@ def test_sim_writes_exactly_the_figures_as_json(
     main(sim(trace, "--profile", "cpu", "--json", str(out)))
     figures = json.loads(out.read_text())
     assert figures == json.loads(capsys.readouterr().out)
-    assert set(figures) == {"policies", "global_cache", "infinite_cache", "rate_scale"}
+    assert set(figures) == {"policies", "global_cache", "infinite_cache", "rate_scale", "capacity"}
     assert set(figures["policies"]) == set(ALL_POLICIES)
     assert all(set(f) == FIGURES for f in figures["policies"].values())
     assert set(figures["global_cache"]) == set(figures["infinite_cache"]) == {"token_hit_rate"}
