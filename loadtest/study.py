@@ -28,12 +28,13 @@ from typing import Any
 
 from kvswitch.loadtest.cache_bounds import infinite_cache_hits
 from kvswitch.loadtest.profiles import get_profile
-from kvswitch.loadtest.sim import SimConfig, blocks_needed, parse_cost_weights, prepare
+from kvswitch.loadtest.sim import SimConfig, derive_capacity, parse_cost_weights, prepare
 from kvswitch.loadtest.sim_report import run as run_sim
 from kvswitch.loadtest.trace import (
     DEFAULT_BLOCK_TOKENS,
     TraceRequest,
     TraceShape,
+    distinct_blocks,
     generate_trace,
     read_trace,
     write_trace,
@@ -110,9 +111,8 @@ def run(config: RoutingStudyConfig) -> dict[str, Any]:
 
 def _fleet(config: RoutingStudyConfig, name: str, path: Path, workers: int) -> dict[str, Any]:
     trace = read_trace(path)
-    unique = len({i for r in trace for i in r.hash_ids[: r.num_full_blocks(BLOCK)]})
-    largest = max(blocks_needed(r, BLOCK) for r in trace)
-    capacity = max(int(unique * config.capacity_fraction) // workers, largest)
+    unique = distinct_blocks(trace, BLOCK)
+    capacity = derive_capacity(trace, workers, BLOCK, config.capacity_fraction).num_blocks
     sim = SimConfig(
         trace=str(path),
         workers=workers,
