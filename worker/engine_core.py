@@ -35,6 +35,7 @@ import zmq
 from kvswitch.logs import LogSettings, configure_logging
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.request import Request, StepFailed, StepOutputs
+from kvswitch.worker.startup import process_age_s
 
 if TYPE_CHECKING:
     from kvswitch.worker.engine import LLMEngine
@@ -335,15 +336,17 @@ def build_and_run(
     inbox_address: str,
     outbox_address: str,
     parent_pid: int | None = None,
+    spawn_s: float | None = None,
 ) -> None:
     """Connect the pipes, build the engine (START_FAILED saying why it cannot be), send READY and
-    run until STOP. Both placements, process and thread, start here."""
+    run until STOP. Both placements, process and thread, start here. ``spawn_s``: how long the
+    core's own process took to get here (logged)."""
     inbox = wire.open_pipe_end(context, zmq.PULL, inbox_address, bind=False)
     outbox = wire.open_pipe_end(context, zmq.PUSH, outbox_address, bind=False)
     engine = None
     try:
         try:
-            engine = _build_engine(config)
+            engine = _build_engine(config, spawn_s)
         except (ValueError, OSError) as e:
             outbox.send(wire.pack([wire.START_FAILED, str(e)]))
             return
@@ -364,14 +367,29 @@ def build_and_run(
         outbox.close()
 
 
-def _build_engine(config: EngineConfig) -> LLMEngine:
+def _build_engine(config: EngineConfig, spawn_s: float | None = None) -> LLMEngine:
+    """``spawn_s``: how long the core's process took to reach its entry point, for the log."""
+    started_s = time.perf_counter()
     from kvswitch.worker.engine import LLMEngine
 
+    imported_s = time.perf_counter()
     if config.cpu_threads:
         import torch
 
         torch.set_num_threads(config.cpu_threads)
     engine = LLMEngine(config)
+    built_s = time.perf_counter()
+    logger.info(
+        "engine built: %s%.2f s to import the engine's modules, %.2f s to load the model and "
+        "allocate its KV cache",
+        "" if spawn_s is None else f"{spawn_s:.2f} s to start the process, ",
+        imported_s - started_s, built_s - imported_s,
+        extra={
+            **({} if spawn_s is None else {"startup_core_spawn_s": round(spawn_s, 3)}),
+            "startup_core_imports_s": round(imported_s - started_s, 3),
+            "startup_engine_build_s": round(built_s - imported_s, 3),
+        },
+    )  # fmt: skip
     device = engine.runner.device
     if device.type == "cuda":
         import torch
@@ -390,12 +408,13 @@ def core_process_main(
     log: LogSettings,
 ) -> None:
     """The engine core process's entry point (started with multiprocessing's spawn)."""
+    spawn_s = process_age_s()  # the interpreter, and what unpickling this call imported
     # Ctrl-C reaches the whole process group; the serving process decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log.level, json=log.json, process_fields=log.process_fields)
     context = zmq.Context()
     try:
-        build_and_run(config, context, inbox_address, outbox_address, parent_pid)
+        build_and_run(config, context, inbox_address, outbox_address, parent_pid, spawn_s)
     finally:
         context.term()

@@ -16,7 +16,7 @@ from typing import overload
 import torch
 from torch import nn
 
-from kvswitch.kernels import rms_norm, rms_norm_ref, rotary, rotary_ref
+from kvswitch.kernels.reference import rms_norm_ref, rotary_ref
 from kvswitch.worker.attention import AttentionMetadata, PagedAttention, use_triton
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.rope import RopeConfig
@@ -45,6 +45,8 @@ class RMSNorm(nn.Module):
         """x [num_tokens, hidden_size] -> its norm; with ``residual``, ``h = residual + x`` ->
         ``(norm(h), h)``."""
         if use_triton(x.device):
+            from kvswitch.kernels import rms_norm  # Triton: imported where it runs
+
             return rms_norm(x, self.weight, self.eps, residual)
         return rms_norm_ref(x, self.weight, self.eps, residual)
 
@@ -65,6 +67,8 @@ class RotaryEmbedding(nn.Module):
         """q [num_tokens, num_q_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim],
         rotated. On CUDA these are q and k themselves, rotated in place; elsewhere new tensors."""
         if use_triton(q.device):
+            from kvswitch.kernels import rotary
+
             # NOTE: in place: q and k are this step's fresh projections, which nothing else reads.
             rotary(q, k, self.cos, self.sin, positions)
             return q, k

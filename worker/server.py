@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import grpc
@@ -44,6 +45,7 @@ from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.peers import FleetPeers
 from kvswitch.worker.publisher import EventPublisher
 from kvswitch.worker.servicer import WorkerServicer
+from kvswitch.worker.startup import process_age_s
 from kvswitch.worker.worker_config import MAX_REQUEST_BYTES, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class WorkerServer:
     publisher: EventPublisher | None = None
     metrics_server: MetricsServer | None = None
     transfers: BlockTransfers | None = None  # blocks to and from peer workers
+    engine_core_start_s: float = 0.0  # from starting the engine core to its model being loaded
     # Set, with the reason, once the engine core has died: the worker can serve nothing more.
     engine_died: asyncio.Future[str] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -137,6 +140,7 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
             "address is not one of this machine's"
         ) from e
     worker_id = config.worker_id or host_port(_public_host(config.host), port)
+    engine_started_s = time.perf_counter()
     try:
         tokenizer = _load_tokenizer(config.model)
         engine = await asyncio.to_thread(
@@ -144,12 +148,36 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         )
     except (ValueError, OSError, TokenizerFileError, EngineStartError) as e:
         raise WorkerStartError(f"cannot load the model: {e}") from e
+    engine_core_s = time.perf_counter() - engine_started_s
     try:
-        return await _serve_engine(config, server, port, worker_id, engine, tokenizer)
+        worker = await _serve_engine(config, server, port, worker_id, engine, tokenizer)
     except BaseException:
         await server.stop(0)
         await asyncio.to_thread(engine.stop)
         raise
+    worker.engine_core_start_s = engine_core_s
+    return worker
+
+
+def _log_startup(imports_s: float | None, engine_core_s: float) -> None:
+    """How long this process took to serve, and on what (``worker/startup.py``)."""
+    total_s = process_age_s() if imports_s is not None else None
+    if imports_s is None or total_s is None:
+        logger.info(
+            "serving %.2f s after the engine core started", engine_core_s,
+            extra={"startup_engine_core_s": round(engine_core_s, 3)},
+        )  # fmt: skip
+        return
+    logger.info(
+        "serving %.2f s after the process began: %.2f s to import and parse, %.2f s for the "
+        "engine core to load the model, %.2f s the rest",
+        total_s, imports_s, engine_core_s, total_s - imports_s - engine_core_s,
+        extra={
+            "startup_total_s": round(total_s, 3),
+            "startup_imports_s": round(imports_s, 3),
+            "startup_engine_core_s": round(engine_core_s, 3),
+        },
+    )  # fmt: skip
 
 
 async def _serve_engine(
@@ -249,10 +277,12 @@ async def _serve_engine(
     return worker
 
 
-async def serve(config: WorkerConfig) -> None:
+async def serve(config: WorkerConfig, *, imports_s: float | None = None) -> None:
     """Run a worker until SIGINT or SIGTERM, then shut it down gracefully. Raises
-    ``WorkerFailed`` (after shutting down) if its engine core dies first."""
+    ``WorkerFailed`` (after shutting down) if its engine core dies first. ``imports_s``: how long
+    this process took to get here, for its startup line."""
     worker = await start_worker(config)
+    _log_startup(imports_s, worker.engine_core_start_s)
     announce_ready(f"worker {worker.worker_id}", worker.address)
     stop_signal = asyncio.create_task(wait_for_stop_signal())
     await asyncio.wait([stop_signal, worker.engine_died], return_when=asyncio.FIRST_COMPLETED)
@@ -267,8 +297,8 @@ async def serve(config: WorkerConfig) -> None:
 
 
 def run(config: WorkerConfig) -> None:
-    """``serve`` on uvloop where it is installed."""
-    run_event_loop(serve(config))
+    """``serve`` on uvloop where it is installed, in a process started to run it."""
+    run_event_loop(serve(config, imports_s=process_age_s()))
 
 
 def _read_counters(

@@ -205,6 +205,13 @@ HTTP_BENCH_HELP = {
     "prompt_words": "words in each prompt (a new prompt per pair of requests)",
 }
 
+STARTUP_HELP = {
+    "num_runs": "fresh processes per command; the median is reported; 0 = none",
+    "repeat": "worker starts timed (a router, then a tiny-model CPU worker), and as many "
+    "restarts; 0 = none",
+    "restart": "also kill a worker under kvswitch up's supervisor and time until it serves again",
+}
+
 
 def _bench_command(run: Callable[[Any], dict[str, Any]], config_cls: type) -> Callable:
     def command(args: argparse.Namespace) -> None:
@@ -395,8 +402,9 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             "startup",
             startup_bench.run,
             startup_bench.StartupBenchConfig,
-            {"num_runs": "fresh processes per command; the median is reported"},
-            "how long each kvswitch command takes to start (its help, as a fresh process)",
+            STARTUP_HELP,
+            "how long each kvswitch command takes to start, and a worker until the router routes "
+            "to it (fresh, and restarted after a kill)",
         ),
         (
             "hash",
