@@ -9,8 +9,10 @@ pure-torch versions, which are also the CPU execution path. Set ``TRITON_INTERPR
 importing this package to run the kernels on CPU through Triton's interpreter (tiny shapes only).
 """
 
-from kvswitch.kernels.paged_decode import paged_decode
-from kvswitch.kernels.paged_prefill import paged_prefill
+import importlib
+import sys
+import types
+
 from kvswitch.kernels.reference import (
     paged_decode_ref,
     paged_prefill_ref,
@@ -18,9 +20,27 @@ from kvswitch.kernels.reference import (
     rotary_ref,
     store_kv_ref,
 )
-from kvswitch.kernels.rms_norm import rms_norm
-from kvswitch.kernels.rotary import rotary
-from kvswitch.kernels.store_kv import store_kv
+
+# NOTE: imported on first use, each from the module of its name: they import Triton (0.4 s),
+# which a CPU worker never runs.
+_LAUNCHERS = ("paged_decode", "paged_prefill", "rms_norm", "rotary", "store_kv")
+
+
+class _Kernels(types.ModuleType):
+    def __setattr__(self, name: str, value: object) -> None:
+        # Importing a launcher's module binds the module here: bind the launcher instead.
+        if name in _LAUNCHERS and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAUNCHERS:
+        return getattr(importlib.import_module(f"{__name__}.{name}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+sys.modules[__name__].__class__ = _Kernels
 
 __all__ = [
     "paged_decode",
