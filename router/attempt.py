@@ -87,8 +87,8 @@ class Progress:
     # How many of the last ``sent`` tokens had no text relayed yet (a character not complete):
     # the next worker of the stream sends it.
     num_pending_text_tokens: int = 0
-    started_s: float = dataclasses.field(default_factory=time.monotonic)
     first_token_s: float | None = None
+    last_token_s: float = 0.0  # when the latest chunk of tokens was relayed
     # Disaggregated: the worker that prefilled the prompt (and holds its blocks), its final.
     prefilled: tuple[WorkerHandle, worker_pb2.WorkerGenerateFinal] | None = None
     # The prefill worker holding the prompt's blocks under a lease, until a decode worker has
@@ -206,6 +206,10 @@ class Attempts:
         if progress.failed:
             decision = dataclasses.replace(decision, reason=f"failover: {decision.reason}")
         self._attempt = self._charge(route, decision, resumed)
+        if not sent:  # what the router expects the worker that computes the prompt to hold
+            prompt_decision = route.prefill_decision or decision
+            num_uncached = self._router.num_uncached_tokens(resumed, prompt_decision)
+            self._outcome.num_predicted_cached_tokens = len(resumed.token_ids) - num_uncached
         return Step.PREFILL if route.prefill_handle is not None else Step.STREAM
 
     async def _prefill(self) -> Step:
@@ -303,7 +307,7 @@ class Attempts:
             prefilled_stats(final.stats, progress.prefilled)
         elif progress.failed and progress.first_token_s is not None:
             # The last worker's TTFT misses the time lost on the failed ones.
-            final.stats.ttft_s = progress.first_token_s - progress.started_s
+            final.stats.ttft_s = progress.first_token_s - self._outcome.started_s
         await self._finish(final)
         return Step.DONE
 
@@ -439,23 +443,34 @@ class Attempts:
     ) -> worker_pb2.WorkerGenerateFinal:
         """Relay a worker's chunks to the client as they come; the worker's final message."""
         progress, context = self._progress, self._context
+        sent_s = time.monotonic()
         responses = relay(worker_request, handle, flight, self._directory, context.time_remaining())
         async with contextlib.aclosing(responses):
             async for response in responses:
                 if not response.HasField("chunk"):
                     return response.final
                 if progress.first_token_s is None and response.chunk.token_ids:
-                    progress.first_token_s = time.monotonic()
-                    progress.outcome.ttft_s = progress.first_token_s - progress.started_s
+                    progress.first_token_s = progress.last_token_s = time.monotonic()
+                    progress.outcome.ttft_s = progress.first_token_s - progress.outcome.started_s
+                    progress.outcome.queue_s = sent_s - progress.outcome.started_s
                     await context.send_initial_metadata(((WORKER_ID_KEY, handle.worker_id),))
-                elif response.chunk.HasField("num_cached_tokens"):
-                    # NOTE: a stream resumed on another worker: the client's first chunk, from
-                    # the first worker, already said how much of its prompt was cached.
-                    response.chunk.ClearField("num_cached_tokens")
+                else:
+                    self._count_inter_token(len(response.chunk.token_ids))
+                    if response.chunk.HasField("num_cached_tokens"):
+                        # NOTE: a stream resumed on another worker: the client's first chunk,
+                        # from the first worker, already said how much of its prompt was cached.
+                        response.chunk.ClearField("num_cached_tokens")
                 progress.sent += response.chunk.token_ids
                 progress.num_pending_text_tokens = response.chunk.num_pending_text_tokens
                 await context.write(router_pb2.GenerateResponse(chunk=response.chunk))
         raise WorkerFailed(handle, "the stream ended without a final message")
+
+    def _count_inter_token(self, num_tokens: int) -> None:
+        """A chunk after the first token: the time since the previous one, per token of it."""
+        if num_tokens:
+            now_s = time.monotonic()
+            self._metrics.inter_token((now_s - self._progress.last_token_s) / num_tokens)
+            self._progress.last_token_s = now_s
 
     async def _refused(self, e: Refused) -> None:
         """The worker judged the request: the client hears its verdict (the call ends)."""

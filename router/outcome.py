@@ -9,6 +9,7 @@ worker's.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import grpc
 
@@ -43,10 +44,16 @@ class Outcome:
     metrics: RouterMetrics
     fleet_request_id: str = ""  # what the workers know it by
     finish_reason: str = "error"
+    started_s: float = dataclasses.field(default_factory=time.monotonic)  # arrival
     ttft_s: float | None = None  # as the router saw it: arrival to first token relayed
+    # Arrival to the sending to the worker that made the first token; set with ``ttft_s``.
+    queue_s: float = 0.0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # What the routing decision expected the worker that computes the prompt to hold.
+    num_predicted_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_transferred_blocks: int = 0
 
     recorded: bool = False
 
@@ -55,6 +62,7 @@ class Outcome:
         self.num_prompt_tokens = final.stats.num_prompt_tokens
         self.num_cached_tokens = final.stats.num_cached_tokens
         self.num_output_tokens = final.stats.num_output_tokens
+        self.num_transferred_blocks = final.stats.num_transferred_blocks
         self.record()
 
     def record(self) -> None:
@@ -70,6 +78,11 @@ class Outcome:
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self.num_output_tokens,
         )
+        if self.ttft_s is not None:
+            e2e_s = time.monotonic() - self.started_s
+            self.metrics.served(e2e_s, self.queue_s, self.num_predicted_cached_tokens)
+        if self.num_transferred_blocks:
+            self.metrics.kv_transferred(self.num_transferred_blocks)
 
 
 async def abort(
@@ -91,6 +104,7 @@ async def overloaded(
     # NOTE: never 0: a RESOURCE_EXHAUSTED without a wait is a limit, which clients never
     # retry (client/retry.py).
     retry_after_ms = max(retry_after_ms, 1)
+    outcome.metrics.overloaded("workers_full")
     context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_ms)),))
     await abort(
         context,

@@ -90,6 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         forwarded = forwarded_client(context.invocation_metadata(), self._front_key)
         client = forwarded or client_of(context.peer())
         if not self._client_streams.open(client):
+            self._metrics.overloaded("client_streams")
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(_CLIENT_RETRY_AFTER_MS)),))
             await abort(
                 context,

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter
 from kvswitch.logs import JsonFormatter, KeyValueFormatter, configure_logging, log_format_from_env
 from kvswitch.metrics import start_metrics_server
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
+from kvswitch.router.outcome import Outcome
+from kvswitch.v1 import common_pb2, router_pb2
 
 
 def _get(address: str) -> str:
@@ -90,6 +92,61 @@ def test_router_metrics_record_routing() -> None:
     assert value("kvswitch_router_index_lookup_seconds_bucket", le="0.0005") == 1
     assert value("kvswitch_router_failovers_total", kind="before_first_token") == 1
     assert value("kvswitch_router_failovers_total", kind="mid_stream") == 0
+
+
+def test_router_metrics_record_timings() -> None:
+    metrics = RouterMetrics()
+    metrics.inter_token(0.02)
+    metrics.inter_token(0.004)
+    metrics.served(1.5, 0.003, 48)
+    metrics.overloaded("workers_full")
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    itl = "kvswitch_router_inter_token_latency_seconds"
+    assert value(f"{itl}_count") == 2 and value(f"{itl}_sum") == 0.024
+    assert value(f"{itl}_bucket", le="0.005") == 1
+    assert value(f"{itl}_bucket", le="0.02") == 2
+    e2e, queue = (
+        "kvswitch_router_e2e_request_latency_seconds",
+        "kvswitch_router_request_queue_time_seconds",
+    )
+    assert (value(f"{e2e}_count"), value(f"{e2e}_sum")) == (1, 1.5)
+    assert (value(f"{e2e}_bucket", le="1.0"), value(f"{e2e}_bucket", le="2.5")) == (0, 1)
+    assert (value(f"{queue}_count"), value(f"{queue}_sum")) == (1, 0.003)
+    assert value(f"{queue}_bucket", le="0.0025") == 0
+    assert value(f"{queue}_bucket", le="0.005") == 1
+    assert value("kvswitch_router_predicted_cached_prompt_tokens_total") == 48
+    overloaded = "kvswitch_router_overloaded_requests_total"
+    assert value(overloaded, cause="workers_full") == 1
+    assert value(overloaded, cause="client_streams") == 0
+
+
+def test_an_outcome_records_its_timings_and_transfers_once() -> None:
+    metrics = RouterMetrics()
+
+    def value(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name)
+
+    # No first token: its timings and predicted hits are left out.
+    Outcome("r1", metrics).record()
+    assert value("kvswitch_router_e2e_request_latency_seconds_count") == 0
+
+    outcome = Outcome("r2", metrics, ttft_s=0.1, queue_s=0.002, num_predicted_cached_tokens=32)
+    stats = common_pb2.RequestStats(
+        num_prompt_tokens=40, num_cached_tokens=16, num_output_tokens=4, num_transferred_blocks=3
+    )
+    outcome.finished(
+        router_pb2.GenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH, stats=stats)
+    )
+    outcome.record()  # the handler's finally: nothing more
+    assert value("kvswitch_router_e2e_request_latency_seconds_count") == 1
+    assert value("kvswitch_router_request_queue_time_seconds_sum") == 0.002
+    assert value("kvswitch_router_predicted_cached_prompt_tokens_total") == 32
+    assert value("kvswitch_router_cached_prompt_tokens_total") == 16
+    assert value("kvswitch_router_kv_transfers_total") == 1
+    assert value("kvswitch_router_kv_transferred_blocks_total") == 3
 
 
 def test_router_worker_gauges_are_read_at_scrape_time() -> None:
