@@ -45,6 +45,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from kvswitch.cache_index.hashing import tokens_to_bytes
+from kvswitch.checkpoint import is_random
 from kvswitch.router.chat_template import ChatTemplateError, load_chat_template
 from kvswitch.router.forwarded import FORWARDED_CLIENT_HEADER, FRONT_KEY_HEADER, http_client
 from kvswitch.router.openai_protocol import (
@@ -66,6 +67,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A chat request without max_tokens to a model with random weights (the built-in one,
+# ``random:NAME``) gets this many, and a header saying so.
+RANDOM_WEIGHTS_MAX_TOKENS = 64
+DEFAULT_MAX_TOKENS_HEADER = "x-kvswitch-default-max-tokens"
+_UINT32_MAX = (1 << 32) - 1
 _INLINE_RENDER_CHARS = 1024  # longer conversations are rendered and tokenized on a thread
 
 
@@ -114,6 +120,9 @@ class OpenAIFront:
         )
         if self._template is None:
             logger.warning("chat requests will be refused: %s", self._no_template_reason)
+        # The router's model is the workers' (``kvswitch up`` gives both the same --model).
+        self._random_weights = is_random(config.model or None)
+        self._said_default_limit = False
         self._started = int(time.time())
         self.app = FastAPI(title="kvswitch", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(OpenAIError, _error_response)  # type: ignore[arg-type]
@@ -159,14 +168,12 @@ class OpenAIFront:
             )
         except ChatTemplateError as e:
             raise OpenAIError(400, str(e), param="messages") from None
-        # NOTE: without max_tokens a chat answer runs to its end, as on OpenAI: as long as the
-        # router allows (and the worker's context, which the router and worker cut it to).
-        max_tokens = body.output_limit() or self._config.max_output_tokens or (1 << 32) - 1
+        max_tokens, headers = self._chat_output_limit(body)
         call = self._grpc_request(body, f"chatcmpl-{uuid.uuid4().hex}", max_tokens)
         call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(token_ids, np.uint32))
         reply = Reply(call.request_id, int(time.time()), body.model, chat=True)
         count_prompt = self._counter(lambda: len(token_ids), 0)
-        return await self._answer(request, body, call, reply, "messages", count_prompt)
+        return await self._answer(request, body, call, reply, "messages", count_prompt, headers)
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
@@ -188,9 +195,12 @@ class OpenAIFront:
         reply: Reply,
         prompt_param: str,
         count_prompt: Callable[[], Awaitable[int]],
+        headers: dict[str, str] | None = None,
     ) -> Response:
-        """Send ``call`` to the router and answer with its output: whole, or streamed once the
-        router has sent the first token (so that a refusal is still an HTTP status)."""
+        """Send ``call`` to the router and answer with its output, with ``headers``: whole, or
+        streamed once the router has sent the first token (so that a refusal is still an HTTP
+        status)."""
+        headers = dict(headers or {})
         if call.ByteSize() > self._config.max_message_bytes:
             raise OpenAIError(
                 413,
@@ -204,7 +214,7 @@ class OpenAIFront:
         try:
             if not body.stream:
                 text = await until_disconnected(request, output.read_all())
-                headers = _route_headers(output.final)
+                headers.update(_route_headers(output.final))
                 finish_reason, usage = await output.ending()
                 return JSONResponse(reply.whole(text, finish_reason, usage), headers=headers)
             first = await until_disconnected(request, output.first())
@@ -213,7 +223,8 @@ class OpenAIFront:
         except BaseException:
             rpc.cancel()
             raise
-        headers = {"x-kvswitch-worker": _header_value(worker_id)} if worker_id else {}
+        if worker_id:
+            headers["x-kvswitch-worker"] = _header_value(worker_id)
         headers["cache-control"] = "no-cache"
 
         async def cancel() -> None:  # a stream whose client left before it began
@@ -225,6 +236,28 @@ class OpenAIFront:
             headers=headers,
             background=BackgroundTask(cancel),
         )
+
+    def _chat_output_limit(self, body: ChatCompletionRequest) -> tuple[int, dict[str, str]]:
+        """The most tokens a chat request may generate, and the headers that say so when the
+        router chose it."""
+        limit = body.output_limit()
+        if limit is not None:
+            return limit, {}
+        if not self._random_weights:
+            # NOTE: without max_tokens a chat answer runs to its end, as on OpenAI: as long as
+            # the router allows (and the worker's context, which the router and worker cut it to).
+            return self._config.max_output_tokens or _UINT32_MAX, {}
+        # NOTE: random weights seldom sample the end token: the answer would fill the context.
+        limit = min(RANDOM_WEIGHTS_MAX_TOKENS, self._config.max_output_tokens or _UINT32_MAX)
+        if not self._said_default_limit:
+            self._said_default_limit = True
+            logger.info(
+                "the model has random weights and seldom ends an answer: chat requests without "
+                "max_tokens get %d tokens (header %s)",
+                limit,
+                DEFAULT_MAX_TOKENS_HEADER,
+            )
+        return limit, {DEFAULT_MAX_TOKENS_HEADER: str(limit)}
 
     def _grpc_request(
         self,
@@ -263,6 +296,7 @@ class OpenAIFront:
     # -- checks --------------------------------------------------------------------------------
 
     async def _parse(self, request: Request, model: type[T]) -> T:
+        _check_json_content_type(request)
         length = request.headers.get("content-length", "")
         too_large = OpenAIError(
             413,
@@ -347,12 +381,39 @@ class OpenAIFront:
 
 
 def _route_headers(final: router_pb2.GenerateFinal | None) -> dict[str, str]:
+    """Where the request ran: its (decode) worker and why; where another worker prefilled its
+    prompt, that worker; where KV blocks moved to it, how many."""
     if final is None or not final.route.worker_id:
         return {}
-    return {
+    headers = {
         "x-kvswitch-worker": _header_value(final.route.worker_id),
         "x-kvswitch-route-reason": _header_value(final.route.reason),
     }
+    stats = final.stats
+    disaggregated = stats.prefill_worker_id not in ("", stats.worker_id)
+    if disaggregated:
+        headers["x-kvswitch-prefill-worker"] = _header_value(stats.prefill_worker_id)
+    if disaggregated or stats.num_transferred_blocks:
+        headers["x-kvswitch-kv-blocks-moved"] = str(stats.num_transferred_blocks)
+    return headers
+
+
+def _check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (``application/json``, ``application/*+json``);
+    a body that declares nothing is read as JSON."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    ):
+        return
+    raise OpenAIError(
+        415,
+        f"the request body must be JSON (Content-Type: application/json), not {content_type!r}",
+        code="unsupported_media_type",
+    )
 
 
 def _header_value(value: str) -> str:
@@ -373,5 +434,8 @@ async def _error_response(request: Request, error: OpenAIError) -> JSONResponse:
 
 
 async def _http_error_response(request: Request, error: HTTPException) -> JSONResponse:
-    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
-    return await _error_response(request, OpenAIError(error.status_code, str(error.detail)))
+    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape, with their
+    headers (a 405's ``Allow``)."""
+    return await _error_response(
+        request, OpenAIError(error.status_code, str(error.detail), headers=error.headers)
+    )

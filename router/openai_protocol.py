@@ -22,12 +22,16 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
 from kvswitch.serving import retry_after_ms
 
 MAX_STOP_STRINGS = 16
+# The roles a chat message may have; OpenAI's "tool" and "function" answer tool calls, which
+# kvswitch never makes.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 _UINT32_MAX = (1 << 32) - 1
 _UINT64_MAX = (1 << 64) - 1
 
@@ -68,7 +72,9 @@ _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
 }
 
@@ -132,15 +138,30 @@ class _GenerateRequest(_Strict):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_UINT32_MAX)]] | None = None
     routing: RoutingOptions | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else stop or []
+    def _check_stop(cls, stop: Any) -> str | list[str] | None:
+        # NOTE: checked here, not by the union's members: their errors name a member
+        # ("stop.str"), not the parameter.
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else None
+        if stop is not None and (stops is None or not all(isinstance(s, str) for s in stops)):
+            raise ValueError("must be a string or a list of strings")
+        stops = stops or []
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are taken")
         if any(not s for s in stops):
             raise ValueError("holds an empty string, which would stop before any output")
         return stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # NOTE: as OpenAI: options of a stream on a request that streams nothing are an error.
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("taken only when stream is true")
+        return options
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -178,7 +199,7 @@ class CompletionRequest(_GenerateRequest):
 
 
 class ChatMessage(_Strict):
-    role: str = Field(min_length=1)
+    role: Annotated[str, _only(*CHAT_ROLES)]
     content: str
     name: str | None = None
 

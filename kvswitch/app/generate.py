@@ -3,7 +3,8 @@
 The prompt is text (``--prompt``), a file of text (``--prompt-file``; ``-`` reads stdin) or
 token ids (``--prompt-token-ids 1,2,3``). The generated text goes to stdout; where the request
 went and what it cost (worker, cached prompt tokens, time to first token, the routing reason)
-goes to stderr.
+goes to stderr (with, for a prompt prefilled on another worker, that worker and the number of KV
+blocks moved).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import sys
 
 from kvswitch.app.cli_args import with_flags
-from kvswitch.client import Client, KvswitchError
+from kvswitch.client import Client, KvswitchError, Stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +107,21 @@ def run(config: GenerateConfig) -> int:
     print()
     stats = result.stats
     print(
-        f"[{result.finish_reason.value}] worker {stats.worker_id}: {stats.num_prompt_tokens} "
+        f"[{result.finish_reason.value}] {_served_by(stats)}: {stats.num_prompt_tokens} "
         f"prompt tokens ({stats.num_cached_tokens} cached), {stats.num_output_tokens} output "
         f"tokens, ttft {stats.ttft_s * 1000:.1f} ms; {result.route.policy}: {result.route.reason}",
         file=sys.stderr,
     )
     return 0
+
+
+def _served_by(stats: Stats) -> str:
+    """The worker that served the request; where another prefilled its prompt, that one too,
+    and how many KV blocks moved to the first (also when they came from a peer's cache)."""
+    served_by = f"worker {stats.worker_id}"
+    moved = f"{stats.num_transferred_blocks} KV blocks moved"
+    if stats.prefill_worker_id != stats.worker_id:
+        return f"{served_by} (prefill on {stats.prefill_worker_id}, {moved})"
+    if stats.num_transferred_blocks:
+        return f"{served_by} ({moved})"
+    return served_by

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,6 +197,9 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"temperature": -1}, "temperature"),
         ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["x", 5]}, "stop"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": "x" * 20000}, "prompt"),  # longer than the model's context
         ({"extra_body": {"top_k": 5}}, "top_k"),
@@ -221,6 +225,8 @@ def test_a_bad_or_unsupported_parameter_is_refused_by_name(
             "messages[0].content",
         ),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "Hello?"}]}, "messages[0].role"),
+        ({"messages": [MESSAGES[0], {"role": "tool", "content": "42"}]}, "messages[1].role"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"logprobs": True}, "logprobs"),
     ],
@@ -231,6 +237,7 @@ def test_a_bad_chat_request_is_refused_by_name(
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**{"model": model, "messages": MESSAGES, **options})
     assert refused.value.param == param
+    assert refused.value.type == "invalid_request_error"
 
 
 def test_an_unknown_model_or_a_wrong_token_is_refused(
@@ -293,8 +300,69 @@ def test_the_body_must_be_json_and_errors_keep_openais_shape(cluster: Background
         assert too_large.status_code == 413
 
 
+def test_a_body_not_declared_json_is_415_and_a_wrong_method_is_a_request_error(
+    cluster: BackgroundCluster, model: str
+) -> None:
+    front = cluster.router.http_front
+    assert front is not None
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2}).encode()
+    with httpx2.Client(base_url=front.url, headers={"authorization": f"Bearer {TOKEN}"}) as http:
+        for content_type in ["text/plain", "application/x-www-form-urlencoded"]:
+            response = http.post(
+                "/completions", content=body, headers={"content-type": content_type}
+            )
+            assert response.status_code == 415
+            error = response.json()["error"]
+            assert (error["type"], error["code"]) == (
+                "invalid_request_error",
+                "unsupported_media_type",
+            )
+            assert content_type in error["message"]
+        # JSON, with a charset or as a +json type, or a body that declares no type, is read.
+        for content_type in ["application/json; charset=utf-8", "application/vnd.api+json", None]:
+            headers = {"content-type": content_type} if content_type else {}
+            response = http.post("/completions", content=body, headers=headers)
+            assert response.status_code == 200, response.text
+        wrong_method = http.get("/completions")
+        assert wrong_method.status_code == 405
+        assert wrong_method.headers["allow"] == "POST"
+        error = wrong_method.json()["error"]
+        assert (error["type"], error["message"]) == ("invalid_request_error", "Method Not Allowed")
+
+
+# -- the built-in model's answers without max_tokens -------------------------------------------
+
+
+def test_a_chat_without_max_tokens_on_random_weights_gets_a_default_length(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvswitch.router.openai_http")
+    with BackgroundCluster(1, ROUTER, WORKER) as cluster, openai_client(cluster) as client:
+        create = client.chat.completions.with_raw_response.create
+        for stream in (False, True):
+            raw = create(model="kvswitch-tiny", messages=MESSAGES, stream=stream)
+            assert raw.headers["x-kvswitch-default-max-tokens"] == "64"
+            if stream:
+                *_, last = raw.parse()
+                assert last.choices[0].finish_reason == "length"
+            else:
+                chat = raw.parse()
+                assert chat.usage is not None and chat.usage.completion_tokens == 64
+                assert chat.choices[0].finish_reason == "length"
+        asked = create(model="kvswitch-tiny", messages=MESSAGES, max_tokens=70)
+        assert "x-kvswitch-default-max-tokens" not in asked.headers
+        usage = asked.parse().usage
+        assert usage is not None and usage.completion_tokens == 70
+    said = [r.getMessage() for r in caplog.records if "random weights" in r.getMessage()]
+    assert said == [
+        "the model has random weights and seldom ends an answer: chat requests without "
+        "max_tokens get 64 tokens (header x-kvswitch-default-max-tokens)"
+    ]
+
+
 # -- a checkpoint's chat template ---------------------------------------------------------------
 
+CHECKPOINT_LIMIT = 80  # the checkpoint router's --max-output-tokens
 WORDS = ["<s>", "</s>", "[UNK]", "[system]", "[user]", "[assistant]", "Be", "terse.", "Hello?"]
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {{ eos_token }} "
@@ -321,7 +389,9 @@ def write_checkpoint(model_dir: Path, template: str | None) -> None:
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundCluster]:
     model_dir = tmp_path_factory.mktemp("checkpoint") / "model"
     write_checkpoint(model_dir, TEMPLATE)
-    router = dataclasses.replace(ROUTER, model=str(model_dir))
+    # NOTE: the router's limit bounds a chat without max_tokens: the workers' random weights
+    # would fill the context.
+    router = dataclasses.replace(ROUTER, model=str(model_dir), max_output_tokens=CHECKPOINT_LIMIT)
     with BackgroundCluster(1, router, WORKER) as cluster:
         yield cluster
 
@@ -340,6 +410,12 @@ def test_chat_uses_the_checkpoints_template(checkpoint: BackgroundCluster, tmp_p
             prompt_token_ids=expected_ids, max_tokens=8, temperature=0.0
         )
     assert chat.choices[0].message.content == expected.text
+    # A checkpoint's answer without max_tokens runs as long as the router allows, not a default.
+    with openai_client(checkpoint) as client:
+        raw = client.chat.completions.with_raw_response.create(model=card.id, messages=MESSAGES)
+    assert "x-kvswitch-default-max-tokens" not in raw.headers
+    usage = raw.parse().usage
+    assert usage is not None and usage.completion_tokens == CHECKPOINT_LIMIT
     # A router whose checkpoint has no template says why it cannot chat.
     bare_dir = tmp_path / "bare"
     write_checkpoint(bare_dir, None)
