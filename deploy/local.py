@@ -1,16 +1,16 @@
 """``kvswitch up``: a local cluster in the foreground — N workers and a router, as processes.
 
 The router starts first; by default it holds the embedded block index and serves it to the
-workers on its own port (``--index grpc://ROUTER``). With ``--redis local`` the cluster starts a
-redis-server of its own (a free port, nothing on disk) and everyone uses it; with
-``--redis redis://...`` it uses that one. The cluster is up once every worker has joined and the
-router routes to all of them.
+workers on its own port (the index ``grpc://ROUTER``, as ``kvswitch up`` prints it). With
+``--redis local`` the cluster starts a redis-server of its own (a free port, nothing on disk) and
+everyone uses it; with ``--redis redis://...`` it uses that one. The cluster is up once every
+worker has joined and the router routes to all of them.
 
 It outlives its members: a worker that dies is started again after a backoff (1 s, doubling to
 30 s, back to 1 s after a healthy minute) while the router serves on the others, and a local
 redis-server that dies is started again on the same port, empty, for the workers to resync. Only
-the router's death, Ctrl-C or SIGTERM stops the cluster; then every process gets SIGTERM (so
-workers leave the index and finish what they can), and SIGKILL after the grace period.
+the router's death, Ctrl-C or SIGTERM stops the cluster; then the workers get SIGTERM (so they
+leave the index and finish what they can), then the routers, each SIGKILL after the grace period.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class ClusterConfig:
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20  # per worker
     kv_cache_shm: bool = False  # CPU: KV caches in /dev/shm, blocks copied straight between them
+    max_num_seqs: int = 64  # per worker: most requests computed together in one step
     cuda_graphs: bool = False  # CUDA: every worker replays its decode steps from CUDA graphs
     policy: str = "cost"
     host: str = "127.0.0.1"
@@ -88,6 +89,8 @@ class ClusterConfig:
             )
         if self.redis not in ("", "local") and "://" not in self.redis:
             raise ValueError(f"redis must be empty, 'local' or a redis:// URL, got {self.redis!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.kv_cache_shm and self.device != "cpu":
@@ -270,17 +273,21 @@ class LocalCluster:
         self.router_died.wait()
 
     def stop(self) -> None:
-        """SIGTERM every process, wait for them to finish, SIGKILL the stragglers."""
+        """SIGTERM every worker, then every router; wait for each to finish, SIGKILL the
+        stragglers."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
             self._supervisor = None
-        processes = [*self.workers, *self.extra_routers, *([self.router] if self.router else [])]
-        for process in processes:
-            process.terminate()
-        deadline = time.monotonic() + self.config.grace_s + 10.0
-        for process in processes:
-            process.wait(deadline - time.monotonic())
+        # NOTE: workers first, routers once they are gone: a stopping worker leaves the index,
+        # and an embedded one stops with its router.
+        routers = [*self.extra_routers, *([self.router] if self.router else [])]
+        for processes in (self.workers, routers):
+            for process in processes:
+                process.terminate()
+            deadline = time.monotonic() + self.config.grace_s + 10.0
+            for process in processes:
+                process.wait(deadline - time.monotonic())
         self.workers = []
         self.extra_routers = []
         self.router = None
@@ -415,6 +422,7 @@ class LocalCluster:
             "--dtype", config.dtype,
             "--block-size", str(config.block_size),
             "--kv-cache-bytes", str(config.kv_cache_bytes),
+            "--max-num-seqs", str(config.max_num_seqs),
             "--metrics-port", str(config.metrics_port_of(name)),
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
             *(["--cuda-graphs"] if config.cuda_graphs else []),

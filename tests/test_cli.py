@@ -6,6 +6,8 @@ import argparse
 import io
 import json
 import logging
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -120,15 +122,62 @@ def test_invalid_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
         (["up", "--workers", "0"], "--workers must be in [1, 64], got 0"),
         (["router", "--pending-ttl-s", "0"], "--pending-ttl-s must be positive, got 0.0"),
         (["worker", "--gpu-memory-fraction", "0.5"], "--gpu-memory-fraction sizes a GPU's"),
+        (["loadtest", "--rate", "0"], "--rate must be positive"),
+        (["worker", "--bogus"], "unrecognized arguments: --bogus"),
+        (["index", "stats", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
-def test_a_bad_option_is_named_as_it_is_typed(
+def test_a_bad_option_is_named_as_it_is_typed_under_its_commands_usage(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    command = " ".join(a for a in argv[:2] if not a.startswith("-"))
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    assert f"kvswitch: error: {message}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kvswitch {command} [-h]"), err
+    assert f"kvswitch {command}: error: {message}" in err
+
+
+@pytest.mark.parametrize("command", ["up", "worker", "demo", "generate", "loadtest"])
+def test_every_option_a_help_names_is_one_the_command_takes(command: str) -> None:
+    parser = next(p for p in _all_parsers(build_parser(command)) if p.prog == f"kvswitch {command}")
+    # NOTE: argparse wraps help text at a hyphen: "--max-num-" at a line's end, "seqs" next.
+    text = re.sub(r"-\n\s+", "-", parser.format_help())
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", text))
+    assert len(named) > 5
+    assert sorted(named - set(parser._option_string_actions)) == []
+
+
+def test_up_passes_max_num_seqs_to_its_workers() -> None:
+    from kvswitch.deploy.local import ClusterConfig, LocalCluster
+
+    args = build_parser("up").parse_args(["up", "--max-num-seqs", "8", "--workers", "1"])
+    assert args.max_num_seqs == 8
+    cluster = LocalCluster(ClusterConfig(max_num_seqs=8), inherit_logs=True)
+    argv = cluster._worker_argv("worker-0", "both")
+    worker_args = build_parser("worker").parse_args(argv[argv.index("worker") :])
+    assert worker_args.max_num_seqs == 8
+
+
+def test_an_option_before_any_command_is_named_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--bogus"], ["--bogus", "worker"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "kvswitch: error: unrecognized option --bogus: give a command first" in err
+        assert "demo, router, up, generate, worker" in err and "'kvswitch --help'" in err
+
+
+def test_index_tools_without_an_index_name_the_one_kvswitch_up_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["index", "stats"])
+    err = capsys.readouterr().err
+    assert "--index grpc://ROUTER_HOST:PORT for a router's embedded index" in err
+    assert "kvswitch up prints" in err and "--index redis://HOST:PORT" in err
 
 
 def test_generate_names_an_option_the_client_refuses(capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,8 +233,16 @@ def test_demo_routes_questions_to_their_documents(capsys: pytest.CaptureFixture[
     from kvswitch.app import demo
 
     figures = demo.run(demo.DemoConfig())
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "doc 1 q2" in out and "chat 2 t3" in out
+    # The logs are where it says they are, once it is over too.
+    log_dir = Path(err.rsplit("logs are kept in ", 1)[1].strip())
+    try:
+        assert f"logs in {log_dir}" in err
+        assert {p.name for p in log_dir.iterdir()} == {"router.log", "worker-0.log", "worker-1.log"}
+        assert "router listening on" in (log_dir / "router.log").read_text()
+    finally:
+        shutil.rmtree(log_dir)
     # Each document stays on one worker: every later question reuses it.
     assert figures["cost_hit_rate"] > 0.6
     # Round robin asks every worker to hold every document, more than fits: few reuses.
@@ -307,7 +364,7 @@ def test_bench_http_sends_the_same_requests_through_both_apis(tmp_path: Path) ->
 
 def test_bench_startup_times_every_command_it_lists(tmp_path: Path) -> None:
     out = tmp_path / "startup.json"
-    main(["bench", "startup", "--num-runs", "1", "--json", str(out)])
+    main(["bench", "startup", "--num-runs", "1", "--repeat", "0", "--json", str(out)])
     seconds = json.loads(out.read_text())["median_s"]
     assert {"--help", "worker --help"} <= set(seconds)
     assert all(s > 0 for s in seconds.values())
@@ -404,6 +461,32 @@ def test_ctrl_c_stops_generate_and_its_request_without_a_traceback() -> None:
         process.kill()
         process.wait()
         cluster.close()
+
+
+def test_loadtest_prints_a_table_and_json_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def loadtest(*args: str) -> str:
+        argv = ["loadtest", "--target", cluster.address, "--workload", "no_sharing"]
+        argv += ["--workload-args", "requests=2,prompt_len=32,output_len=2", "--no-progress"]
+        assert main([*argv, "--policies", "cost,round_robin", *args]) == 0
+        return capsys.readouterr().out
+
+    with BackgroundCluster(1) as cluster:
+        table = loadtest().splitlines()
+        assert table[0].split() == ["policy", "cost", "round_robin"]
+        assert table[2].split() == ["Successful", "requests", "2", "2"]
+        for label in ("Request throughput (req/s)", "TTFT P99 (ms)", "Prompt tokens from cache"):
+            assert any(line.startswith(label) for line in table), label
+        # --json FILE: the file, as before, and the table
+        out = loadtest("--json", str(tmp_path / "report.json")).splitlines()
+        assert out[0].split() == table[0].split() and len(out) == len(table)
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["policies"]["cost"]["completed"] == 2
+        # --json -: the JSON on stdout, no table
+        report = json.loads(loadtest("--json", "-"))
+        assert list(report["policies"]) == ["cost", "round_robin"]
+    assert not (Path.cwd() / "-").exists()
 
 
 def test_starting_a_router_or_worker_by_name_does_not_load_torch() -> None:

@@ -179,11 +179,24 @@ COMMANDS: list[
 ]
 
 
+# What ``kvswitch`` takes before a command: anything else there is a mistake.
+TOP_LEVEL_OPTIONS = ("-h", "--help", "--version")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv else None
-    parser = build_parser(command, summaries=command not in {name for name, *_ in COMMANDS})
+    names = [name for name, *_ in COMMANDS]
+    parser = build_parser(command, summaries=command not in names)
+    if command is None or (command.startswith("-") and command not in TOP_LEVEL_OPTIONS):
+        said = "no command" if command is None else f"unrecognized option {command}"
+        parser.error(
+            f"{said}: give a command first, one of {', '.join(names)}; 'kvswitch --help' says "
+            "what each does, 'kvswitch COMMAND --help' lists its options"
+        )
     args, unknown = parser.parse_known_args(argv)
+    # NOTE: a command's own mistakes are told with its own usage line, not kvswitch's.
+    parser = _command_parser(parser, args)
     if unknown and not isinstance(args.func, _Unavailable):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
@@ -205,6 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvswitch: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _command_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` name: ``kvswitch index stats``'s, say."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            return parser if chosen is None else _command_parser(chosen, args)
+    return parser
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from kvswitch.logs import configure_logging, log_format_from_env, log_level_from
 T = TypeVar("T")
 
 _PARSERS = {"int": int, "float": float, "str": str}
+STDOUT = Path("-")  # --json -
 
 
 def add_config_args(
@@ -79,9 +80,11 @@ def plain_doc(doc: str | None) -> str:
     return (doc or "").replace("``", "")
 
 
-def write_json(result: dict[str, Any], path: Path | None) -> None:
+def write_json(result: dict[str, Any], path: Path | None, *, echo: bool = True) -> None:
+    """``result`` as JSON on stdout (unless not ``echo``) and in the file ``path``, if given."""
     text = json.dumps(result, indent=2, sort_keys=True)
-    print(text)
+    if echo:
+        print(text)
     if path is not None:
         path.write_text(text + "\n")
         print(f"wrote {path}", file=sys.stderr)
@@ -122,9 +125,12 @@ def add_report_command(
     config_cls: type,
     helps: dict[str, str],
     run: Callable[[Any], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str] | None = None,
 ) -> None:
     """A command that builds ``config_cls`` from its options, runs it and prints the JSON it
-    returns; a file it cannot read or a value it refuses (ValueError) is a one-line message."""
+    returns; a file it cannot read or a value it refuses (ValueError) is a one-line message.
+    With ``table``, it prints the table ``table`` makes of the result instead, and the JSON only
+    with ``--json``: into that file, or ``--json -`` on stdout instead of the table."""
 
     def command(args: argparse.Namespace) -> None:
         config = config_from_args(config_cls, args)
@@ -133,7 +139,13 @@ def add_report_command(
         except (OSError, ValueError) as e:
             fields = [field.name for field in dataclasses.fields(config_cls)]
             sys.exit(f"kvswitch {name}: {with_flags(str(e), fields)}")
-        write_json(result, args.json)
+        if table is None:
+            write_json(result, args.json)
+        elif args.json == STDOUT:
+            write_json(result, None)
+        else:
+            print(table(result))
+            write_json(result, args.json, echo=False)
 
     sub = commands.add_parser(
         name,
@@ -142,5 +154,10 @@ def add_report_command(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(sub, config_cls, helps)
-    sub.add_argument("--json", type=Path, metavar="OUT", help="also write the figures here")
+    json_help = (
+        "also write the figures here"
+        if table is None
+        else "write the figures as JSON here; - = on stdout, instead of the table"
+    )
+    sub.add_argument("--json", type=Path, metavar="OUT", help=json_help)
     sub.set_defaults(func=command)

@@ -213,6 +213,7 @@ UP_HELP = {
     "block_size": WORKER_HELP["block_size"],
     "kv_cache_bytes": "KV cache memory per worker, in bytes",
     "kv_cache_shm": WORKER_HELP["kv_cache_shm"],
+    "max_num_seqs": "most requests each worker computes together in one step",
     "cuda_graphs": WORKER_HELP["cuda_graphs"],
     "policy": ROUTER_HELP["policy"],
     "host": "address every process listens on",

@@ -214,8 +214,16 @@ def add_sim(commands: argparse._SubParsersAction, name: str, summary: str) -> No
 
 def add_loadtest(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
     from kvswitch.loadtest import live, workloads
+    from kvswitch.loadtest.report_table import report_table
 
     description = plain_doc(live.__doc__) + "\n" + plain_doc(workloads.__doc__)
     add_report_command(
-        commands, name, summary, description, live.LoadTestConfig, LOADTEST_HELP, live.run
+        commands,
+        name,
+        summary,
+        description,
+        live.LoadTestConfig,
+        LOADTEST_HELP,
+        live.run,
+        table=report_table,
     )

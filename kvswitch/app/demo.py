@@ -9,7 +9,8 @@ the caches, so every worker must hold every document and evicts them before they
 again. A different cache salt per pass keeps the two passes from sharing cached blocks.
 
 The built-in model is small and untrained: its answers are noise. What matters is where each
-request goes and how much of its prompt is reused.
+request goes and how much of its prompt is reused. The processes' logs are kept in a new
+temporary folder, named at the start and at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import random
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvswitch.client import Client, GenerateResult
 from kvswitch.deploy.local import ClusterConfig, running
@@ -146,8 +149,10 @@ def run(config: DemoConfig) -> dict[str, float]:
         flush=True,
     )
     figures: dict[str, float] = {}
-    with running(cluster_config) as cluster:
-        print(f"router at {cluster.address}; logs in {cluster.log_dir}", file=sys.stderr)
+    # NOTE: a folder of the demo's own, kept: the cluster would remove one it made itself.
+    log_dir = Path(tempfile.mkdtemp(prefix="kvswitch-demo-"))
+    with running(cluster_config, log_dir=log_dir) as cluster:
+        print(f"router at {cluster.address}; logs in {log_dir}", file=sys.stderr)
         with Client(cluster.address, timeout_s=60) as client:
             for policy in ("cost", "round_robin"):
                 rows = run_pass(client, config, policy, verbose=True)
@@ -166,4 +171,5 @@ def run(config: DemoConfig) -> dict[str, float]:
         "every worker\nhold every document, more than its cache fits, so documents are evicted "
         "before their next question."
     )
+    print(f"The router's and workers' logs are kept in {log_dir}", file=sys.stderr)
     return figures
