@@ -86,7 +86,10 @@ class IndexToolConfig:
 
     def __post_init__(self) -> None:
         if not self.index:
-            raise ValueError("give the index to look at: --index redis://HOST:PORT")
+            raise ValueError(
+                "give the index to look at: --index grpc://ROUTER_HOST:PORT for a router's "
+                "embedded index (the one kvswitch up prints), or --index redis://HOST:PORT"
+            )
         if self.index.startswith("memory://"):
             raise ValueError(
                 "an embedded (memory://) index lives inside its process: give a Redis URL, or "

@@ -375,7 +375,12 @@ class WorkerDirectory:
         except grpc.aio.AioRpcError as e:
             logger.debug("GetLoad from %s failed: %s", handle.worker_id, e.code().name)
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._poll_failed(handle, e.code())
+                if not handle.unreachable:
+                    # NOTE: a worker that stops leaves the index first: one that left is gone,
+                    # not failing (refresh stops this poller then).
+                    await self.refresh()
+                if not handle.removed:
+                    self._poll_failed(handle, e.code())
         else:
             handle.load = load
             if handle.unreachable:

@@ -323,5 +323,5 @@ def _error_status(request_id: str, error: EngineError) -> tuple[grpc.StatusCode,
 
 def _unavailable(error: EngineStopped) -> str:
     if isinstance(error, EngineDied):
-        return f"this worker's {error}; it is stopping"
+        return f"this worker is stopping: {error}"
     return "this worker is shutting down"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import grpc
 import pytest
@@ -288,6 +289,29 @@ def test_a_worker_is_lost_after_failed_polls_in_a_row_or_a_refused_connection() 
         await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_worker_that_left_the_index_before_it_stopped_is_not_taken_for_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stopping worker leaves the index, then stops answering: a load poll that fails before
+    the next refresh finds it gone, and says so without a warning."""
+
+    async def main() -> None:
+        directory = await directory_of("gone")  # nothing listens at its address
+        [gone] = directory.handles()
+        await directory.index.deregister("gone")
+        await directory.poll_loads()
+        assert gone.removed and not gone.lost.is_set()
+        assert directory.handles() == []
+        await directory.stop()
+
+    with caplog.at_level(logging.INFO, logger="kvswitch.router.workers"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker gone joined at 127.0.0.1:1 (both)",
+        "worker gone left",
+    ]
 
 
 def test_a_black_holed_worker_does_not_hold_up_the_other_workers_load_reports() -> None:

@@ -337,7 +337,9 @@ def test_a_worker_whose_engine_core_dies_fails_its_streams_and_exits() -> None:
             with pytest.raises(grpc.RpcError) as error:
                 list(call)
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "the engine core died (killed by SIGKILL)" in error.value.details()
+            assert error.value.details().endswith(
+                ": this worker is stopping: the engine core died (killed by SIGKILL)"
+            )
         # Not serving any more: the worker stops, saying why, with a failure exit code.
         assert process.wait(timeout=30) == 1
         assert "kvswitch worker: the engine core died (killed by SIGKILL)" in process.stderr.read()
