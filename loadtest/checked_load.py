@@ -242,6 +242,7 @@ class CheckedLoad:
                 prompt_token_ids=self.prompts[index],
                 max_tokens=self.max_tokens,
                 request_id=request_id,
+                timeout_s=self.timeout_s,  # read per request: a test may change it under way
             )
             with stream:
                 for chunk in stream:

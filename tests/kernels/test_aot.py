@@ -5,10 +5,12 @@ The compile runs in a child process: this one imported the kernels under the int
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,26 +66,50 @@ def test_compile_refuses_to_run_under_the_interpreter(capsys: pytest.CaptureFixt
     assert "TRITON_INTERPRET unset" in capsys.readouterr().err
 
 
-def _compile(arch: int, tmp_path: Path) -> list[dict]:
+@dataclasses.dataclass
+class _Compile:
+    process: subprocess.Popen[str]
+    out: Path
+
+    def report(self) -> list[dict]:
+        stdout, stderr = self.process.communicate(timeout=600)
+        assert self.process.returncode == 0, stderr
+        assert "paged_prefill_kernel" in stdout  # the table
+        return json.loads(self.out.read_text())
+
+
+@pytest.fixture(scope="module")
+def compiles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, _Compile]]:
+    """``kvswitch kernels compile`` for each architecture, all started at once: each is a
+    single-threaded minute of compiling, and the machine has more than one core."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    out = tmp_path / f"sm{arch}.json"
-    command = ["kernels", "compile", "--arch", str(arch), "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, "-m", "kvswitch", *command],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "paged_prefill_kernel" in result.stdout  # the table
-    return json.loads(out.read_text())
+    started = {}
+    for arch in (80, 90):
+        tmp_path = tmp_path_factory.mktemp(f"sm{arch}")
+        out = tmp_path / f"sm{arch}.json"
+        command = ["kernels", "compile", "--arch", str(arch), "--json", str(out)]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvswitch", *command],
+            env={**env, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started[arch] = _Compile(process, out)
+    try:
+        yield started
+    finally:
+        for compile_ in started.values():
+            if compile_.process.poll() is None:  # a test failed before it waited for this one
+                compile_.process.kill()
+                compile_.process.communicate()
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-def test_every_kernel_compiles_without_spills_and_fits(arch: int, tmp_path: Path) -> None:
-    report = _compile(arch, tmp_path)
+def test_every_kernel_compiles_without_spills_and_fits(
+    arch: int, compiles: dict[int, _Compile]
+) -> None:
+    report = compiles[arch].report()
     kernels_per_shape = [
         "_rms_norm_kernel",
         "_rms_norm_kernel",

@@ -13,6 +13,7 @@ a KV block and the index agrees with every worker's cache. Elsewhere: a worker k
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -38,6 +39,8 @@ from kvswitch.loadtest.checked_load import (
 TIMEOUT_S = 4.0  # each request's deadline
 STALL_S = 5.0  # past the deadline
 REDIS_DOWN_S = 3.0
+STEADY_TIMEOUT_S = 60.0
+RESTART_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +69,25 @@ def load(cluster: LocalCluster) -> Iterator[CheckedLoad]:
 
 
 def steady(load: CheckedLoad, seconds: float = 1.0) -> None:
-    """Let the load run a while (after a quiet check paused it), checking it does."""
+    """Let the load run at least ``seconds`` (after a quiet check paused it), and until some
+    request has ended meanwhile, however slow the machine."""
     since_s = time.monotonic()
     time.sleep(seconds)
-    assert load.outcomes(since_s), "no request ended: the load is not running"
+    deadline_s = since_s + STEADY_TIMEOUT_S
+    while not load.outcomes(since_s) and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    assert load.outcomes(since_s), f"no request ended in {STEADY_TIMEOUT_S} s: the load is stuck"
+
+
+@contextlib.contextmanager
+def patient(load: CheckedLoad) -> Iterator[None]:
+    """Requests sent meanwhile get ``RESTART_TIMEOUT_S`` to end: while the router restarts the
+    client waits for it, and how long a restart takes is up to the machine."""
+    load.timeout_s = RESTART_TIMEOUT_S
+    try:
+        yield
+    finally:
+        load.timeout_s = TIMEOUT_S
 
 
 def check_quiet_fleet(cluster: LocalCluster, load: CheckedLoad) -> None:
@@ -141,8 +159,9 @@ def test_a_router_restarted_loses_no_request(cluster: LocalCluster, load: Checke
     """SIGTERM: the router finishes what it relays; requests sent while it is down wait for
     it (the client retries), and the Redis index is there when it is back."""
     steady(load)
-    report = faults.restart_router(cluster, kill=False)
-    time.sleep(1.0)  # requests sent while it was down end now
+    with patient(load):
+        report = faults.restart_router(cluster, kill=False)
+        time.sleep(1.0)  # requests sent while it was down end now
     outcomes = faults.during(load.outcomes(), report)
     check_quiet_fleet(cluster, load)
     assert outcomes and all(o.exact for o in outcomes if not o.failed), tally(outcomes)
@@ -157,8 +176,9 @@ def test_a_router_killed_fails_only_the_streams_it_was_relaying(
     """SIGKILL: a stream under way breaks with UNAVAILABLE (the client cannot resume it: a
     retry would repeat its tokens); every request not yet answered is retried and served."""
     steady(load)
-    report = faults.restart_router(cluster, kill=True)
-    time.sleep(1.0)
+    with patient(load):
+        report = faults.restart_router(cluster, kill=True)
+        time.sleep(1.0)
     outcomes = faults.during(load.outcomes(), report)
     check_quiet_fleet(cluster, load)
     assert outcomes and all(o.exact for o in outcomes if not o.failed), tally(outcomes)
