@@ -6,8 +6,8 @@ workers on its own port (the index ``grpc://ROUTER``, as ``kvswitch up`` prints 
 everyone uses it; with ``--redis redis://...`` it uses that one. The cluster is up once every
 worker has joined and the router routes to all of them.
 
-It outlives its members: a worker that dies is started again after a backoff (1 s, doubling to
-30 s, back to 1 s after a healthy minute) while the router serves on the others, and a local
+It outlives its members: a worker that dies is started again after a backoff (0.25 s, doubling to
+30 s, back to 0.25 s after a healthy minute) while the router serves on the others, and a local
 redis-server that dies is started again on the same port, empty, for the workers to resync. Only
 the router's death, Ctrl-C or SIGTERM stops the cluster; then the workers get SIGTERM (so they
 leave the index and finish what they can), then the routers, each SIGKILL after the grace period.

@@ -29,7 +29,8 @@ class ChildError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RestartPolicy:
-    initial_backoff_s: float = 1.0
+    # NOTE: short: a killed worker is back in the time its start takes, plus this.
+    initial_backoff_s: float = 0.25
     max_backoff_s: float = 30.0
     healthy_s: float = 60.0  # a child up this long starts its backoff over when it dies
 
