@@ -4,14 +4,18 @@ memory://                         the embedded index (this process only)
 redis://[user:password@]host:port/db, rediss://...        one Redis (rediss: TLS)
 redis+cluster://host:port, rediss+cluster://host:port     a Redis Cluster (any node)
 grpc://host:port                  the embedded index of a router, served over gRPC
+
+A Redis URL without a password takes the one in ``KVSWITCH_INDEX_PASSWORD``, if set: the safe way
+to hand it to a server, whose command line anyone on the host can read.
 """
 
 from __future__ import annotations
 
+import os
 from urllib.parse import urlsplit
 
 from kvswitch.cache_index.index import BlockIndex
-from kvswitch.security import PLAINTEXT, FleetSecurity
+from kvswitch.security import INDEX_PASSWORD_ENV, PLAINTEXT, FleetSecurity
 
 DEFAULT_PREFIX = "kvswitch"
 SCHEMES = "memory://, redis://, rediss://, redis+cluster://, rediss+cluster:// or grpc://"
@@ -38,9 +42,12 @@ async def connect_index(
         from kvswitch.cache_index.redis_index import RedisIndex
 
         base_scheme, _, cluster = scheme.partition("+")
+        password = None
+        if urlsplit(url).password is None:
+            password = os.environ.get(INDEX_PASSWORD_ENV) or None
         try:
             return await RedisIndex.connect(
-                f"{base_scheme}://{rest}", prefix=prefix, cluster=bool(cluster)
+                f"{base_scheme}://{rest}", prefix=prefix, cluster=bool(cluster), password=password
             )
         except RedisIndex.unavailable_errors as e:
             raise IndexUnreachable(f"cannot use the Redis at {redacted(url)}: {e}") from e

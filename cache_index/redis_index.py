@@ -172,16 +172,19 @@ class RedisIndex(BlockIndex):
         cluster: bool = False,
         retry: Retry | None = None,
         socket_timeout_s: float | None = 5.0,
+        password: str | None = None,
     ) -> RedisIndex:
         """Connect to ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS) and load
         the scripts; a wrong address or password fails here. ``cluster=True`` takes the URL of
-        any one node of a Redis Cluster."""
+        any one node of a Redis Cluster. ``password``, if given, is used instead of the URL's."""
         keys = KeySchema(prefix)
         options: dict[str, Any] = {
             "retry": retry or default_retry(),
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": socket_timeout_s,
         }
+        if password is not None:
+            options["password"] = password
         client_class = RedisCluster if cluster else Redis
         client = client_class.from_url(url, **options)
         index = cls(client, keys, cluster=cluster)

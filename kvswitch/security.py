@@ -32,6 +32,9 @@ from kvswitch.serving import host_port
 TOKEN_ENV = "KVSWITCH_TOKEN"  # the router's client token, instead of --token
 FLEET_TOKEN_ENV = "KVSWITCH_FLEET_TOKEN"  # instead of --fleet-token
 API_KEYS_ENV = "KVSWITCH_API_KEYS"  # instead of --api-key: the HTTP API's keys, comma-separated
+# The password of a Redis index whose URL carries none: a URL on a command line is for anyone on the
+# host to read (ps, /proc), an environment variable only for the process's user.
+INDEX_PASSWORD_ENV = "KVSWITCH_INDEX_PASSWORD"
 
 # How a gRPC server that other machines can reach is kept from taking any caller.
 FLEET_WAYS_OUT = (

@@ -15,6 +15,7 @@ import redis
 from redis.asyncio.connection import AbstractConnection
 
 from kvswitch.cache_index import redis_scripts
+from kvswitch.cache_index.connect import IndexUnreachable, connect_index
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
@@ -26,7 +27,8 @@ from kvswitch.cache_index.redis_index import (
     RedisIndex,
     hash_tag,
 )
-from tests.cache_index.conftest import ACL_PREFIX, unique_prefix
+from kvswitch.security import INDEX_PASSWORD_ENV
+from tests.cache_index.conftest import ACL_PREFIX, REDIS_PASSWORD, unique_prefix
 
 NS = "model-a"
 TTL_S = 30.0
@@ -211,6 +213,30 @@ def test_a_wrong_or_missing_password_fails_at_connect(redis_auth_url: str) -> No
         for url in (f"redis://:wrong@{host}", f"redis://nobody:wrong@{host}", f"redis://{host}"):
             with pytest.raises(redis.exceptions.AuthenticationError):
                 await RedisIndex.connect(url)
+
+    run(body())
+
+
+def test_a_url_without_a_password_takes_the_one_in_the_environment(
+    redis_auth_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server's --index URL is on its command line, for anyone on the host to read: the
+    password can come from KVSWITCH_INDEX_PASSWORD instead; a password in the URL wins."""
+    host = redis_auth_url.rsplit("@", 1)[1]
+
+    async def body() -> None:
+        monkeypatch.setenv(INDEX_PASSWORD_ENV, REDIS_PASSWORD)
+        index = await connect_index(f"redis://{host}", prefix=unique_prefix())
+        await index.register(worker("a"), TTL_S)
+        assert [info.worker_id for info in await index.live_workers()] == ["a"]
+        await index.close()
+        monkeypatch.setenv(INDEX_PASSWORD_ENV, "wrong")
+        with pytest.raises(IndexUnreachable, match="invalid username-password"):
+            await connect_index(f"redis://{host}")
+        await (await connect_index(redis_auth_url)).close()
+        monkeypatch.delenv(INDEX_PASSWORD_ENV)
+        with pytest.raises(IndexUnreachable, match="authenticated"):
+            await connect_index(f"redis://{host}")
 
     run(body())
 

@@ -3,7 +3,8 @@ parses with the CLI it calls (so each flag exists and takes its value), every en
 variable it sets is one kvswitch reads, every GPU worker has a GPU of its own, every
 healthcheck runs a command the image installs, and the fleet is secured by default: every
 router and worker gets the fleet token from a secret (so none needs --insecure, and blocks are
-named with the keyed hash), Redis takes a password every index URL carries, and Kubernetes
+named with the keyed hash), Redis takes a password that reaches every router and worker from the
+secrets in KVSWITCH_INDEX_PASSWORD (never on a command line, which ps shows), and Kubernetes
 NetworkPolicies let only routers and workers reach workers and Redis. The worker image has the C
 compiler Triton needs, and `make images` builds every image the files run.
 
@@ -26,17 +27,24 @@ from kvswitch.app.cli_args import config_from_args
 from kvswitch.cache_index.hashing import BLAKE2B_KEYED
 from kvswitch.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
 from kvswitch.router.server import RouterConfig
-from kvswitch.security import FLEET_TOKEN_ENV, TOKEN_ENV
+from kvswitch.security import FLEET_TOKEN_ENV, INDEX_PASSWORD_ENV, TOKEN_ENV
 from kvswitch.worker.server import WorkerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE_FILES = sorted(DEPLOY.glob("docker-compose*.yml"))
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 # What the code reads from the environment (kvswitch/logs.py), and what the image sets for it.
-KNOWN_ENV = {LOG_FORMAT_ENV, LOG_LEVEL_ENV, "HF_HOME", FLEET_TOKEN_ENV, TOKEN_ENV}
-# The Redis password every index URL carries: compose's required variable, Kubernetes' $(VAR).
-COMPOSE_REDIS_URL = "redis://:<KVSWITCH_REDIS_PASSWORD>@redis:6379"
-K8S_REDIS_URL = "redis://:$(REDIS_PASSWORD)@kvswitch-redis:6379"
+KNOWN_ENV = {
+    LOG_FORMAT_ENV,
+    LOG_LEVEL_ENV,
+    "HF_HOME",
+    FLEET_TOKEN_ENV,
+    TOKEN_ENV,
+    INDEX_PASSWORD_ENV,
+}
+# The index URLs: the Redis password comes in KVSWITCH_INDEX_PASSWORD, never on a command line.
+COMPOSE_REDIS_URL = "redis://redis:6379"
+K8S_REDIS_URL = "redis://kvswitch-redis:6379"
 KVSWITCH_IMAGES = ("kvswitch-router", "kvswitch-worker")
 
 
@@ -272,7 +280,7 @@ def test_routers_are_replicated_and_never_all_down_in_an_update() -> None:
     assert router["spec"]["replicas"] >= 2
     assert router["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     args = parse_command(container(router)["args"])
-    assert args.index == K8S_REDIS_URL.replace("$(REDIS_PASSWORD)", EXAMPLES["REDIS_PASSWORD"])
+    assert args.index == K8S_REDIS_URL
     probes = container(router)
     assert probes["readinessProbe"]["grpc"] == {"port": 50051, "service": "kvswitch.v1.Router"}
     assert probes["livenessProbe"]["grpc"]["port"] == args.port
@@ -340,8 +348,10 @@ def test_compose_fleets_are_secured_by_default(name: str, overrides: tuple) -> N
         env = service["environment"]
         # Each token from the operator's env file, never on a command line (ps shows those).
         assert env[FLEET_TOKEN_ENV].startswith(required(FLEET_TOKEN_ENV)), service_name
+        assert env[INDEX_PASSWORD_ENV].startswith(required("KVSWITCH_REDIS_PASSWORD"))
         command = [str(arg) for arg in service["command"]]
         assert not {"--token", "--fleet-token", "--insecure"} & set(command), service_name
+        assert not [arg for arg in command if "PASSWORD" in arg], service_name
         config = built_config(command, {v: SECRET_VALUES[v] for v in env if v in SECRET_VALUES})
         assert config.index == COMPOSE_REDIS_URL, service_name
         assert config.block_naming().mode == BLAKE2B_KEYED, service_name
@@ -376,7 +386,8 @@ def test_k8s_pods_take_their_secrets_from_the_secret() -> None:
         spec = container(objects[(kind, name)])
         env = env_of(spec)
         assert from_secret(env[FLEET_TOKEN_ENV]) == ("kvswitch", "fleet-token"), name
-        assert from_secret(env["REDIS_PASSWORD"]) == ("kvswitch", "redis-password"), name
+        assert from_secret(env[INDEX_PASSWORD_ENV]) == ("kvswitch", "redis-password"), name
+        assert not [arg for arg in spec["args"] if "PASSWORD" in str(arg)], name
         # Every $(VAR) in the command is one the container sets.
         for arg in spec["args"]:
             assert set(re.findall(r"\$\(([A-Z_]+)\)", str(arg))) <= set(env), (name, arg)
