@@ -12,7 +12,7 @@ to hand it to a server, whose command line anyone on the host can read.
 from __future__ import annotations
 
 import os
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from kvswitch.cache_index.index import BlockIndex
 from kvswitch.security import INDEX_PASSWORD_ENV, PLAINTEXT, FleetSecurity
@@ -72,3 +72,16 @@ def redacted(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return parts._replace(netloc=netloc).geturl()
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password, and the password (None, and ``url`` as it is, if it has
+    none): a server started with the first and the second in ``KVSWITCH_INDEX_PASSWORD`` reaches
+    the same index, with no password on its command line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    username = userinfo.partition(":")[0]
+    netloc = f"{username}@{host}" if username else host
+    return parts._replace(netloc=netloc).geturl(), unquote(parts.password)

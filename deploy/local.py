@@ -28,8 +28,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from kvswitch.cache_index.connect import split_password
 from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.deploy.processes import Child, ChildError, RestartPolicy
+from kvswitch.security import INDEX_PASSWORD_ENV
 from kvswitch.serving import host_port
 
 _KVSWITCH = (sys.executable, "-m", "kvswitch.app.cli")
@@ -382,6 +384,11 @@ class LocalCluster:
 
     def _child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         log_path = None if self._inherit_logs else self.log_dir / f"{name}.log"
+        # NOTE: the index's password goes in the environment: a command line is for anyone on
+        # the host to read (the arguments carry the URL without it).
+        _, password = split_password(self._router_index)
+        if password is not None:
+            env = {**(os.environ if env is None else env), INDEX_PASSWORD_ENV: password}
         return Child(name, argv, env=env, log_path=log_path)
 
     def _wait_ready(self, child: Child) -> str:
@@ -399,7 +406,7 @@ class LocalCluster:
             "router",
             "--host", config.host,
             "--port", str(config.port if port is None else port),
-            "--index", index_url,
+            "--index", split_password(index_url)[0],
             "--model", config.model,
             "--policy", config.policy,
             *(["--http-port", str(config.http_port)] if http and config.http_port >= 0 else []),
@@ -416,7 +423,7 @@ class LocalCluster:
             "--port", "0",
             "--worker-id", name,
             "--role", role,
-            "--index", self.index_url,
+            "--index", split_password(self.index_url)[0],
             "--model", config.model,
             "--device", config.device,
             "--dtype", config.dtype,

@@ -39,13 +39,14 @@ from kvswitch.loadtest.checked_load import (
 TIMEOUT_S = 4.0  # each request's deadline
 STALL_S = 5.0  # past the deadline
 REDIS_DOWN_S = 3.0
+INDEX_PASSWORD = "faults-index-secret"
 STEADY_TIMEOUT_S = 60.0
 RESTART_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def redis() -> Iterator[LocalRedis]:
-    with LocalRedis() as server:
+    with LocalRedis(password=INDEX_PASSWORD) as server:
         yield server
 
 
@@ -95,6 +96,18 @@ def check_quiet_fleet(cluster: LocalCluster, load: CheckedLoad) -> None:
     checks = quiet_checks(cluster, load)
     assert checks["leaked_blocks"] == {f"worker-{i}": 0 for i in range(3)}, checks
     assert checks["index_clean"], checks["index"]
+
+
+def test_no_process_of_the_fleet_has_the_index_password_on_its_command_line(
+    cluster: LocalCluster,
+) -> None:
+    """The index URL's password reaches the router and workers in their environment: a command
+    line is for anyone on the host to read."""
+    for child in [cluster.router, *cluster.workers]:
+        assert child is not None and child.popen is not None
+        command_line = Path(f"/proc/{child.popen.pid}/cmdline").read_bytes()
+        assert b"--index" in command_line, child.name
+        assert INDEX_PASSWORD.encode() not in command_line, child.name
 
 
 def test_a_worker_stalled_past_the_deadline_is_left_out_within_2_s_and_loses_nothing(
