@@ -13,18 +13,20 @@ The bytes travel in the stream (gRPC) or, when both workers share a host, throug
 shared memory that the holder's engine core writes and the taker's reads (``shm``). A chunk is
 written into the cache only whole, so a pull cut short leaves a leading run of the chain, never
 a half-written block.
+
+"Share a host" means the same ``/dev/shm`` (``shared_memory.host_id``): each FetchBlocks says the
+asker's id, each answer the holder's, and the taker remembers each peer's. A peer known to be
+elsewhere gets gRPC at once; one not known yet is asked ``mapped`` first, which makes no file
+and which a holder elsewhere answers with its id alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
-import tempfile
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
@@ -33,7 +35,9 @@ from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine_client import EngineClient
-from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX, KVLayout
+from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, KVLayout
+from kvswitch.worker.shared_memory import ShmFiles, ShmRefused, sweep
+from kvswitch.worker.shared_memory import host_id as this_host_id
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +65,33 @@ class PullResult:
     transport: str  # "shm" or "grpc"; "" when nothing moved
 
 
-class ShmRefused(Exception):
-    """The peer could not open this host's shared-memory file: it runs on another host."""
-
-
 class BlockTransfers:
-    """This worker's side of every block transfer: what it sends and what it pulls."""
+    """This worker's side of every block transfer: what it sends and what it pulls.
 
-    def __init__(self, engine: EngineClient, security: FleetSecurity = PLAINTEXT) -> None:
+    ``host_id``: whose shared memory this worker sees (default ``shared_memory.host_id()``; ""
+    for none: every pull goes over gRPC). ``shm_max_bytes``: the most its transfer files take in
+    ``/dev/shm`` (``ShmFiles``). Starting one sweeps the files of workers that died."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        security: FleetSecurity = PLAINTEXT,
+        *,
+        host_id: str | None = None,
+        shm_max_bytes: int | None = None,
+    ) -> None:
         self._engine = engine
         self._peers = PeerChannels(security)
-        self._shm = ShmFiles()
+        self.host_id = this_host_id() if host_id is None else host_id
+        self._peer_hosts: dict[str, str] = {}  # each peer's host id, as it last said
+        self.shm_files = ShmFiles(shm_max_bytes)  # where same-host peers write blocks
+        sweep(CACHE_PREFIX)
         self._tasks: set[asyncio.Task] = set()  # releases sent, not waited for
 
     async def close(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._peers.close()
-        self._shm.close()
+        self.shm_files.close()
 
     # -- the holder's side ---------------------------------------------------------------------
 
@@ -86,6 +100,12 @@ class BlockTransfers:
     ) -> None:
         """Serve FetchBlocks: the leading cached blocks of the chain, a chunk at a time.
         ValueError: the blocks cannot go where they were asked to (an shm file not here)."""
+        fast = request.mapped or request.shm_path
+        if fast and request.host_id and request.host_id != self.host_id:
+            # NOTE: not this worker's shared memory: no file opened, no lease touched (the
+            # asker's gRPC try takes it), only this worker's id, for the asker to remember.
+            await context.write(worker_pb2.KVBlockChunk(host_id=self.host_id))
+            return
         if request.mapped:
             await self._send_mapped(request, context)
             return
@@ -120,6 +140,7 @@ class BlockTransfers:
                             first_block=start,
                             num_blocks=num_found,
                             data=bytes(data),  # protobuf takes bytes only: the one copy here
+                            host_id=self.host_id,
                         )
                     )
                 if num_found < len(wanted):
@@ -148,6 +169,7 @@ class BlockTransfers:
                 cache_num_blocks=facts.num_blocks,
                 block_ids=block_ids,
                 lease_id=lease_id,
+                host_id=self.host_id,
             )
         )
 
@@ -164,9 +186,9 @@ class BlockTransfers:
         timeout_s: float | None = None,
     ) -> PullResult:
         """Take the leading blocks of ``hashes`` that this worker does not hold from the peer
-        into the prefix cache. ``transport``: "shm", "grpc", or "" for shm falling back to gRPC
-        when the peer cannot see this host's shared memory. ``transfer_id``: the peer's lease on
-        the blocks, released once they are here (or wanted no more).
+        into the prefix cache. ``transport``: "mapped", "shm", "grpc", or "" for the first of
+        those the peer can serve (gRPC at once for a peer on another host). ``transfer_id``: the
+        peer's lease on the blocks, released once they are here (or wanted no more).
 
         Raises ``grpc.aio.AioRpcError`` (the peer failed), ``ShmRefused`` (shm was asked for and
         cannot be had), ValueError (the peer's blocks do not fit this worker), ``EngineStopped``;
@@ -179,16 +201,21 @@ class BlockTransfers:
             if transfer_id:
                 await self.release(peer_address, transfer_id)
             return PullResult(num_held, 0, 0, "")
-        same_host = os.path.isdir(SHM_DIR)
-        chosen = transport or ("mapped" if same_host else "grpc")
         fetch = _Fetch(request_id, transfer_id, wanted, timeout_s)
+        chosen = transport or ("mapped" if self._may_share(peer_address) else "grpc")
+        if chosen in ("mapped", "shm") and not self._may_share(peer_address):
+            raise ShmRefused(
+                f"{peer_address} does not share this worker's {SHM_DIR} (its host id "
+                f"{self._peer_hosts.get(peer_address)!r}, this worker's {self.host_id!r})"
+            )
         if chosen == "mapped":
             try:
                 num_blocks, num_written = await self._pull_mapped(peer_address, fetch)
             except ShmRefused:
                 if transport == "mapped":
                     raise
-                chosen = "shm"  # the peer's cache is not in this host's shared memory
+                # The peer's cache is not in this host's shared memory, or the peer is elsewhere.
+                chosen = "shm" if self._may_share(peer_address) else "grpc"
         if chosen == "shm":
             try:
                 num_blocks, num_written = await self._pull_shm(peer_address, fetch)
@@ -204,6 +231,20 @@ class BlockTransfers:
         num_cached = len(hashes) if whole else await self.num_cached(hashes)
         num_bytes = num_blocks * self._engine.facts.kv_layout.bytes_per_block
         return PullResult(num_cached, num_blocks, num_bytes, chosen)
+
+    def _may_share(self, peer_address: str) -> bool:
+        """Whether this worker may move blocks through shared memory with the peer: it has
+        some, and the peer is not known to be elsewhere (one not known yet answers its id)."""
+        peer_host = self._peer_hosts.get(peer_address)
+        return bool(self.host_id) and peer_host in (None, self.host_id)
+
+    def _learn(self, peer_address: str, chunk: worker_pb2.KVBlockChunk) -> None:
+        """Remember the peer's host id from its answer; ``ShmRefused`` if the answer is that id
+        alone (no layout): the peer does not share this worker's shared memory."""
+        if chunk.host_id or not chunk.HasField("layout"):
+            self._peer_hosts[peer_address] = chunk.host_id or "-"  # "-": it has none
+        if not chunk.HasField("layout"):
+            raise ShmRefused(f"{peer_address} answered that it does not share {SHM_DIR}")
 
     async def release(self, peer_address: str, transfer_id: str) -> None:
         """Tell the peer its lease ``transfer_id`` is not wanted; a peer that cannot be reached
@@ -234,6 +275,7 @@ class BlockTransfers:
                     block_hashes=fetch.wanted,
                     transfer_id=fetch.transfer_id,
                     mapped=True,
+                    host_id=self.host_id,
                 ),
                 timeout=fetch.timeout_s,
             )
@@ -242,7 +284,10 @@ class BlockTransfers:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise ShmRefused(e.details()) from None
             raise
-        if chunk is grpc.aio.EOF or not chunk.cache_file:
+        if chunk is grpc.aio.EOF:
+            raise ValueError("the peer answered a mapped fetch without its cache file")
+        self._learn(peer_address, chunk)
+        if not chunk.cache_file:
             raise ValueError("the peer answered a mapped fetch without its cache file")
         try:
             ours.check_same(_layout_from_proto(chunk.layout))
@@ -270,7 +315,7 @@ class BlockTransfers:
 
     async def _pull_shm(self, peer_address: str, fetch: _Fetch) -> tuple[int, int]:
         size = len(fetch.wanted) * self._engine.facts.kv_layout.bytes_per_block
-        with self._shm.take(size) as path:
+        with self.shm_files.take(size) as path:
             return await self._fetch(peer_address, fetch, path)
 
     async def _fetch(self, peer_address: str, fetch: _Fetch, path: str) -> tuple[int, int]:
@@ -288,10 +333,12 @@ class BlockTransfers:
                     block_hashes=wanted,
                     shm_path=path,
                     transfer_id=fetch.transfer_id,
+                    host_id=self.host_id,
                 ),
                 timeout=fetch.timeout_s,
             )
             async for chunk in stream:
+                self._learn(peer_address, chunk)
                 ours.check_same(_layout_from_proto(chunk.layout))
                 if chunk.first_block != num_blocks:
                     raise ValueError(
@@ -338,55 +385,6 @@ class PeerChannels:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
-
-
-class ShmFiles:
-    """Files in this host's shared memory that peers write blocks into, kept between pulls: a
-    new file's pages cost more to fault in than the blocks cost to copy. Each pull takes a file
-    of its own (grown to the size it needs) and gives it back when it finished (one that failed
-    is removed); ``close`` removes them all."""
-
-    def __init__(self) -> None:
-        self._free: list[str] = []
-        self._all: set[str] = set()
-
-    @contextlib.contextmanager
-    def take(self, size: int) -> Iterator[str]:
-        if self._free:
-            path = self._free.pop()
-        else:
-            descriptor, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=SHM_DIR)  # mode 0600
-            os.close(descriptor)
-            self._all.add(path)
-        try:
-            if os.path.getsize(path) < size:
-                # NOTE: allocated now, not on first write: a full /dev/shm (a container's is 64
-                # MiB) fails here, not as a SIGBUS in the peer's engine core mid-copy.
-                with open(path, "r+b") as file:
-                    os.posix_fallocate(file.fileno(), 0, size)
-        except OSError as e:
-            self._drop(path)
-            raise ShmRefused(f"no room for {size:,} bytes in {SHM_DIR}: {e.strerror}") from None
-        try:
-            yield path
-        except BaseException:
-            # NOTE: a pull that did not finish may leave a peer still writing into the file:
-            # it is never handed to another pull.
-            self._drop(path)
-            raise
-        self._free.append(path)
-
-    def _drop(self, path: str) -> None:
-        self._all.discard(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-    def close(self) -> None:
-        for path in self._all:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._all.clear()
-        self._free.clear()
 
 
 def _layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:

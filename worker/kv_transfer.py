@@ -17,7 +17,6 @@ import contextlib
 import math
 import mmap
 import os
-import secrets
 import stat
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, SHM_PREFIX, KVLayout
+from kvswitch.worker.shared_memory import create_owned, new_name, owner_alive, sweep
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value [blocks, ...]
 
@@ -151,15 +151,23 @@ def _open_own(path: str, *, writable: bool) -> BinaryIO:
 
 def new_cache_file() -> str:
     """A fresh path for this process's KV cache in shared memory. Files of the same kind whose
-    process is gone (killed before it could remove its own) are removed first."""
-    for name in os.listdir(SHM_DIR):
-        if not name.startswith(CACHE_PREFIX):
-            continue
-        pid = name.removeprefix(CACHE_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(SHM_DIR, name))
-    return os.path.join(SHM_DIR, f"{CACHE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    owner is gone (killed before it could remove its own) are removed first
+    (``shared_memory.sweep``)."""
+    sweep(CACHE_PREFIX)
+    return new_name(CACHE_PREFIX)
+
+
+# The lock each cache file made here is held under while its engine lives (``shared_memory``).
+_CACHE_LOCKS: dict[str, int] = {}
+
+
+def remove_cache_file(path: str) -> None:
+    """Remove a cache file ``allocate_shared_caches`` made, and let go of its lock."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    descriptor = _CACHE_LOCKS.pop(path, None)
+    if descriptor is not None:
+        os.close(descriptor)
 
 
 def allocate_shared_caches(
@@ -167,18 +175,19 @@ def allocate_shared_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A KV cache (per layer: key, value, each ``shape``) in a new file of this host's shared
     memory, zeroed, laid out as ``[layer][key, value]`` tensors one after another, so that a
-    peer can map it (``PeerCache``). OSError when there is no room."""
+    peer can map it (``PeerCache``), held under its lock until ``remove_cache_file``. OSError
+    when there is no room."""
     element_size = torch.empty((), dtype=dtype).element_size()
     numel = 2 * num_layers * math.prod(shape)
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    descriptor = create_owned(path)
     try:
         # NOTE: allocated now: a full /dev/shm fails here, not as a SIGBUS mid-step.
         os.posix_fallocate(descriptor, 0, numel * element_size)
     except OSError:
         os.unlink(path)
-        raise
-    finally:
         os.close(descriptor)
+        raise
+    _CACHE_LOCKS[path] = descriptor
     flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     # NOTE: every page faulted in now, as torch.zeros does for a private cache: faulting them
     # in one by one as blocks are first written cost 20 times the copy.
@@ -195,26 +204,74 @@ class PeerCache:
         name = os.path.basename(path)
         if os.path.dirname(path) != SHM_DIR or not name.startswith(CACHE_PREFIX):
             raise ValueError(f"{path!r} is not a KV cache file ({SHM_DIR}/{CACHE_PREFIX}*)")
-        file = _open_own(path, writable=False)  # closed below; the mapping outlives it
+        # NOTE: kept open, to ask the owner's lock whether the peer still lives (``stale``).
+        self._file = _open_own(path, writable=False)
         element_size = layout.bytes_per_block // (
             2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim
         )
         size = num_blocks * layout.bytes_per_block
-        with file:
-            if os.fstat(file.fileno()).st_size != size:
-                raise ValueError(f"{path} is not a cache of {num_blocks} blocks of this layout")
-            # NOTE: all its pages mapped at once (MAP_POPULATE), once per peer, not page by
-            # page on each first read.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mapped = mmap.mmap(file.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+        status = os.fstat(self._file.fileno())
+        if status.st_size != size:
+            self._file.close()
+            raise ValueError(f"{path} is not a cache of {num_blocks} blocks of this layout")
+        # NOTE: all its pages mapped at once (MAP_POPULATE), once per peer, not page by page on
+        # each first read.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mapped = mmap.mmap(self._file.fileno(), size, flags=flags, prot=mmap.PROT_READ)
         shape = (2 * layout.num_layers, num_blocks, layout.block_size)
         shape += (layout.num_kv_heads, layout.head_dim)
         self.tensors = np.ndarray(shape, _BITS[element_size], buffer=self._mapped)
         self.path = path
+        self.num_blocks = num_blocks
+        self._file_id = (status.st_dev, status.st_ino)
+
+    @property
+    def stale(self) -> bool:
+        """Whether the peer that made the file is gone (it died or restarted: its lock is free,
+        or its path was removed or names another file): its blocks are nobody's now."""
+        try:
+            status = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        return (status.st_dev, status.st_ino) != self._file_id or not owner_alive(
+            self._file.fileno()
+        )
 
     def close(self) -> None:
         self.tensors = None  # type: ignore[assignment]
         self._mapped.close()
+        self._file.close()
+
+
+class PeerCaches:
+    """The same-host peers' cache files this engine copies from, each mapped once and kept for
+    the next pull. At each ``get`` every stale mapping (``PeerCache.stale``) is let go first:
+    a mapping keeps its file's memory alive after the file is removed, so a peer that died or
+    restarted would otherwise cost its whole cache for as long as this engine runs."""
+
+    def __init__(self) -> None:
+        self._by_path: dict[str, PeerCache] = {}
+
+    def get(self, path: str, layout: KVLayout, num_blocks: int) -> PeerCache:
+        """The mapping of ``path``, made now if it is not kept (ValueError, as ``PeerCache``)."""
+        for stale in [p for p, peer in self._by_path.items() if peer.stale]:
+            self._by_path.pop(stale).close()
+        peer = self._by_path.get(path)
+        if peer is not None and peer.num_blocks != num_blocks:
+            self._by_path.pop(path).close()
+            peer = None
+        if peer is None:
+            peer = self._by_path[path] = PeerCache(path, layout, num_blocks)
+        return peer
+
+    @property
+    def paths(self) -> list[str]:
+        return list(self._by_path)
+
+    def close(self) -> None:
+        for peer in self._by_path.values():
+            peer.close()
+        self._by_path.clear()
 
 
 def copy_peer_blocks(
