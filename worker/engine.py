@@ -14,9 +14,7 @@ as if it had never run: blocks it cached for KV it did not write lose their hash
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,11 +29,12 @@ from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.kv_transfer import (
-    PeerCache,
+    PeerCaches,
     copy_peer_blocks,
     layout_of,
     new_cache_file,
     read_blocks,
+    remove_cache_file,
     shared_file,
     write_blocks,
 )
@@ -43,6 +42,7 @@ from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_
 from kvswitch.worker.request import (
     FinishReason,
     FirstToken,
+    PullSlots,
     Request,
     SamplingParams,
     StepFailed,
@@ -117,7 +117,7 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
         )
-        self._peer_caches: dict[str, PeerCache] = {}  # same-host peers' caches, mapped
+        self._peer_caches = PeerCaches()  # same-host peers' caches, mapped
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache
         )
@@ -195,6 +195,27 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
+    def add_awaiting_kv(self, request: Request) -> PullSlots:
+        """Queue a request from ``make_request`` whose prompt's KV a transfer brings from a peer:
+        the blocks of its whole prompt are held for it now, and it is not scheduled until
+        ``kv_landed``. The slots name the blocks awaiting the KV (the ``write_cached_blocks``
+        calls that carry their hashes fill them, or a transport writes them by id); with
+        refused slots (no room) it computes its prompt once ``kv_landed``. ValueError as
+        ``add``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        slots = self.scheduler.add_awaiting_kv(request)
+        self.requests[request.request_id] = request
+        return slots
+
+    def kv_landed(self, request_id: str, num_written_blocks: int = 0) -> int:
+        """The transfer for a request of ``add_awaiting_kv`` is over, done or not: the leading
+        awaited blocks that hold their KV are cached, the others are computed, and the request
+        is scheduled. ``num_written_blocks``: leading awaited blocks a transport wrote by block
+        id (the engine did not see it). Returns how many awaited blocks landed; 0 for a request
+        that waits for no KV (finished, aborted or unknown)."""
+        return self.scheduler.kv_landed(request_id, num_written_blocks)
+
     def hasher(self, cache_salt: str | None = None) -> BlockHasher:
         """What names this engine's blocks for a request with this salt."""
         return BlockHasher(
@@ -228,24 +249,20 @@ class LLMEngine:
 
     def close(self) -> None:
         """Unmap the peers' caches and remove this engine's cache file, if it has one."""
-        for peer in self._peer_caches.values():
-            peer.close()
-        self._peer_caches.clear()
+        self._peer_caches.close()
         if self.kv_cache_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.kv_cache_file)
+            remove_cache_file(self.kv_cache_file)
 
     def hold_cached_blocks(
         self, block_hashes: Sequence[bytes], lease_id: str, hold_s: float
     ) -> list[int]:
         """The ids of the leading blocks of ``block_hashes`` cached here, held from eviction
-        under ``lease_id`` (a lease of that id held already is extended instead) for a same-host
-        peer to copy out of this engine's cache file; ``release_lease`` lets them go."""
+        under ``lease_id`` for ``hold_s`` (a lease of that id held already holds these blocks
+        now, for at least that long) for a same-host peer to copy out of this engine's cache
+        file; ``release_lease`` lets them go."""
         check_hold(hold_s)
         blocks = self.kv_cache.pool.cached_prefix(block_hashes)
-        now = time.monotonic()
-        if not self.kv_cache.extend(lease_id, now):
-            self.kv_cache.hold_blocks(blocks, lease_id, now, hold_s)
+        self.kv_cache.hold_blocks(blocks, lease_id, time.monotonic(), hold_s)
         return [block.block_id for block in blocks]
 
     def write_cached_blocks_mapped(
@@ -259,14 +276,7 @@ class LLMEngine:
         cache file (its ``hold_cached_blocks`` ids). ValueError if that file cannot be mapped."""
         if len(peer_block_ids) != len(block_hashes):
             raise ValueError(f"{len(peer_block_ids)} block ids for {len(block_hashes)} hashes")
-        peer = self._peer_caches.get(peer_file)
-        if peer is None:
-            # NOTE: a peer that restarted has a new file; the old one's mapping would keep its
-            # memory alive after the file is gone.
-            for path in [p for p in self._peer_caches if not os.path.exists(p)]:
-                self._peer_caches.pop(path).close()
-            peer = PeerCache(peer_file, self.kv_layout, peer_num_blocks)
-            self._peer_caches[peer_file] = peer
+        peer = self._peer_caches.get(peer_file, self.kv_layout, peer_num_blocks)
 
         def copy(positions: list[int], block_ids: list[int]) -> None:
             peer_ids = [peer_block_ids[i] for i in positions]
@@ -319,11 +329,13 @@ class LLMEngine:
             return self.write_cached_blocks(block_hashes, data)
 
     def write_cached_blocks(self, block_hashes: Sequence[bytes], data: bytes) -> int:
-        """Put blocks computed elsewhere into the prefix cache, as a request that computed and
-        then freed them would have left them (evictable, the end of the chain first), and say
-        so in cache events. ``data`` is their KV from ``read_cached_blocks`` of an engine with
-        the same layout. Hashes cached here already are skipped; when fewer blocks are free than
-        are new, the leading ones are written. Returns how many blocks were new."""
+        """Put blocks computed elsewhere into this engine's cache. ``data`` is their KV from
+        ``read_cached_blocks`` of an engine with the same layout. A hash that a request of
+        ``add_awaiting_kv`` awaits goes into a block held for it (cached when it lands); any
+        other goes into the prefix cache, as a request that computed and then freed it would
+        have left it (evictable, the end of the chain first), said so in cache events. Hashes
+        cached here already are skipped; when fewer blocks are free than are new, the leading
+        ones are written. Returns how many blocks were written."""
         size = self.kv_layout.bytes_per_block
         if len(data) != len(block_hashes) * size:
             raise ValueError(
@@ -344,13 +356,25 @@ class LLMEngine:
     def _put_cached_blocks(
         self, block_hashes: Sequence[bytes], copy: Callable[[list[int], list[int]], None]
     ) -> int:
-        """``BlockPool.take_cached_blocks`` with ``copy(positions in block_hashes, block ids)``
-        writing their KV; how many were new."""
+        """``copy(positions in block_hashes, block ids)`` writing their KV into the blocks that
+        pulls await, then the rest with ``BlockPool.take_cached_blocks``; how many were
+        written."""
         if not self.kv_cache.enable_caching:
             raise ValueError("prefix caching is off on this worker: it cannot take cached blocks")
-        return self.kv_cache.pool.take_cached_blocks(
-            block_hashes, lambda positions, blocks: copy(positions, [b.block_id for b in blocks])
+        targets = self.kv_cache.pull_targets(block_hashes)
+        if targets:
+            copy(list(targets), [block.block_id for block in targets.values()])
+            self.kv_cache.fill(targets.values())
+            if len(targets) == len(block_hashes):
+                return len(targets)
+        rest = [i for i in range(len(block_hashes)) if i not in targets]
+        num_new = self.kv_cache.pool.take_cached_blocks(
+            [block_hashes[i] for i in rest],
+            lambda positions, blocks: copy(
+                [rest[i] for i in positions], [block.block_id for block in blocks]
+            ),
         )
+        return len(targets) + num_new
 
     # -- the loop --------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ Who touches what::
     event loop thread(s)                   receiver thread              engine core process
     --------------------                   ---------------              -------------------
     submit(): check, hash, send ADD  ------------------------------------> step loop
+    submit_awaiting_kv(), kv_landed() -------------------------------------> blocks held, filled
     abort(), snapshot(),
     read_blocks(), write_blocks(): send -------------------------------->   between steps
     per-request asyncio.Queue  <--call_soon_threadsafe-- STEP  <---------- outputs, events, load
@@ -49,6 +50,7 @@ from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, S
 from kvswitch.worker.engine_core import build_and_run, core_process_main
 from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import (
+    PullSlots,
     RequestOutput,
     SamplingParams,
     StepOutputs,
@@ -349,26 +351,62 @@ class EngineClient:
         )
         if block_hashes is None:
             block_hashes = self.hasher(cache_salt).hash_blocks(prompt)
-        message = wire.pack(
-            [
-                wire.ADD,
-                request_id,
-                prompt.tobytes(),
-                block_hashes,
-                wire.params_to_wire(params),
-                cache_salt,
-                num_resumed_tokens,
-                hold_s,
-            ]
-        )
+        fields = [prompt.tobytes(), block_hashes, wire.params_to_wire(params)]
+        fields += [cache_salt, num_resumed_tokens, hold_s]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_running()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
-            self._send(message)
+            self._send(wire.pack([wire.ADD, request_id, *fields]))
             self._streams[request_id] = stream
         return stream.queue
+
+    async def submit_awaiting_kv(
+        self,
+        request_id: str,
+        prompt_token_ids: np.ndarray | list[int],
+        params: SamplingParams,
+        *,
+        block_hashes: list[bytes],
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        num_resumed_tokens: int = 0,
+        hold_s: float = 0.0,
+    ) -> tuple[asyncio.Queue[RequestOutput | EngineError], PullSlots]:
+        """``submit`` for a request whose prompt's KV a transfer brings from a peer: the core
+        holds blocks for its whole prompt and does not run it until ``kv_landed``. Returns its
+        queue and the blocks held (``PullSlots``: their ids, for a transport that writes by id;
+        the ``write_blocks`` calls fill them by hash); with refused slots it computes its prompt
+        once ``kv_landed``. Raises as ``submit`` (ValueError also when the core refuses it).
+        """
+        prompt = self.checked_prompt(
+            prompt_token_ids, lora=lora, num_resumed_tokens=num_resumed_tokens, hold_s=hold_s
+        )
+        fields = [prompt.tobytes(), block_hashes, wire.params_to_wire(params)]
+        fields += [cache_salt, num_resumed_tokens, hold_s]
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        future: Future[list[Any]] = Future()
+        with self._lock:
+            self._check_running()
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            call_id = next(self._call_ids)
+            self._send(wire.pack([wire.ADD_AWAITING_KV, call_id, request_id, *fields]))
+            self._calls[call_id] = future
+            self._streams[request_id] = stream
+        try:
+            num_cached_blocks, block_ids, refused = await asyncio.wrap_future(future)
+        except BaseException:
+            self.abort(request_id)  # refused, stopped or cancelled: the stream goes too
+            raise
+        return stream.queue, PullSlots(num_cached_blocks, block_ids, refused)
+
+    def kv_landed(self, request_id: str, num_written_blocks: int = 0) -> Future[int]:
+        """The transfer for a ``submit_awaiting_kv`` request is over, done or not; how many of
+        its awaited blocks landed (``LLMEngine.kv_landed``). ``num_written_blocks``: leading
+        awaited blocks a transport wrote by block id."""
+        return self._call([wire.KV_LANDED], request_id, num_written_blocks)
 
     def checked_prompt(
         self,

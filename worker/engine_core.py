@@ -8,7 +8,7 @@ end; ``core_protocol`` is what they say.
 The loop::
 
     commands = everything that arrived (wait for one when there is nothing to step)
-    run them: add, abort, snapshot
+    run them: add, abort, snapshot, block transfers in and out
     step once, if any request is unfinished
     send one STEP: the step's outputs, the requests it failed, the cache events, the load
 
@@ -159,6 +159,8 @@ class EngineCore:
                     message.append(payload)  # the blocks' bytes of a WRITE_BLOCKS
                 if message[0] == wire.ADD:
                     message = [wire.ADD, self._make_request(*message[1:])]
+                elif message[0] == wire.ADD_AWAITING_KV:
+                    message = [*message[:2], self._make_request(*message[2:])]
                 self._arrived.put(message)
                 if message[0] == wire.STOP:
                     return
@@ -229,6 +231,10 @@ class EngineCore:
                 self._reply(message[1], self.engine.hold_cached_blocks, *message[2:])
             elif kind == wire.WRITE_BLOCKS_MAPPED:
                 self._reply(message[1], self.engine.write_cached_blocks_mapped, *message[2:])
+            elif kind == wire.ADD_AWAITING_KV:
+                self._reply(message[1], self._add_awaiting_kv, message[2])
+            elif kind == wire.KV_LANDED:
+                self._reply(message[1], self.engine.kv_landed, *message[2:])
             elif kind == wire.STOP:
                 return False
             elif kind == _INPUT_FAILED:
@@ -260,6 +266,12 @@ class EngineCore:
             self.engine.add(request)
         except ValueError as e:
             self._failed.append([request.request_id, wire.Failure.REJECTED, str(e)])
+
+    def _add_awaiting_kv(self, request: Request | tuple[str, str]) -> list[Any]:
+        if isinstance(request, tuple):
+            raise ValueError(request[1])
+        slots = self.engine.add_awaiting_kv(request)
+        return [slots.num_cached_blocks, slots.block_ids, slots.refused]
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -297,7 +309,7 @@ class EngineCore:
         scheduler = engine.scheduler
         load = [
             len(scheduler.running),
-            len(scheduler.waiting),
+            scheduler.num_waiting,
             scheduler.num_queued_prefill_tokens(),
             engine.kv_cache.num_free_blocks,
             engine.kv_cache.pool.num_blocks,

@@ -13,6 +13,16 @@ copied them (disaggregated prefill): a leased block cannot be evicted. ``release
 and so does ``release_expired`` once the lease's time is up, so that a peer that never comes
 cannot pin them for long.
 
+A request whose prompt's KV comes from a peer (disaggregated prefill) holds its blocks before
+the transfer writes into them::
+
+    slots = manager.allocate_for_pull(request)   # the whole prompt's blocks, held; ids out
+    manager.pull_targets(hashes) -> fill(blocks)  # the transfer's writes, by hash
+    manager.commit_pull(request)                  # filled leading run cached; rest computed
+
+Its blocks never sit in the free queue while it waits, so nothing evicts them; the ones the
+transfer did not fill are never cached: the request computes them like any uncached block.
+
 Blocks are cached when they are allocated, before the forward pass writes their KV, so that
 requests in the same step can share them. The step then settles them: ``commit()`` once the
 forward pass wrote them, or ``discard_uncommitted()`` when it failed, which takes their hashes
@@ -21,13 +31,13 @@ back (publishing BlockRemoved) so that no later request reuses KV that was never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.worker.block_pool import BlockPool, KVBlock
 from kvswitch.worker.block_table import BlockTables
-from kvswitch.worker.request import Request
+from kvswitch.worker.request import PullSlots, Request
 
 
 @dataclass(slots=True)
@@ -49,6 +59,15 @@ class _Lease:
     until_s: float  # time.monotonic() at which they are let go
 
 
+@dataclass(slots=True)
+class _Pull:
+    """The blocks of a request that await a transfer: its table's ``first`` block on."""
+
+    first: int
+    blocks: list[KVBlock]
+    hashes: list[bytes]
+
+
 class KVCacheManager:
     """Maps each running request to its blocks and caches every block the moment it is full."""
 
@@ -68,6 +87,11 @@ class KVCacheManager:
         self._uncommitted: list[tuple[KVBlock, bytes]] = []
         # Blocks held for a peer, by lease id, with when the lease runs out (time.monotonic).
         self._leases: dict[str, _Lease] = {}
+        # Requests whose blocks await a transfer; each awaited hash's blocks, in pull order; the
+        # awaited blocks a transfer has written (their KV is there, not yet cached).
+        self._pulls: dict[str, _Pull] = {}
+        self._hash_to_awaiting: dict[bytes, list[KVBlock]] = {}
+        self._filled: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -157,13 +181,109 @@ class KVCacheManager:
         self._cache_full_blocks(request, req_blocks, num_computed_after // self.block_size)
         return new_blocks
 
+    def holds_blocks(self, request: Request) -> bool:
+        return request.request_id in self._req_to_blocks
+
+    def num_cached_blocks(self, request: Request) -> int:
+        """How many leading blocks of the request's table are cached."""
+        return self._req_to_num_cached_blocks.get(request.request_id, 0)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, end of the chain first. Unknown requests are ignored."""
+        self._forget_pull(request.request_id)
         blocks = self._req_to_blocks.pop(request.request_id, None)
         self._req_to_num_cached_blocks.pop(request.request_id, None)
         self.block_tables.release(request.request_id)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+
+    # -- pulls ---------------------------------------------------------------------------------
+
+    def allocate_for_pull(self, request: Request) -> PullSlots:
+        """Hold blocks for the whole prompt of a new request whose KV a transfer brings: the
+        cached prefix found here, then new blocks. The new ones for the full blocks a prefix hit
+        may cover (all but the last token's) await the transfer; the rest the request computes.
+        Refused (``PullSlots.refused``, the pool unchanged) when the pool cannot hold the whole
+        prompt without evicting a held block: a pull never takes another request's blocks, and
+        a request holding part of its prompt could wait for ever for the rest::
+
+            |  cached here  |  awaiting the transfer  | computed |
+            |<-- num_cached_blocks -->|<-- block_ids -->|  tail  |
+        """
+        request_id = request.request_id
+        if request_id in self._req_to_blocks:
+            raise ValueError(f"request {request_id!r} holds blocks already")
+        if not self.enable_caching:
+            return PullSlots(0, [], "prefix caching is off on this worker")
+        cached, _ = self.get_computed_blocks(request)
+        num_required = -(-request.num_tokens // self.block_size)
+        num_to_take = num_required - len(cached)
+        num_revived = sum(1 for block in cached if block.ref_cnt == 0)
+        if num_to_take + num_revived > self.pool.num_free_blocks:
+            return PullSlots(
+                0,
+                [],
+                f"no room: the prompt needs {num_to_take + num_revived} free blocks, "
+                f"{self.pool.num_free_blocks} are",
+            )
+        self.pool.touch(cached)
+        new_blocks = self.pool.get_new_blocks(num_to_take)
+        blocks = self._req_to_blocks[request_id] = [*cached, *new_blocks]
+        self._req_to_num_cached_blocks[request_id] = len(cached)
+        self.block_tables.append(request_id, [block.block_id for block in blocks])
+        end = (request.num_tokens - 1) // self.block_size  # the last token is always computed
+        first = len(cached)
+        pull = _Pull(first, new_blocks[: end - first], request.block_hashes[first:end])
+        if pull.blocks:
+            self._pulls[request_id] = pull
+            for block, block_hash in zip(pull.blocks, pull.hashes, strict=True):
+                self._hash_to_awaiting.setdefault(block_hash, []).append(block)
+        return PullSlots(len(cached), [block.block_id for block in pull.blocks])
+
+    def is_awaiting(self, request: Request) -> bool:
+        return request.request_id in self._pulls
+
+    def pull_targets(self, block_hashes: Sequence[bytes]) -> dict[int, KVBlock]:
+        """For the hashes a pull awaits and no transfer has written yet: position in
+        ``block_hashes`` -> a block awaiting it. Does not modify anything. Any block awaiting a
+        hash may take its KV: the hash names the KV, whichever request's transfer brings it."""
+        targets: dict[int, KVBlock] = {}
+        filled, taken = self._filled, set()
+        for i, block_hash in enumerate(block_hashes):
+            for block in self._hash_to_awaiting.get(block_hash, ()):
+                if block.block_id not in filled and block.block_id not in taken:
+                    targets[i] = block
+                    taken.add(block.block_id)
+                    break
+        return targets
+
+    def fill(self, blocks: Iterable[KVBlock]) -> None:
+        """A transfer wrote the KV of these ``pull_targets`` blocks."""
+        self._filled.update(block.block_id for block in blocks)
+
+    def commit_pull(self, request: Request, num_written_blocks: int = 0) -> int:
+        """The transfer for ``request`` is over: cache the leading run of its awaited blocks
+        that hold their KV (written through ``fill``, or among the first ``num_written_blocks``,
+        which a transport wrote by block id), as the blocks of a computed prefix. The others stay
+        the request's, uncached: it computes them. Returns how many blocks were cached."""
+        request_id = request.request_id
+        if request_id not in self._req_to_blocks:
+            raise ValueError(f"request {request_id!r} holds no blocks for a pull")
+        pull = self._pulls.get(request_id)
+        num_landed = 0
+        if pull is not None:
+            for i, block in enumerate(pull.blocks):
+                if i >= num_written_blocks and block.block_id not in self._filled:
+                    break
+                num_landed += 1
+            self._forget_pull(request_id)
+            self.pool.cache_full_blocks(pull.blocks[:num_landed], pull.hashes[:num_landed])
+            self._req_to_num_cached_blocks[request_id] = pull.first + num_landed
+        num_cached = self._req_to_num_cached_blocks[request_id]
+        # NOTE: counted here, not on admission: the request holds its blocks already then.
+        self.stats.num_query_tokens += request.num_tokens
+        self.stats.num_hit_tokens += num_cached * self.block_size
+        return num_landed
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -179,11 +299,19 @@ class KVCacheManager:
     def hold_blocks(
         self, blocks: list[KVBlock], lease_id: str, now_s: float, hold_s: float
     ) -> None:
-        """``hold`` for cached blocks a peer copies; a lease id already held is released
-        first."""
-        self.release(lease_id)
+        """``hold`` for cached blocks a peer copies: the lease holds exactly ``blocks`` from now
+        on, for ``hold_s`` from ``now_s``; a lease of that id held already gives way to it, its
+        end kept if later."""
+        old = self._leases.pop(lease_id, None)
+        # NOTE: taken before the old lease lets go, so that blocks both hold stay out of the
+        # free queue and keep their place in the eviction order.
         self.pool.touch(blocks)
-        self._leases[lease_id] = _Lease(blocks, hold_s, now_s + hold_s)
+        until_s = now_s + hold_s
+        if old is not None:
+            self.pool.free_blocks(reversed(old.blocks))
+            until_s = max(until_s, old.until_s)
+            hold_s = max(hold_s, old.hold_s)
+        self._leases[lease_id] = _Lease(list(blocks), hold_s, until_s)
 
     def extend(self, lease_id: str, now_s: float) -> bool:
         """Start a lease's time again from ``now_s`` (a peer still wants its blocks); False if
@@ -267,6 +395,23 @@ class KVCacheManager:
                 f"block {block.block_id}: ref {block.ref_cnt} but in "
                 f"{refs[block.block_id]} tables and leases"
             )
+        awaiting: dict[bytes, list[int]] = {}
+        for request_id, pull in self._pulls.items():
+            table = self._req_to_blocks.get(request_id)
+            assert table is not None, f"request {request_id!r} awaits a pull but holds no blocks"
+            first, end = pull.first, pull.first + len(pull.blocks)
+            assert table[first:end] == pull.blocks, f"request {request_id!r}: awaited blocks moved"
+            assert self._req_to_num_cached_blocks[request_id] == first, (
+                f"request {request_id!r}: a block awaiting its pull is cached"
+            )
+            for block, block_hash in zip(pull.blocks, pull.hashes, strict=True):
+                awaiting.setdefault(block_hash, []).append(block.block_id)
+        mapped = {h: [b.block_id for b in blocks] for h, blocks in self._hash_to_awaiting.items()}
+        assert {h: sorted(ids) for h, ids in mapped.items()} == {
+            h: sorted(ids) for h, ids in awaiting.items()
+        }, "the awaited hashes disagree with the pulls"
+        awaited_ids = {block_id for ids in awaiting.values() for block_id in ids}
+        assert self._filled <= awaited_ids, f"filled blocks no pull awaits: {self._filled}"
         assert len(self.block_tables) == len(self._req_to_blocks), "a stale block-table row"
         for request_id, blocks in self._req_to_blocks.items():
             assert self.block_tables.block_ids(request_id) == [b.block_id for b in blocks], (
@@ -274,6 +419,17 @@ class KVCacheManager:
             )
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _forget_pull(self, request_id: str) -> None:
+        pull = self._pulls.pop(request_id, None)
+        if pull is None:
+            return
+        for block, block_hash in zip(pull.blocks, pull.hashes, strict=True):
+            self._filled.discard(block.block_id)
+            awaiting = self._hash_to_awaiting[block_hash]
+            awaiting.remove(block)
+            if not awaiting:
+                del self._hash_to_awaiting[block_hash]
 
     def _num_blocks_to_take(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock]

@@ -1,18 +1,29 @@
 """The decode side of disaggregated prefill: a prompt's KV blocks taken from the worker that
 computed them before the request runs here (``Generate``'s ``kv_source``), only from live
 workers of this worker's fleet; and ``PullBlocks``, which pulls what its caller names
-(benchmarks and tests, off unless ``allow_pull_blocks``)."""
+(benchmarks and tests, off unless ``allow_pull_blocks``).
+
+A request's pull, with the engine core::
+
+    submit_awaiting_kv ---> core holds blocks for the whole prompt: cached prefix + new ids
+    pull (write_blocks*) -> each chunk into the blocks held for it, by hash
+    kv_landed ------------> filled leading run cached; the request runs, computing the rest
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+from collections.abc import Callable
 
 import grpc
 
 from kvswitch.v1 import worker_pb2
 from kvswitch.worker.block_transfer import TRANSPORTS, BlockTransfers, PullResult, ShmRefused
+from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.peers import FleetPeers, PeerRefused
+from kvswitch.worker.request import PullSlots
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +33,17 @@ class KVPuller:
 
     def __init__(
         self,
+        engine: EngineClient,
         transfers: BlockTransfers,
         peers: FleetPeers | None,
         *,
         allow_pull_blocks: bool = False,
+        on_failure: Callable[[str], None] = lambda reason: None,
     ) -> None:
+        self._engine = engine
         self._transfers = transfers
+        # Called with "failed", "short" or "refused" for a pull that left blocks to compute.
+        self._on_failure = on_failure
         # The only workers a kv_source may name; None: none may be named (no fleet).
         self._peers = peers
         self._allow_pull_blocks = allow_pull_blocks
@@ -87,22 +103,40 @@ class KVPuller:
         self,
         request_id: str,
         hashes: list[bytes],
+        slots: PullSlots,
         source: worker_pb2.KVSource,
         context: grpc.aio.ServicerContext,
     ) -> int:
-        """Disaggregated prefill, the decode side: pull the prompt's blocks (``hashes``, its
-        chain) from the prefill worker before the request runs; how many moved. A failed pull is
-        computed here instead, or ends the request with ABORTED when the source says ``fail``. A
-        source that is not a live worker of this fleet counts as a failed pull: nothing is asked
-        of it (a prefill worker that left meanwhile is recomputed for, a stranger never heard)."""
+        """Disaggregated prefill, the decode side: fill the blocks the engine core holds for the
+        request (``slots``, from ``EngineClient.submit_awaiting_kv``) with its prompt's KV
+        (``hashes``, its chain) from the prefill worker, then tell the core they landed, so that
+        it runs the request; how many blocks moved. What did not land (a failed or short pull,
+        slots refused for lack of room) is computed here and counted in ``on_failure``; a pull
+        that failed or was refused ends the request with ``PullFailed`` instead when the source
+        says ``fail`` (the core never ran it: the caller aborts it). A source that is not a live
+        worker of this fleet counts as a failed pull: nothing is asked of it (a prefill worker
+        that left meanwhile is recomputed for, a stranger never heard)."""
+        if slots.refused:
+            await self._release_refused(source)
+            self._failed("refused", f"no blocks here for the KV transfer: {slots.refused}", source)
+            await self._landed(request_id)
+            logger.warning(
+                "no blocks here for the KV transfer from %s (%s); computing the prompt here",
+                source.peer_address,
+                slots.refused,
+                extra={"request_id": request_id},
+            )
+            return 0
         timeout_s = context.time_remaining()
         if source.timeout_ms:
             timeout_s = min(timeout_s or math.inf, source.timeout_ms / 1000)
+        # NOTE: only the blocks held for the request move: any other would be cached evictable.
+        held = hashes[: slots.num_cached_blocks + len(slots.block_ids)]
         try:
             await self._check_peer(source.peer_address)
             pulled = await self._transfers.pull(
                 source.peer_address,
-                hashes,
+                held,
                 transport=source.transport,
                 request_id=request_id,
                 transfer_id=source.transfer_id,
@@ -111,12 +145,53 @@ class KVPuller:
         except (grpc.aio.AioRpcError, ValueError, ShmRefused, PeerRefused) as e:
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
             message = f"the KV transfer from {source.peer_address} failed: {why}"
-            if source.on_failure == "fail":
-                await context.abort(grpc.StatusCode.ABORTED, f"request {request_id}: {message}")
-            logger.warning("%s; computing it here", message, extra={"request_id": request_id})
+            self._failed("failed", message, source)
+            num_landed = await self._landed(request_id)
+            logger.warning(
+                "%s; %d of %d blocks landed, computing the rest here",
+                message,
+                num_landed,
+                len(slots.block_ids),
+                extra={"request_id": request_id},
+            )
             return 0
-        _log_pull(pulled, source.peer_address, len(hashes), request_id)
+        num_landed = await self._landed(request_id)
+        _log_pull(pulled, source.peer_address, len(held), request_id)
+        if num_landed < len(slots.block_ids):
+            self._on_failure("short")
+            logger.warning(
+                "the KV transfer from %s brought %d of the %d blocks asked for; computing the "
+                "rest here",
+                source.peer_address,
+                num_landed,
+                len(slots.block_ids),
+                extra={"request_id": request_id},
+            )
         return pulled.num_blocks
+
+    async def _landed(self, request_id: str) -> int:
+        return await asyncio.wrap_future(self._engine.kv_landed(request_id))
+
+    def _failed(self, reason: str, message: str, source: worker_pb2.KVSource) -> None:
+        """Count a pull that left the prompt to compute; ``PullFailed`` if the source says
+        fail."""
+        self._on_failure(reason)
+        if source.on_failure == "fail":
+            raise PullFailed(message)
+
+    async def _release_refused(self, source: worker_pb2.KVSource) -> None:
+        """Tell a fleet peer that its lease for a pull refused here is not wanted."""
+        if not source.transfer_id:
+            return
+        try:
+            await self._check_peer(source.peer_address)
+        except PeerRefused:
+            return
+        await self._transfers.release(source.peer_address, source.transfer_id)
+
+
+class PullFailed(Exception):
+    """A pull whose source says ``fail`` left blocks of the prompt to compute."""
 
 
 def check_kv_source(source: worker_pb2.KVSource) -> None:

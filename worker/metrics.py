@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Info
+from prometheus_client import CollectorRegistry, Counter, Info
 from prometheus_client.core import GaugeMetricFamily
 
 from kvswitch.metrics import ReadCounter, ReadCounters, RequestMetrics
@@ -17,6 +17,11 @@ from kvswitch.worker.core_protocol import LoadReport
 # "rejected": refused before the engine took it (invalid, or the worker is stopping);
 # "error": the engine failed it; the rest are the engine's own finish reasons.
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
+
+# Why a request's KV pull left blocks of its prompt for this worker to compute: the transfer
+# failed (peer gone, timeout, refused, not of this fleet), brought fewer blocks than asked for,
+# or this worker could hold no blocks for it.
+KV_PULL_FAILURES = ("failed", "short", "refused")
 
 # (metric name, help, LoadReport field) of each load gauge.
 _LOAD_GAUGES = (
@@ -47,8 +52,9 @@ class _LoadCollector:
 class WorkerMetrics:
     """One worker's metrics, in a registry of its own (``registry``).
 
-    The servicer calls ``requests.finished`` once per Generate call, however it ended; the load
-    gauges read ``load()`` when Prometheus scrapes.
+    The servicer calls ``requests.finished`` once per Generate call, however it ended, and
+    ``kv_pull_failed`` for each pull that left blocks to compute; the load gauges read ``load()``
+    when Prometheus scrapes.
     """
 
     def __init__(
@@ -71,5 +77,16 @@ class WorkerMetrics:
             ttft_help="Time from a request's arrival in the engine to its first token",
             cached_help="Of those prompt tokens, the ones found in the prefix cache",
         )
+        self._kv_pull_failures = Counter(
+            "kvswitch_worker_kv_pull_failures",
+            "Requests whose KV pull from a prefill worker left blocks to compute here, by why",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in KV_PULL_FAILURES:
+            self._kv_pull_failures.labels(reason)
         self.registry.register(_LoadCollector(load))
         self.registry.register(ReadCounters(counters))
+
+    def kv_pull_failed(self, reason: str) -> None:
+        self._kv_pull_failures.labels(reason).inc()

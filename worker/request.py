@@ -62,6 +62,7 @@ class SamplingParams:
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_REMOTE_KV = "waiting for remote kv"  # holds its blocks; a transfer fills them
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -231,6 +232,20 @@ def check_prompt(
         raise ValueError(
             f"the prompt has {num_tokens} tokens; this worker's context length is {max_model_len}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PullSlots:
+    """The blocks an engine holds for a request whose prompt's KV a transfer brings from a peer.
+
+    The chain's first ``num_cached_blocks`` blocks are cached here already (held for the
+    request); ``block_ids[i]`` awaits the KV of the chain's block ``num_cached_blocks + i``.
+    ``refused`` says why no block was held: the request then computes its prompt here.
+    """
+
+    num_cached_blocks: int
+    block_ids: list[int]
+    refused: str = ""
 
 
 @dataclass(slots=True)

@@ -7,6 +7,11 @@ When a running request cannot get a block, the most recently admitted running re
 preempted: its blocks are freed and it waits again at the head of the queue, to be recomputed
 (mostly from the prefix cache) later. The scheduler never blocks and never fails a request for
 lack of blocks unless the request could not fit even in an empty cache.
+
+A request whose prompt's KV a transfer brings from a peer (``add_awaiting_kv``) holds the blocks
+for its whole prompt from the start and waits apart, never scheduled, until ``kv_landed``; it
+then joins the head of the waiting queue with its landed prefix computed. It goes first because
+it holds its blocks already: a request behind it that waits for blocks must not keep it waiting.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvswitch.worker.kv_cache_manager import KVCacheManager
-from kvswitch.worker.request import Request, RequestStatus
+from kvswitch.worker.request import PullSlots, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -56,19 +61,58 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
 
     @property
     def num_unfinished(self) -> int:
+        """Requests a step may run: those waiting for KV from a peer are not (a command moves
+        them on)."""
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to start, those waiting for KV from a peer too."""
+        return len(self.waiting) + len(self.waiting_for_kv)
+
     def num_queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute, waiting requests counted whole (hits not known yet)."""
+        """Prompt tokens still to compute, waiting requests counted whole but for a prefix that
+        landed from a peer (hits not known yet)."""
         running = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
-        return running + sum(r.num_tokens for r in self.waiting)
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return running + waiting + sum(r.num_tokens for r in self.waiting_for_kv.values())
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+
+    def add_awaiting_kv(self, request: Request) -> PullSlots:
+        """Queue a request whose prompt's KV a transfer brings, holding its blocks
+        (``KVCacheManager.allocate_for_pull``), not to run until ``kv_landed``. When they are
+        refused, it still waits for ``kv_landed`` (or an abort), then runs as any other request,
+        computing its prompt."""
+        slots = self.kv_cache.allocate_for_pull(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_kv[request.request_id] = request
+        if not slots.refused and not slots.block_ids:  # all cached here: nothing to wait for
+            self.kv_landed(request.request_id)
+        return slots
+
+    def kv_landed(self, request_id: str, num_written_blocks: int = 0) -> int:
+        """The transfer for a request waiting for KV is over (done, cut short or failed): its
+        blocks that hold their KV are cached (``KVCacheManager.commit_pull``) and it waits at the
+        head of the queue to compute the rest. Returns how many awaited blocks landed; 0 for a
+        request that waits for no KV."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return 0
+        if not self.kv_cache.holds_blocks(request):  # refused blocks: it computes its prompt
+            self.add(request)
+            return 0
+        num_landed = self.kv_cache.commit_pull(request, num_written_blocks)
+        request.num_computed_tokens = self.kv_cache.num_cached_blocks(request) * request.block_size
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return num_landed
 
     def remove(self, request: Request) -> None:
         """Drop a request (finished or aborted) and free its blocks."""
@@ -76,6 +120,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self.waiting_for_kv.pop(request.request_id, None)
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
 
@@ -120,7 +166,10 @@ class Scheduler:
             and not out.preempted
         ):
             request = self.waiting[0]
-            computed, num_cached = kv_cache.get_computed_blocks(request)
+            if kv_cache.holds_blocks(request):  # its prefix landed from a peer
+                computed, num_cached = [], request.num_computed_tokens
+            else:
+                computed, num_cached = kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if kv_cache.allocate_slots(request, num_new, computed) is None:
                 break  # head-of-line: keep arrival order

@@ -29,7 +29,7 @@ from kvswitch.worker.engine_client import (
     EngineStopped,
     LoadReport,
 )
-from kvswitch.worker.kv_pull import KVPuller, check_kv_source
+from kvswitch.worker.kv_pull import KVPuller, PullFailed, check_kv_source
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.peers import FleetPeers
 from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
@@ -118,7 +118,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._max_requests = max_requests  # running and waiting; 0 = no limit
         self._engine = engine
         self._transfers = transfers if transfers is not None else BlockTransfers(engine)
-        self._puller = KVPuller(self._transfers, peers, allow_pull_blocks=allow_pull_blocks)
+        self._puller = KVPuller(
+            engine,
+            self._transfers,
+            peers,
+            allow_pull_blocks=allow_pull_blocks,
+            on_failure=metrics.kv_pull_failed,
+        )
         self._worker_id = worker_id
         self._tokenizer = tokenizer  # None: chunks carry no text
         self._metrics = metrics
@@ -131,8 +137,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # raises CancelledError inside this coroutine and the `finally` below always runs.
         request_id = request.request_id or f"worker-{uuid.uuid4().hex}"
         log_extra = {"request_id": request_id}
-        num_transferred_blocks = 0
-        block_hashes = None  # hashed here only for a pull; else the engine client hashes
+        block_hashes: list[bytes] = []  # hashed here only for a pull; else the engine client's
+        slots = None  # the blocks the engine holds for a pull
         if self._max_requests and self._engine.num_requests >= self._max_requests:
             self._metrics.requests.finished("rejected")
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
@@ -154,19 +160,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     hold_s=request.hold_blocks_ms / 1000,
                 )
                 block_hashes = self._engine.hasher(request.cache_salt or None).hash_blocks(prompt)
-                num_transferred_blocks = await self._puller.take_prefill(
-                    request_id, block_hashes, request.kv_source, context
+                # NOTE: queued first, holding the blocks the pull fills: they count as this
+                # worker's queue, and nothing evicts them before the request runs.
+                queue, slots = await self._engine.submit_awaiting_kv(
+                    request_id,
+                    prompt,
+                    params,
+                    block_hashes=block_hashes,
+                    lora=request.lora or None,
+                    cache_salt=request.cache_salt or None,
+                    num_resumed_tokens=request.num_resumed_tokens,
+                    hold_s=request.hold_blocks_ms / 1000,
                 )
-            queue = await self._engine.submit(
-                request_id,
-                prompt_token_ids,
-                params,
-                lora=request.lora or None,
-                cache_salt=request.cache_salt or None,
-                num_resumed_tokens=request.num_resumed_tokens,
-                hold_s=request.hold_blocks_ms / 1000,
-                block_hashes=block_hashes,
-            )
+            else:
+                queue = await self._engine.submit(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    lora=request.lora or None,
+                    cache_salt=request.cache_salt or None,
+                    num_resumed_tokens=request.num_resumed_tokens,
+                    hold_s=request.hold_blocks_ms / 1000,
+                )
         except EngineStopped as e:
             self._metrics.requests.finished("rejected")
             await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
@@ -185,12 +200,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stats = common_pb2.RequestStats(
             worker_id=self._worker_id,
             num_prompt_tokens=len(prompt_token_ids),
-            num_transferred_blocks=num_transferred_blocks,
         )
         done = False  # the engine is finished with the request
         finish_reason = "abort"  # until the engine says otherwise: the RPC was cancelled
         ttft_s: float | None = None
         try:
+            if slots is not None:
+                try:
+                    stats.num_transferred_blocks = await self._puller.take_prefill(
+                        request_id, block_hashes, slots, request.kv_source, context
+                    )
+                except PullFailed as e:
+                    finish_reason = "error"
+                    await context.abort(grpc.StatusCode.ABORTED, f"request {request_id}: {e}")
+                except EngineStopped as e:
+                    finish_reason = "error"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
             while not done:
                 outputs, error = await _next_outputs(queue)
                 if error is not None:
