@@ -29,7 +29,8 @@ _LOAD_GAUGES = (
     ("kvswitch_worker_waiting_requests", "Requests waiting to start", "num_waiting_requests"),
     (
         "kvswitch_worker_queued_prefill_tokens",
-        "Prompt tokens still to compute, waiting requests counted whole",
+        "Prompt tokens still to compute, waiting requests counted whole (less a prefix that landed "
+        "from a prefill worker)",
         "num_queued_prefill_tokens",
     ),
     ("kvswitch_worker_free_blocks", "KV cache blocks free (cached ones too)", "num_free_blocks"),
