@@ -22,19 +22,42 @@ Every pull is timed from the call to its answer. Figures:
   time, and ``shm_blocks_per_s``, ``mapped_blocks_per_s`` the other two.
 - ``copy_gbps``: this machine's memory-copy bandwidth (one numpy copy of 256 MiB, best of 5),
   the ceiling any transfer on it is measured against.
+
+``--transport nixl``: no workers; a holder process registers a KV cache with a NIXL agent
+(``kvswitch.worker.nixl_kv``), every byte of it known (each 8-byte word its own index in its
+tensor, the tensor's number in the top bits), and this process reads a prompt's blocks out of
+it for each length of ``--nixl-prompt-tokens``, ``--num-prompts`` reads each, one-sided: each read
+one NIXL READ into this process's own cache, every byte checked after it. The layout, by default
+Llama 3.2 1B's KV (16 layers x 8 KV heads x 64 dims, bfloat16): 32 KiB a token, 512 KiB a block.
+Each length is read twice over: its blocks in one run of consecutive ids on both sides (a
+descriptor per tensor), then scattered (every other block of the holder's: a descriptor per
+block and tensor). ``UCX_TLS`` as the environment sets it (unset: UCX's own choice). Figures:
+
+- ``nixl_gbps``, ``nixl_blocks_per_s``: bytes and blocks over all consecutive reads / their
+  summed time (each read timed from the call to its return: descriptors, post, wait);
+  ``scattered_gbps`` the same for the scattered reads; ``prompts``: each length's own figures.
+- ``copy_gbps``: one numpy copy of as many bytes, in this process, timed as often: the copy a
+  transfer of the same bytes is measured against.
+- ``connect_ms``: the first read of one block, which connects to the holder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
+import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from kvswitch.benchmarks.timing import machine_info
+from kvswitch.benchmarks.timing import BenchmarkUnavailable, machine_info
 from kvswitch.serving import start_server_process
+from kvswitch.worker.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -42,16 +65,63 @@ class TransferBenchConfig:
     num_prompts: int = 4
     prompt_tokens: int = 8192
     seed: int = 0
+    transport: str = ""
+    nixl_prompt_tokens: str = "1024,4096,16384"
+    nixl_kv_layout: str = "16x8x64:bfloat16"
 
     def __post_init__(self) -> None:
         if self.num_prompts <= 0 or self.prompt_tokens < 16:
             raise ValueError("num_prompts must be positive and prompt_tokens at least 16")
+        if self.transport not in ("", "nixl"):
+            raise ValueError(
+                f"transport must be nixl, or empty for the workers' grpc, shm and mapped "
+                f"pulls, not {self.transport!r}"
+            )
+        self.nixl_lengths()  # NOTE: checked whatever the transport
+        self.nixl_layout()
+        defaults = TransferBenchConfig.__dataclass_fields__
+        if self.transport == "nixl":
+            if self.prompt_tokens != defaults["prompt_tokens"].default or self.seed != 0:
+                raise ValueError(
+                    "prompt_tokens and --seed are for the workers' pulls; with --transport "
+                    "nixl, nixl_prompt_tokens"
+                )
+        elif (self.nixl_prompt_tokens, self.nixl_kv_layout) != (
+            defaults["nixl_prompt_tokens"].default,
+            defaults["nixl_kv_layout"].default,
+        ):
+            raise ValueError("nixl_prompt_tokens and nixl_kv_layout are for --transport nixl")
+
+    def nixl_lengths(self) -> list[int]:
+        try:
+            lengths = [int(part) for part in self.nixl_prompt_tokens.split(",")]
+        except ValueError:
+            lengths = []
+        if not lengths or any(n < BLOCK_SIZE or n % BLOCK_SIZE for n in lengths):
+            raise ValueError(
+                f"nixl_prompt_tokens must be comma-separated multiples of {BLOCK_SIZE}, not "
+                f"{self.nixl_prompt_tokens!r}"
+            )
+        return lengths
+
+    def nixl_layout(self) -> KVLayout:
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+):(float32|float16|bfloat16)", self.nixl_kv_layout)
+        sizes = [int(n) for n in match.groups()[:3]] if match else [0]
+        if min(sizes) <= 0:
+            raise ValueError(
+                "nixl_kv_layout must read LAYERSxKV_HEADSxHEAD_DIM:DTYPE (float32, float16 or "
+                f"bfloat16), e.g. 16x8x64:bfloat16, not {self.nixl_kv_layout!r}"
+            )
+        layers, heads, dims = sizes
+        return KVLayout(layers, BLOCK_SIZE, heads, dims, match.group(4))
 
 
 BLOCK_SIZE = 16
 
 
 def run(config: TransferBenchConfig) -> dict[str, object]:
+    if config.transport == "nixl":
+        return _run_nixl(config)
     import grpc
 
     from kvswitch.cache_index.hashing import hash_prompt_blocks, tokens_to_bytes
@@ -162,3 +232,172 @@ def _copy_gbps() -> float:
         np.copyto(target, source)
         best = min(best, time.perf_counter() - start)
     return source.nbytes / best / 1e9
+
+
+# -- --transport nixl ----------------------------------------------------------------------------
+
+
+def _run_nixl(config: TransferBenchConfig) -> dict[str, object]:
+    from kvswitch.worker.nixl_kv import NixlKVAgent, NixlPeerInfo, NixlUnavailable, load_nixl
+
+    try:
+        load_nixl()
+    except NixlUnavailable as e:
+        raise BenchmarkUnavailable(str(e)) from None
+    layout = config.nixl_layout()
+    lengths = config.nixl_lengths()
+    max_blocks = max(lengths) // BLOCK_SIZE
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    # Room for the longest prompt's blocks scattered over every other block.
+    holder = context.Process(target=_hold, args=(theirs, asdict(layout), 2 * max_blocks))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not ours.poll(0.1):
+            if not holder.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the holder process did not publish its NIXL agent (above)")
+        peer = NixlPeerInfo.from_bytes(ours.recv_bytes())
+        caches = _caches(layout, max_blocks, fill=False)
+        with NixlKVAgent(caches, name=f"bench-reader-{os.getpid()}") as reader:
+            start = time.perf_counter()
+            reader.read_blocks(peer, [0], [0], timeout_s=60)
+            connect_ms = (time.perf_counter() - start) * 1e3
+            rows = [
+                _read_prompt(reader, peer, caches, num_tokens, config.num_prompts)
+                for num_tokens in lengths
+            ]
+    finally:
+        ours.close()  # the holder's cue to go
+        holder.join(30)
+        if holder.is_alive():
+            holder.kill()
+            holder.join()
+    total = {key: sum(row[key] for row in rows) for key in rows[0] if key.startswith("_")}
+    result = {
+        "machine": machine_info(),
+        "transport": "nixl",
+        "ucx_tls": os.environ.get("UCX_TLS", ""),
+        "kv_layout": asdict(layout),
+        "bytes_per_token": layout.bytes_per_block // BLOCK_SIZE,
+        "num_reads": config.num_prompts,
+        "connect_ms": connect_ms,
+        "nixl_gbps": total["_bytes"] / total["_nixl_s"] / 1e9,
+        "nixl_blocks_per_s": total["_blocks"] / total["_nixl_s"],
+        "scattered_gbps": total["_bytes"] / total["_scattered_s"] / 1e9,
+        "copy_gbps": total["_bytes"] / total["_copy_s"] / 1e9,
+        "prompts": [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
+    }
+    for row in result["prompts"]:
+        print(
+            f"  {row['prompt_tokens']:>6,} tokens, {row['num_bytes'] / 1e6:,.0f} MB: NIXL "
+            f"{row['nixl_gbps']:.2f} GB/s ({row['num_descriptors']} descriptors), scattered "
+            f"{row['scattered_gbps']:.2f} GB/s ({row['scattered_num_descriptors']:,}), memory "
+            f"copy {row['copy_gbps']:.2f} GB/s",
+            file=sys.stderr,
+        )
+    return result
+
+
+def _read_prompt(
+    reader: Any, peer: Any, caches: list, num_tokens: int, num_reads: int
+) -> dict[str, Any]:
+    """Read one prompt's blocks ``num_reads`` times consecutive, as often scattered, and copy
+    as many bytes as often; each read checked."""
+    num_blocks = num_tokens // BLOCK_SIZE
+    block_ids = list(range(num_blocks))
+    # The holder's ids: one run (the second half of its cache), or every other block.
+    ways = {
+        "nixl": list(range(num_blocks, 2 * num_blocks)),
+        "scattered": list(range(0, 2 * num_blocks, 2)),
+    }
+    seconds = {"nixl": 0.0, "scattered": 0.0, "copy": 0.0}
+    num_descriptors = {}
+    num_bytes = num_blocks * reader.layout.bytes_per_block
+    # NOTE: both written first: a copy into pages not yet faulted in measures the faults.
+    source, target = np.ones(num_bytes, np.uint8), np.ones(num_bytes, np.uint8)
+    for _ in range(num_reads):
+        for way, peer_ids in ways.items():
+            for key, value in caches:
+                key[:num_blocks].zero_()
+                value[:num_blocks].zero_()
+            start = time.perf_counter()
+            read = reader.read_blocks(peer, peer_ids, block_ids, timeout_s=60)
+            seconds[way] += time.perf_counter() - start
+            num_descriptors[way] = read.num_descriptors
+            _check(caches, peer_ids, block_ids)
+        start = time.perf_counter()
+        np.copyto(target, source)
+        seconds["copy"] += time.perf_counter() - start
+    num_bytes *= num_reads
+    return {
+        "prompt_tokens": num_tokens,
+        "num_blocks": num_blocks,
+        "num_bytes": num_bytes // num_reads,
+        "num_descriptors": num_descriptors["nixl"],
+        "scattered_num_descriptors": num_descriptors["scattered"],
+        "nixl_gbps": num_bytes / seconds["nixl"] / 1e9,
+        "nixl_blocks_per_s": num_blocks * num_reads / seconds["nixl"],
+        "read_ms": seconds["nixl"] / num_reads * 1e3,
+        "scattered_gbps": num_bytes / seconds["scattered"] / 1e9,
+        "copy_gbps": num_bytes / seconds["copy"] / 1e9,
+        "_bytes": num_bytes,
+        "_blocks": num_blocks * num_reads,
+        "_nixl_s": seconds["nixl"],
+        "_scattered_s": seconds["scattered"],
+        "_copy_s": seconds["copy"],
+    }
+
+
+def _hold(conn: Connection, layout_fields: dict[str, Any], num_blocks: int) -> None:
+    """The holder process: a KV cache of known bytes behind a NIXL agent, its peer info sent
+    on ``conn``, held until the other end closes it."""
+    from kvswitch.worker.nixl_kv import NixlKVAgent
+
+    caches = _caches(KVLayout(**layout_fields), num_blocks, fill=True)
+    with NixlKVAgent(caches, name=f"bench-holder-{os.getpid()}") as agent:
+        conn.send_bytes(agent.peer_info().to_bytes())
+        with contextlib.suppress(EOFError):  # closed, or the reader died
+            conn.recv_bytes()
+
+
+def _caches(layout: KVLayout, num_blocks: int, *, fill: bool) -> list:
+    """A KV cache of ``layout``, zeroed, or with ``fill`` every 8-byte word set to
+    ``_words``' value for it."""
+    import torch
+
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    dtype = getattr(torch, layout.dtype)
+    tensors = [torch.zeros(shape, dtype=dtype) for _ in range(2 * layout.num_layers)]
+    if fill:
+        for number, tensor in enumerate(tensors):
+            words = _raw_words(tensor)
+            words[:] = _words(number, 0, len(words))
+    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(layout.num_layers)]
+
+
+def _words(tensor_number: int, first: int, count: int) -> np.ndarray:
+    """The known words ``first``.. of the holder's tensor ``tensor_number``: each its index,
+    the tensor's number in the top 16 bits."""
+    return np.arange(first, first + count, dtype=np.uint64) | np.uint64(tensor_number << 48)
+
+
+def _raw_words(tensor: Any) -> np.ndarray:
+    import torch
+
+    return tensor.view(torch.int64).numpy().view(np.uint64).reshape(-1)
+
+
+def _check(caches: list, peer_block_ids: list[int], block_ids: list[int]) -> None:
+    """RuntimeError unless every block read holds the holder's words for its block."""
+    tensors = [t for pair in caches for t in pair]
+    words_per_block = tensors[0][0].numel() * tensors[0].element_size() // 8
+    peer_ids = np.asarray(peer_block_ids, np.uint64)
+    offsets = np.arange(words_per_block, dtype=np.uint64)
+    for number, tensor in enumerate(tensors):
+        got = _raw_words(tensor).reshape(-1, words_per_block)[block_ids]
+        expected = (peer_ids[:, None] * np.uint64(words_per_block) + offsets[None, :]) | np.uint64(
+            number << 48
+        )
+        if not np.array_equal(got, expected):
+            raise RuntimeError(f"tensor {number}: the blocks read differ from the holder's")

@@ -153,9 +153,15 @@ STEP_HELP = {
 }
 
 TRANSFER_HELP = {
-    "num_prompts": "prompts the holder computes; the taker pulls each one's blocks in one call",
+    "num_prompts": "prompts the holder computes; the taker pulls each one's blocks in one call "
+    "(with --transport nixl: reads timed per prompt length)",
     "prompt_tokens": "tokens per prompt (16 a block)",
     "seed": "random seed of the prompts",
+    "transport": "nixl: read blocks from a holder process over NIXL (kvswitch[nixl]); empty: "
+    "workers pull over grpc, shm and mapped",
+    "nixl_prompt_tokens": "--transport nixl: comma-separated prompt lengths in tokens",
+    "nixl_kv_layout": "--transport nixl: the KV cache's LAYERSxKV_HEADSxHEAD_DIM:DTYPE (the "
+    "default is Llama 3.2 1B's, 32 KiB a token)",
 }
 
 PD_HELP = {
@@ -365,7 +371,7 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             transfer_bench.TransferBenchConfig,
             TRANSFER_HELP,
             "cached KV blocks pulled from one worker process into another, GB/s over gRPC and "
-            "through shared memory",
+            "through shared memory, or read over NIXL (--transport nixl)",
         ),
         (
             "pd",
