@@ -43,7 +43,8 @@ START_TIMEOUT_S = 60
 
 
 class Holder:
-    """A holder process of seed ``seed``'s bytes, its peer info read from its first line."""
+    """A holder process of seed ``seed``'s bytes, its peer info read from its first line (on
+    first use of ``info``: several holders start at once)."""
 
     def __init__(self, name: str, seed: int, *, env: dict[str, str] | None = None) -> None:
         self.seed = seed
@@ -54,12 +55,18 @@ class Holder:
             stdout=subprocess.PIPE,
             env={**os.environ, **(env or {})},
         )
-        ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
-        line = self.process.stdout.readline() if ready else b""
-        if not line.startswith(b"{"):
-            self.kill()
-            raise RuntimeError(f"the holder printed no peer info: {line!r}")
-        self.info = NixlPeerInfo.from_bytes(line)
+        self._info: NixlPeerInfo | None = None
+
+    @property
+    def info(self) -> NixlPeerInfo:
+        if self._info is None:
+            ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
+            line = self.process.stdout.readline() if ready else b""
+            if not line.startswith(b"{"):
+                self.kill()
+                raise RuntimeError(f"the holder printed no peer info: {line!r}")
+            self._info = NixlPeerInfo.from_bytes(line)
+        return self._info
 
     def stop(self) -> None:
         self.process.stdin.close()
@@ -235,18 +242,17 @@ def test_a_read_from_a_stopped_holder_times_out_and_one_waiting_as_it_is_killed_
 def test_a_peer_restarted_under_its_name_is_replaced(reader) -> None:
     agent, caches = reader
     first = Holder("test-restarted-holder", seed=4)
+    second = Holder("test-restarted-holder", seed=5)  # its restart, started at once to save time
     try:
         agent.read_blocks(first.info, [0, 1], [0, 1])
         assert_read(caches, [0, 1], first, [0, 1])
-    finally:
         first.kill()  # it crashed; the reader never heard
-    second = Holder("test-restarted-holder", seed=5)
-    try:
         assert second.info.agent_metadata != first.info.agent_metadata
         agent.read_blocks(second.info, [0, 1], [0, 1])
         assert_read(caches, [0, 1], second, [0, 1])
         assert agent.peer_names == ["test-restarted-holder"]
     finally:
+        first.kill()
         second.kill()
 
 
