@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-import importlib.util
+import subprocess
+import sys
 from concurrent import futures
 from pathlib import Path
 
@@ -31,22 +32,40 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 REGEN_HINT = "generated code is out of date with proto/; run `make proto` (python proto/codegen.py)"
 
 
-def _load_codegen():
-    """Import proto/codegen.py by path (proto/ is not an installed package)."""
-    path = REPO_ROOT / "proto" / "codegen.py"
-    spec = importlib.util.spec_from_file_location("_kvswitch_proto_codegen", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+CODEGEN = REPO_ROOT / "proto" / "codegen.py"
+# Runs proto/codegen.py's generate() (proto/ is not an installed package): argv is the output
+# folder, and a proto root to read instead of the repository's, if any. Prints the files written,
+# or the CodegenError.
+_GENERATE = """
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("codegen", sys.argv[1])
+codegen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(codegen)
+if len(sys.argv) > 3:
+    codegen.PROTO_ROOT = Path(sys.argv[3])
+try:
+    print("\\n".join(str(path) for path in codegen.generate(Path(sys.argv[2]))))
+except codegen.CodegenError as e:
+    sys.exit(f"CodegenError: {e}")
+"""
+
+
+def generate(out_dir: Path, proto_root: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """proto/codegen.py's ``generate``, in a process of its own: protoc brings a protobuf runtime
+    of its own, which once crashed a test process that had loaded grpc's and torch's."""
+    argv = [sys.executable, "-c", _GENERATE, str(CODEGEN), str(out_dir)]
+    argv += [str(proto_root)] if proto_root is not None else []
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
 # --------------------------------------------------------------------------- drift
 
 
 def test_generated_code_matches_protos(tmp_path: Path) -> None:
-    codegen = _load_codegen()
-    written = codegen.generate(tmp_path)
+    done = generate(tmp_path)
+    assert done.returncode == 0, done.stderr
+    written = [Path(line) for line in done.stdout.splitlines()]
     assert written, "codegen.generate wrote no files"
 
     problems = []
@@ -69,16 +88,15 @@ def test_generated_code_matches_protos(tmp_path: Path) -> None:
     assert not problems, REGEN_HINT + ":\n  " + "\n  ".join(problems)
 
 
-def test_codegen_reports_protoc_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    codegen = _load_codegen()
+def test_codegen_reports_protoc_failure(tmp_path: Path) -> None:
     bad_root = tmp_path / "proto"
     (bad_root / "kvswitch" / "v1").mkdir(parents=True)
     (bad_root / "kvswitch" / "v1" / "broken.proto").write_text(
         'syntax = "proto3";\npackage kvswitch.v1;\nmessage Broken { nope x = 1; }\n'
     )
-    monkeypatch.setattr(codegen, "PROTO_ROOT", bad_root)
-    with pytest.raises(codegen.CodegenError, match="protoc exited"):
-        codegen.generate(tmp_path / "out")
+    done = generate(tmp_path / "out", bad_root)
+    assert done.returncode == 1
+    assert "CodegenError: grpc_tools.protoc exited with status 1" in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------------- round trip
