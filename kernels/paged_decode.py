@@ -181,7 +181,8 @@ def _merge_splits_kernel(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessors (4 where there is none, so that the interpreter splits)."""
     if device.type != "cuda" or interpreting():
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -241,7 +242,7 @@ def paged_decode(
     block_n = tiles.block_n
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_seq_len, block_n, _num_sms(query.device)
+            num_seqs, num_kv_heads, max_seq_len, block_n, num_sms(query.device)
         )
     split = num_splits > 1
     if split:
@@ -285,20 +286,28 @@ def paged_decode(
         num_stages=tiles.num_stages,
     )
     if split:
-        _merge_splits_kernel[(num_seqs, num_q_heads)](
-            partial,
-            lse,
-            out,
-            num_splits,
-            head_dim,
-            partial.stride(0),
-            partial.stride(1),
-            partial.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            SPLITS_PAD=next_pow2(num_splits),
-            BLOCK_D=next_pow2(head_dim),
-        )
+        merge_splits(partial, lse, out)
     return out
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Write into ``out`` [num_rows, num_heads, head_dim] the merge of each row's and head's
+    splits: ``partial`` [num_rows, num_heads, num_splits, head_dim] (fp32) and their log2-sum-exps
+    ``lse`` [num_rows, num_heads, num_splits]."""
+    num_rows, num_heads, num_splits, head_dim = partial.shape
+    _merge_splits_kernel[(num_rows, num_heads)](
+        partial,
+        lse,
+        out,
+        num_splits,
+        head_dim,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        SPLITS_PAD=next_pow2(num_splits),
+        BLOCK_D=next_pow2(head_dim),
+    )

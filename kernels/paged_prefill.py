@@ -11,6 +11,13 @@ same case::
 One program handles a tile of ``BLOCK_M`` queries of one sequence and one query head, and walks
 the context in tiles of ``BLOCK_N`` tokens up to the causal limit of its last query; only the
 tiles that reach past its first query's position apply the causal mask.
+
+A step with few query tiles over long contexts (a short prompt tail on a long cached prefix)
+would leave most multiprocessors idle, so the launcher may cut each tile's context into splits
+run by programs of their own, merged afterwards as paged_decode merges its splits::
+
+    context      | split 0     | split 1     | ... | split S-1 (also the masked tiles)   |
+    program      | o_0, lse_0  | o_1, lse_1  | ... | o_S-1, lse_S-1                      |
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from kvswitch.kernels.layout import (
     interpreting,
     next_pow2,
 )
-from kvswitch.kernels.paged_decode import LOG2_E
+from kvswitch.kernels.paged_decode import LOG2_E, merge_splits, num_sms
 from kvswitch.kernels.tile import attend_range
 from kvswitch.kernels.tiles import Tiles, prefill_tiles
 
@@ -42,11 +49,15 @@ def _paged_prefill_kernel(
     cu_q_lens_ptr,
     seq_lens_ptr,
     out_ptr,
+    lse_ptr,
     qk_scale,
     stride_q_t,
     stride_q_h,
     stride_o_t,
     stride_o_h,
+    stride_o_split,
+    stride_lse_t,
+    stride_lse_h,
     stride_cache_b,
     stride_cache_s,
     stride_cache_h,
@@ -57,13 +68,15 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     # NOTE: the heaviest query tiles (last in their sequence, longest causal span) start first
     # and the query heads of one KV head run side by side, sharing its K/V through L2.
     q_head = tl.program_id(0)
     seq = tl.program_id(1)
-    q_tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_tile = tl.num_programs(2) // NUM_SPLITS - 1 - tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     kv_head = q_head // GROUP
     q_first = tl.load(cu_q_lens_ptr + seq)
     q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_first
@@ -86,11 +99,16 @@ def _paged_prefill_kernel(
 
     # Context tiles that end before the tile's first query position are seen whole by every row
     # and need no causal mask; the rest, up to the last row's position, do. A tile past q_len
-    # sees nothing.
+    # sees nothing. Splits share out the unmasked tiles, whole tiles each; the last one also
+    # takes the masked ones.
     has_rows = q_tile * BLOCK_M < q_len
     first_position = prefix_len + q_tile * BLOCK_M
     full_end = tl.where(has_rows, first_position // BLOCK_N * BLOCK_N, 0)
     kv_end = tl.where(has_rows, tl.minimum(seq_len, first_position + BLOCK_M), 0)
+    tokens_per_split = tl.cdiv(tl.cdiv(full_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = tl.minimum(split * tokens_per_split, full_end)
+    end = tl.minimum(start + tokens_per_split, full_end)
+    kv_end = tl.where(split == NUM_SPLITS - 1, kv_end, end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -111,8 +129,8 @@ def _paged_prefill_kernel(
         stride_cache_s,
         dims,
         dim_mask,
-        0,
-        full_end,
+        start,
+        end,
         positions,
         qk_scale,
         BLOCK_N,
@@ -133,7 +151,7 @@ def _paged_prefill_kernel(
         stride_cache_s,
         dims,
         dim_mask,
-        full_end,
+        end,
         kv_end,
         positions,
         qk_scale,
@@ -143,13 +161,19 @@ def _paged_prefill_kernel(
         CAUSAL=True,
     )
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offsets = (q_first + rows).to(tl.int64)[:, None] * stride_o_t + q_head * stride_o_h
-    tl.store(
-        out_ptr + o_offsets + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    token = (q_first + rows).to(tl.int64)
+    o_offsets = token[:, None] * stride_o_t + q_head * stride_o_h + dims[None, :]
+    o_mask = row_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS > 1:
+        # NOTE: a split with no tile (a context shorter than the splits) weighs nothing: l = 0.
+        tl.store(out_ptr + o_offsets + split * stride_o_split, out, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        lse_offsets = token * stride_lse_t + q_head * stride_lse_h + split
+        tl.store(lse_ptr + lse_offsets, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def paged_prefill(
@@ -162,6 +186,8 @@ def paged_prefill(
     scale: float,
     *,
     max_q_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
     tiles: Tiles | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -169,8 +195,10 @@ def paged_prefill(
 
     ``query`` is [num_tokens, num_q_heads, head_dim]; sequence s owns rows
     ``cu_q_lens[s]:cu_q_lens[s+1]`` (int32, ``num_seqs + 1`` entries) and has ``seq_lens[s]``
-    context tokens in all, the new ones included and already stored. ``max_q_len`` spares a
-    device sync when the caller knows it.
+    context tokens in all, the new ones included and already stored. ``max_q_len`` and
+    ``max_seq_len`` spare device syncs when the caller knows them. ``num_splits`` cuts each query
+    tile's context into that many programs; by default (None) as many as fill the device when
+    the query tiles alone would not.
     """
     check_kv_cache(k_cache, v_cache)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -198,7 +226,29 @@ def paged_prefill(
     tiles = tiles or prefill_tiles(max_q_len, block_size, k_cache.dtype)
     if tiles.block_m == 0:
         raise ValueError("paged_prefill needs tiles with block_m set")
-    grid = (num_q_heads, num_seqs, math.ceil(max_q_len / tiles.block_m))
+    num_q_tiles = math.ceil(max_q_len / tiles.block_m)
+    if num_splits is None:
+        num_programs = num_q_heads * num_seqs * num_q_tiles
+        num_splits = 1
+        if num_programs < num_sms(query.device):
+            if max_seq_len is None:
+                max_seq_len = int(seq_lens.max().item())
+            num_splits = choose_prefill_splits(
+                num_programs, max_seq_len - max_q_len, tiles.block_n, num_sms(query.device)
+            )
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits > 1:
+        partial = query.new_empty(
+            (query.shape[0], num_q_heads, num_splits, head_dim), dtype=torch.float32
+        )
+        lse = query.new_empty((query.shape[0], num_q_heads, num_splits), dtype=torch.float32)
+        target, o_split, lse_strides = partial, partial.stride(2), (lse.stride(0), lse.stride(1))
+        o_strides = (partial.stride(0), partial.stride(1))
+    else:
+        target, lse, o_split, lse_strides = out, out, 0, (0, 0)
+        o_strides = (out.stride(0), out.stride(1))
+    grid = (num_q_heads, num_seqs, num_q_tiles * num_splits)
     _paged_prefill_kernel[grid](
         query,
         k_cache,
@@ -206,12 +256,14 @@ def paged_prefill(
         block_tables,
         cu_q_lens,
         seq_lens,
-        out,
+        target,
+        lse,
         scale * LOG2_E,
         query.stride(0),
         query.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *o_strides,
+        o_split,
+        *lse_strides,
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -222,8 +274,19 @@ def paged_prefill(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_D=next_pow2(head_dim),
+        NUM_SPLITS=num_splits,
         DOT_FP32=interpreting() or k_cache.dtype == torch.float32,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    if num_splits > 1:
+        merge_splits(partial, lse, out)
     return out
+
+
+def choose_prefill_splits(
+    num_programs: int, max_prefix_len: int, block_n: int, num_sms: int
+) -> int:
+    """Splits enough for ``num_programs`` query tiles to cover the multiprocessors once (a
+    prefill program fills one), and no more than the longest cached prefix has whole tiles."""
+    return max(1, min(num_sms // max(num_programs, 1), max_prefix_len // block_n))

@@ -78,6 +78,7 @@ class PagedAttention:
                 meta.seq_lens,
                 self.scale,
                 max_q_len=meta.max_q_len,
+                max_seq_len=meta.max_seq_len,
             )
         reference.store_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:

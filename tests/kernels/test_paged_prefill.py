@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ def run_case(
     head_dim: int = 16,
     block_m: int = 0,
     block_n: int = 0,
+    num_splits: int | None = None,
 ) -> None:
     seq_lens = [seq_len for seq_len, _ in seqs]
     q_lens = [q_len for _, q_len in seqs]
@@ -46,7 +49,7 @@ def run_case(
     scale = head_dim**-0.5
     args = (query, case.k_cache, case.v_cache, case.block_tables, cu_q_lens, case.seq_lens, scale)
     tiles = Tiles(block_m=block_m, block_n=block_n) if block_m else None
-    out = paged_prefill(*args, tiles=tiles)
+    out = paged_prefill(*args, tiles=tiles, num_splits=num_splits)
     ref = paged_prefill_ref(*args)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
@@ -67,6 +70,40 @@ def test_prefill_mixed_batch(dtype: torch.dtype, group: int) -> None:
 def test_prefill_tile_sizes(block_m: int, block_n: int) -> None:
     """Query tiles smaller than a sequence's new tokens, key tiles smaller than a page."""
     run_case(MIXED, group=2, dtype=torch.float32, block_m=block_m, block_n=block_n)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_prefill_split_context(num_splits: int) -> None:
+    """Each query tile's context cut across programs and merged: splits of several tiles, of
+    one, and more splits than a short context has tiles (empty ones weigh nothing)."""
+    run_case([*MIXED, (40, 3)], group=2, dtype=torch.float32, num_splits=num_splits)
+
+
+def test_prefill_splits_a_long_prefix_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few new tokens on a long cached prefix make too few programs to fill the device: the
+    launcher splits their context (the interpreter counts 4 multiprocessors) and merges."""
+    prefill_module = importlib.import_module("kvswitch.kernels.paged_prefill")
+    merged = []
+    merge = prefill_module.merge_splits
+
+    def spy(partial: torch.Tensor, *args: torch.Tensor) -> None:
+        merged.append(partial.shape[2])
+        merge(partial, *args)
+
+    monkeypatch.setattr(prefill_module, "merge_splits", spy)
+    run_case([(37, 3)], group=1, dtype=torch.float32, num_kv_heads=1)
+    assert merged == [4]
+
+
+def test_prefill_split_choice() -> None:
+    from kvswitch.kernels.paged_prefill import choose_prefill_splits
+
+    # 32 heads x one tile on 132 multiprocessors: 4 splits; already full: none; a short prefix
+    # has at most one split per whole tile.
+    assert choose_prefill_splits(32, 3968, 128, 132) == 4
+    assert choose_prefill_splits(256, 3968, 128, 132) == 1
+    assert choose_prefill_splits(8, 200, 64, 132) == 3
+    assert choose_prefill_splits(8, 10, 64, 132) == 1
 
 
 def test_prefill_full_prefix_single_token_matches_decode() -> None:
@@ -102,4 +139,13 @@ def test_prefill_gpu_shapes(group: int) -> None:
         block_size=16,
         num_kv_heads=2,
         head_dim=128,
+    )
+
+
+@gpu_test
+def test_prefill_gpu_split_prefix_hit() -> None:
+    """The warm step of a prefix hit: 128 new tokens over 3,968 cached, 32 query heads, split
+    by the launcher's default."""
+    run_case(
+        [(4096, 128)], group=4, dtype=torch.bfloat16, block_size=16, num_kv_heads=8, head_dim=128
     )
