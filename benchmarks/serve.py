@@ -5,11 +5,12 @@ sends ``--num-prompts`` prompts through the client SDK, greedy, twice: once cold
 when most of each prompt is in the worker's prefix cache. Every prompt shares its first
 ``--num-shared-tokens`` tokens with the others, so even the first pass hits the cache after its
 first request. Then each served output is teacher-forced through the same model in this process,
-with its attention on the pure-torch references (``kernels/reference.py``) instead of the Triton
-kernels: at every output position, given the same tokens before it, the served token must be the
-reference's greedy choice, or within ``--max-logit-gap`` of its logit (16-bit numbers round
-differently in the kernels and the references, and a random model has many near-ties; a wrong
-token from a broken kernel or a stale cache block sits several units below).
+with its attention, norms and rotary embedding on the pure-torch references
+(``kernels/reference.py``) instead of the Triton kernels: at every output position, given the
+same tokens before it, the served token must be the reference's greedy choice, or within
+``--max-logit-gap`` of its logit (16-bit numbers round differently in the kernels and the
+references, and a random model has many near-ties; a wrong token from a broken kernel or a stale
+cache block sits several units below).
 
 On ``--device cpu`` both sides take the torch references, so the check covers the serving path
 (router, worker, prefix cache) but not the kernels; on ``cuda`` it covers the kernels too.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -57,6 +60,22 @@ class ServeBenchConfig:
         if self.max_logit_gap >= 0:
             return self.max_logit_gap
         return 1e-3 if self.dtype == "float32" else 0.25
+
+
+# Every module that binds ``use_triton``, the switch between the Triton kernels and the torch
+# references: worker.attention defines it, the others import it by name, so each holds a binding
+# of its own that a patch of attention's leaves on the kernels.
+USE_TRITON_MODULES = ("kvswitch.worker.attention", "kvswitch.worker.model")
+
+
+@contextmanager
+def torch_references() -> Iterator[None]:
+    """Within the block, the model in this process runs every layer on the torch references
+    (``kernels/reference.py``): attention, RMSNorm and the rotary embedding alike."""
+    with ExitStack() as stack:
+        for module in USE_TRITON_MODULES:
+            stack.enter_context(mock.patch(f"{module}.use_triton", return_value=False))
+        yield
 
 
 def _prompts(config: ServeBenchConfig, vocab_size: int) -> list[list[int]]:
@@ -110,17 +129,17 @@ def _serve(config: ServeBenchConfig, prompts: list[list[int]]) -> list[dict[str,
 
 
 def _reference_gaps(config: ServeBenchConfig, records: list[dict[str, Any]], prompts) -> None:
-    """Teacher-forces each served output through the model with the torch reference attention
-    and stores, per output token, how far its logit is below the reference's best
+    """Teacher-forces each served output through the model on the torch references and
+    stores, per output token, how far its logit is below the reference's best
     (``record["gaps"]``; 0.0 where the served token is the reference's greedy choice)."""
     import torch
 
     from kvswitch.worker.model_runner import ModelRunner, ScheduledSeq
     from kvswitch.worker.weights import load_model
 
-    # NOTE: worker.attention.use_triton is the one switch between kernels and references; only
-    # this process's model is made to take the references, the served side is left as it is.
-    with mock.patch("kvswitch.worker.attention.use_triton", return_value=False):
+    # NOTE: only this process's model is made to take the references; the served side is left
+    # as it is.
+    with torch_references():
         model = load_model(
             config.model or None, device=config.device, dtype=getattr(torch, config.dtype)
         )
