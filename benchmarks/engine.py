@@ -32,6 +32,7 @@ class TTFTBenchConfig:
     num_cached_tokens: int = 3968
     num_trials: int = 5
     profile: bool = False
+    cuda_graphs: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,6 +40,7 @@ class TTFTBenchConfig:
             raise ValueError("num_cached_tokens must be positive and below num_prompt_tokens")
         if self.num_trials <= 0:
             raise ValueError("num_trials must be positive")
+        check_cuda_graphs(self.cuda_graphs, self.device)
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,12 @@ class DecodeBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.cuda_graphs and not self.device.startswith("cuda"):
-            raise ValueError("cuda_graphs replays decode steps on a GPU: use it with a cuda device")
+        check_cuda_graphs(self.cuda_graphs, self.device)
+
+
+def check_cuda_graphs(cuda_graphs: bool, device: str) -> None:
+    if cuda_graphs and not device.startswith("cuda"):
+        raise ValueError("cuda_graphs replays steps on a GPU: use it with a cuda device")
 
 
 def _engine(
@@ -90,7 +96,13 @@ def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) 
 
 
 def run_ttft(config: TTFTBenchConfig) -> dict:
-    engine = _engine(config.model, config.device, config.dtype, config.num_prompt_tokens)
+    engine = _engine(
+        config.model,
+        config.device,
+        config.dtype,
+        config.num_prompt_tokens,
+        cuda_graphs=config.cuda_graphs,
+    )
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(config.seed)
 
@@ -126,6 +138,7 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         "model": config.model or engine.model_config.name,
         "device": config.device,
         "dtype": config.dtype,
+        "cuda_graphs": config.cuda_graphs,
         "machine": machine_info(),
     }
 

@@ -268,6 +268,7 @@ def _prefill(bench: _Bench) -> dict[str, Any]:
         "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
         "prefill_vs_sdpa": sdpa_ms / prefill_ms,
     }
+    results.update(_prefix_hit(bench, query, k_cache, v_cache, block_tables, tokens))
     if config.sweep:
         rows = []
         for m, n, w, s in PREFILL_SWEEP:
@@ -278,6 +279,51 @@ def _prefill(bench: _Bench) -> dict[str, Any]:
             rows.append(row)
         results["prefill_sweep"] = rows
     return results
+
+
+def _prefix_hit(
+    bench: _Bench,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    tokens: int,
+) -> dict[str, Any]:
+    """A prompt's last 128 tokens over its cached rest (the warm step of ``bench ttft``): one
+    query tile per head, its context split across programs by default, against no split."""
+    import torch
+
+    from kvswitch.kernels import paged_prefill
+    from kvswitch.kernels.paged_decode import num_sms
+    from kvswitch.kernels.paged_prefill import choose_prefill_splits
+    from kvswitch.kernels.tiles import prefill_tiles
+
+    new = min(128, tokens)
+    device = bench.device
+    cu_q_lens = torch.tensor([0, new], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([tokens], dtype=torch.int32, device=device)
+    args = (query[:new], k_cache, v_cache, block_tables[:1], cu_q_lens, seq_lens, bench.scale)
+    tiles = prefill_tiles(new, k_cache.shape[1], k_cache.dtype)
+    splits = choose_prefill_splits(
+        query.shape[1] * -(-new // tiles.block_m), tokens - new, tiles.block_n, num_sms(device)
+    )
+    split_out = paged_prefill(*args, max_q_len=new, max_seq_len=tokens)
+    whole_out = paged_prefill(*args, max_q_len=new, max_seq_len=tokens, num_splits=1)
+    torch.testing.assert_close(split_out, whole_out, **bench.tolerance)
+    out = torch.empty_like(split_out)
+    split_ms = bench.time_ms(
+        lambda: paged_prefill(*args, max_q_len=new, max_seq_len=tokens, out=out)
+    )
+    whole_ms = bench.time_ms(
+        lambda: paged_prefill(*args, max_q_len=new, max_seq_len=tokens, num_splits=1, out=out)
+    )
+    _progress(f"paged_prefill prefix hit: {splits} splits {split_ms:.3f} ms, one {whole_ms:.3f} ms")
+    return {
+        "prefix_hit_new_tokens": new,
+        "prefix_hit_splits": splits,
+        "prefix_hit_ms": split_ms,
+        "prefix_hit_unsplit_ms": whole_ms,
+    }
 
 
 def _store(bench: _Bench) -> dict[str, Any]:

@@ -271,6 +271,7 @@ def test_bench_kernels_runs_every_step_through_the_interpreter(tmp_path: Path) -
     assert figures["datasheet_bytes_per_s"] is None
     for key in ("decode_bytes_per_s", "prefill_tflops", "sdpa_tflops", "store_bytes_per_s"):
         assert figures[key] > 0
+    assert figures["prefix_hit_ms"] > 0 and figures["prefix_hit_unsplit_ms"] > 0
     decode_rows = figures["decode_sweep"]
     assert len(decode_rows) == len(DECODE_SWEEP) + len(DECODE_SPLITS)
     assert [r["block_n"] for r in decode_rows[: len(DECODE_SWEEP)]] == [

@@ -52,9 +52,10 @@ class PagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [num_tokens, num_q_heads, head_dim], key/value [num_tokens, num_kv_heads,
-        head_dim] -> [num_tokens, num_q_heads, head_dim]."""
+        head_dim] -> [num_tokens, num_q_heads, head_dim], written into ``out`` if given."""
         if use_triton(query.device):
             from kvswitch.kernels import paged_decode, paged_prefill, store_kv
 
@@ -68,6 +69,7 @@ class PagedAttention:
                     meta.seq_lens,
                     self.scale,
                     max_seq_len=meta.max_seq_len,
+                    out=out,
                 )
             return paged_prefill(
                 query,
@@ -79,12 +81,16 @@ class PagedAttention:
                 self.scale,
                 max_q_len=meta.max_q_len,
                 max_seq_len=meta.max_seq_len,
+                out=out,
             )
         reference.store_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
+        tables, seq_lens = meta.block_tables, meta.seq_lens
         if meta.is_decode_only:
-            return reference.paged_decode_ref(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
+            result = reference.paged_decode_ref(
+                query, k_cache, v_cache, tables, seq_lens, self.scale
             )
-        return reference.paged_prefill_ref(
-            query, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.seq_lens, self.scale
-        )
+        else:
+            result = reference.paged_prefill_ref(
+                query, k_cache, v_cache, tables, meta.cu_q_lens, seq_lens, self.scale
+            )
+        return result if out is None else out.copy_(result)

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode steps whole, other steps piecewise around attention.
 
 A decode step launches the same few hundred kernels every time, each costing the host several
 microseconds to issue; for a small model the host, not the GPU, sets how long the step takes. A
@@ -21,8 +21,18 @@ kernels read and write fixed addresses and fixed shapes, so:
   attended in parallel, and its splits past its last tile are empty and weigh nothing in the
   merge.
 
-All graphs share one memory pool, so a replay's logits stay valid until the next replay: the
-engine samples them before its next step.
+All graphs share one memory pool and write their logits into one buffer, so a replay's logits
+stay valid until the next replay: the engine samples them before its next step.
+
+A step with several new tokens for some sequence (a prefill chunk, a prompt's uncached tail,
+perhaps beside decodes) has a shape graphs cannot fix: its attention launch depends on how the
+tokens fall into sequences. ``PrefillGraphs`` captures everything else, per token count in
+``prefill_capture_sizes``: one graph for each stretch of the forward between two attentions
+(the embedding and layer 0 up to attention; a layer's output projection, MLP and the next
+layer's input up to attention; the last layer's rest and the final norm), the way vLLM's
+piecewise graphs do. Attention runs eagerly between the replays on the step's first rows::
+
+    replay 0 | attention 0 | replay 1 | attention 1 | ... | replay L | logits of the step's rows
 
 Off CUDA (``capture=False``) the same buffers and padding run the model eagerly, so that the tests
 check the padding on a CPU; the GPU check (benchmarks/gpu_check.sh) checks the graphs.
@@ -30,17 +40,70 @@ check the padding on a CPU; the GPU check (benchmarks/gpu_check.sh) checks the g
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from kvswitch.worker.attention import AttentionMetadata
 from kvswitch.worker.model import CausalLM
+from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.step_inputs import UploadBuffer, aligned
 
 logger = logging.getLogger(__name__)
+
+
+# The largest step a prefill graph takes: past it the device's work, not the launches, sets the
+# step's time (a 4,096-token prompt of a 1B model: 26 ms of device time against 5 of launches).
+MAX_PREFILL_GRAPH_TOKENS = 512
+
+
+def prefill_capture_sizes(max_num_tokens: int) -> list[int]:
+    """The token counts to capture stretches for: 16, 32, 64, ... up to ``max_num_tokens`` or
+    ``MAX_PREFILL_GRAPH_TOKENS``, whichever is smaller (a step pads to the next one)."""
+    if max_num_tokens < 1:
+        raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+    largest = min(max_num_tokens, MAX_PREFILL_GRAPH_TOKENS)
+    sizes = [size for size in (16 << i for i in range(6)) if size < largest]
+    return [*sizes, largest]
+
+
+def graph_memory_bytes(
+    config: ModelConfig,
+    element_size: int,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    block_size: int,
+) -> int:
+    """The device memory the graphs of ``DecodeGraphs`` and ``PrefillGraphs`` will hold,
+    estimated before the KV cache is sized (they are captured after it): the static inputs and
+    outputs each keeps, and one forward's temporaries at the largest size in their shared
+    pools. An upper estimate: the engine logs it beside what capture took."""
+    hidden, attention = config.hidden_size, (config.num_q_heads + 2 * config.num_kv_heads)
+    per_row = (2 * hidden + attention * config.head_dim + 3 * config.intermediate_size) * (
+        element_size
+    )
+    vocab_row = config.vocab_size * (element_size + 4)  # the head's output, then in fp32
+
+    def forward_bytes(rows: int) -> int:
+        return rows * (per_row + vocab_row)
+
+    max_blocks = -(-max_model_len // block_size)
+    decode = max_num_seqs * (24 + 8 * max_blocks + 4 * config.vocab_size)
+    decode += forward_bytes(max_num_seqs)
+    # Decode attention's splits: at most 4 programs per multiprocessor's worth (132 on an H100).
+    decode += 4 * 132 * config.num_q_heads // max(config.num_kv_heads, 1) * config.head_dim * 4
+    sizes = prefill_capture_sizes(max_num_batched_tokens)
+    held_per_row = config.num_layers * (attention * config.head_dim + hidden) * element_size
+    held_per_row += (2 * hidden + config.num_q_heads * config.head_dim) * element_size + 16
+    # (The head runs outside the stretches, on the step's logit rows only.)
+    prefill = sum(sizes) * held_per_row + sizes[-1] * per_row
+    return decode + prefill
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -67,9 +130,7 @@ class DecodeGraphs:
         max_num_seqs: int,
         capture: bool = True,
     ) -> None:
-        device = next(model.parameters()).device
-        if capture and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device}")
+        device = _graph_device(model, capture)
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -107,8 +168,10 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32, device=device)
         self.cu_q_lens = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.logit_rows = torch.arange(rows, dtype=torch.int64, device=device)
+        self.logits = torch.zeros(
+            (rows, model.config.vocab_size), dtype=torch.float32, device=device
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
 
@@ -159,12 +222,13 @@ class DecodeGraphs:
         model itself where nothing was captured."""
         graph = self._graphs.get(size)
         if graph is None:
-            return self._forward(size)
-        graph.replay()
-        return self._logits[size]
+            self._forward(size)
+        else:
+            graph.replay()
+        return self.logits[:size]
 
     @torch.inference_mode()
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> None:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
@@ -173,12 +237,16 @@ class DecodeGraphs:
             max_q_len=1,
             max_seq_len=self.max_model_len,
         )
-        return self.model(
-            self.input_ids[:size],
-            self.positions[:size],
-            self.kv_caches,
-            meta,
-            self.logit_rows[:size],
+        # NOTE: copied into the one buffer, so that the logits of every size, fp32 and
+        # vocabulary-wide (2 GiB in all at 256 sequences and 128K tokens), are not each kept.
+        self.logits[:size].copy_(
+            self.model(
+                self.input_ids[:size],
+                self.positions[:size],
+                self.kv_caches,
+                meta,
+                self.logit_rows[:size],
+            )
         )
 
     def _capture(self) -> None:
@@ -199,15 +267,146 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            # NOTE: a run first, outside any capture: Triton compiles a kernel on its first
-            # launch, and cuBLAS sets up its workspace, neither of which a capture may do.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self._forward(size)
-            self._graphs[size] = graph
+            self._graphs[size] = capture(functools.partial(self._forward, size), pool)
         torch.cuda.synchronize()
+
+
+def _graph_device(model: CausalLM, capture: bool) -> torch.device:
+    device = next(model.parameters()).device
+    if capture and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device}")
+    return device
+
+
+def capture(run: Callable[[], object], pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
+    """``run``'s launches as a graph in ``pool``, after one run outside any capture: Triton
+    compiles a kernel on its first launch, and cuBLAS sets up its workspace, neither of which a
+    capture may do."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
+
+
+class _Stretches:
+    """The stretches of one token count's forward, between attentions, each with the static
+    tensors it reads and writes: ``qkv[i]`` and ``residual[i]`` come out of stretch ``i`` (layer
+    ``i`` up to attention), ``attended`` is read by the next, ``hidden`` comes out of the last."""
+
+    def __init__(self, model: CausalLM, size: int, device: torch.device) -> None:
+        config = model.config
+        self.model = model
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        dtype = next(model.parameters()).dtype
+        self.attended = torch.zeros(
+            (size, config.num_q_heads, config.head_dim), dtype=dtype, device=device
+        )
+        num_layers = len(model.model.layers)
+        self.qkv: list[tuple[torch.Tensor, ...]] = [()] * num_layers
+        self.residual: list[torch.Tensor] = [self.attended] * num_layers
+        self.hidden = self.attended
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    def run(self, index: int) -> None:
+        """Stretch ``index`` (0 .. num_layers) eagerly, or as captured when there are graphs."""
+        if self.graphs:
+            self.graphs[index].replay()
+            return
+        decoder = self.model.model
+        layers = decoder.layers
+        if index == 0:
+            x, residual = decoder.embed_tokens(self.input_ids), None
+        else:
+            x, residual = layers[index - 1].attention_output(
+                self.attended, self.residual[index - 1]
+            )
+        if index == len(layers):
+            self.hidden = decoder.final_norm(x, residual)
+            return
+        q, k, v, residual = layers[index].attention_inputs(
+            x, residual, self.positions, decoder.rotary
+        )
+        self.qkv[index], self.residual[index] = (q, k, v), residual
+
+    def capture(self, pool: tuple[int, int]) -> None:
+        # NOTE: each stretch's first run reads the outputs of the one captured before it,
+        # which hold nothing yet: it writes only its own outputs, which its capture replaces.
+        self.graphs = [
+            capture(functools.partial(self.run, index), pool)
+            for index in range(len(self.model.model.layers) + 1)
+        ]
+
+
+class PrefillGraphs:
+    """Runs steps of up to ``max_num_tokens`` new tokens with every part of the forward but
+    attention replayed from graphs (see the module's doc)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        max_num_tokens: int,
+        capture: bool = True,
+    ) -> None:
+        device = _graph_device(model, capture)
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = prefill_capture_sizes(max_num_tokens)
+        self._stretches = {size: _Stretches(model, size, device) for size in self.sizes}
+        if capture:
+            start = time.perf_counter()
+            with torch.cuda.device(device), torch.inference_mode():
+                pool = torch.cuda.graph_pool_handle()
+                for size in reversed(self.sizes):
+                    self._stretches[size].capture(pool)
+                torch.cuda.synchronize()
+            logger.info(
+                "captured prefill graphs for %d to %d tokens (%d stretches each) in %.1f s",
+                self.sizes[0],
+                self.sizes[-1],
+                len(model.model.layers) + 1,
+                time.perf_counter() - start,
+            )
+
+    def can_run(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.sizes[-1]
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The model's forward of one step (its inputs already on the device): logits [rows,
+        vocab] (fp32) of ``logit_rows``."""
+        num_tokens = input_ids.shape[0]
+        if not self.can_run(num_tokens):
+            raise ValueError(
+                f"a step of {num_tokens} tokens: the graphs take 1 to {self.sizes[-1]}"
+            )
+        size = next(s for s in self.sizes if s >= num_tokens)
+        stretches = self._stretches[size]
+        # NOTE: rows past num_tokens keep the ids and positions of an earlier step: they are
+        # computed and thrown away, and attention, which alone mixes rows, never sees them.
+        stretches.input_ids[:num_tokens].copy_(input_ids)
+        stretches.positions[:num_tokens].copy_(positions)
+        layers = self.model.model.layers
+        for index, (layer, (k_cache, v_cache)) in enumerate(
+            zip(layers, self.kv_caches, strict=True)
+        ):
+            stretches.run(index)
+            q, k, v = (t[:num_tokens] for t in stretches.qkv[index])
+            layer.self_attn.attn.forward(
+                q, k, v, k_cache, v_cache, meta, out=stretches.attended[:num_tokens]
+            )
+        stretches.run(len(layers))
+        return self.model.logits(stretches.hidden, logit_rows)

@@ -15,6 +15,7 @@ as if it had never run: blocks it cached for KV it did not write lose their hash
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
+from kvswitch.worker.cuda_graphs import graph_memory_bytes
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.kv_layout import KVLayout
@@ -38,7 +40,12 @@ from kvswitch.worker.kv_transfer import (
     shared_file,
     write_blocks,
 )
-from kvswitch.worker.model_runner import ModelRunner, StepBatch, num_blocks_for_budget
+from kvswitch.worker.model_runner import (
+    ModelRunner,
+    StepBatch,
+    kv_cache_bytes_per_block,
+    num_blocks_for_budget,
+)
 from kvswitch.worker.request import (
     FinishReason,
     FirstToken,
@@ -54,12 +61,15 @@ from kvswitch.worker.sampler import Sampler, make_generator, seed_for_position
 from kvswitch.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvswitch.worker.weights import load_model, model_namespace
 
+logger = logging.getLogger(__name__)
 
-def kv_cache_budget_bytes(config: EngineConfig) -> int:
-    """Bytes for the KV cache, decided once the model is loaded."""
+
+def kv_cache_budget_bytes(config: EngineConfig, reserved_bytes: int = 0) -> int:
+    """Bytes for the KV cache, decided once the model is loaded; ``reserved_bytes`` (what the
+    CUDA graphs will take) is set aside first from the GPU's free memory."""
     if config.gpu_memory_fraction:
         free_bytes, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        return int(free_bytes * config.gpu_memory_fraction)
+        return int(max(free_bytes - reserved_bytes, 0) * config.gpu_memory_fraction)
     return config.kv_cache_bytes
 
 
@@ -101,14 +111,25 @@ class LLMEngine:
         self.model = load_model(config.model, device=config.device, dtype=dtype)
         self.model_config = self.model.config
         self._eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        graph_bytes = 0
+        if config.cuda_graphs:
+            graph_bytes = graph_memory_bytes(
+                self.model_config,
+                dtype.itemsize,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.model_config.max_position_embeddings,
+                block_size=config.block_size,
+            )
         num_blocks = num_blocks_for_budget(
-            self.model, config.block_size, dtype, kv_cache_budget_bytes(config)
+            self.model, config.block_size, dtype, kv_cache_budget_bytes(config, graph_bytes)
         )
         self.namespace = model_namespace(config.model, config.served_model_name)
         self.kv_cache = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
         self.kv_cache_file = new_cache_file() if config.kv_cache_shm else None
+        reserved_before = torch.cuda.memory_reserved(config.device) if config.cuda_graphs else 0
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -116,7 +137,19 @@ class LLMEngine:
             kv_cache_file=self.kv_cache_file,
             cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        if config.cuda_graphs:
+            kv_bytes = num_blocks * kv_cache_bytes_per_block(self.model, config.block_size, dtype)
+            taken = torch.cuda.memory_reserved(config.device) - reserved_before - kv_bytes
+            logger.info(
+                "CUDA graphs: %.0f MiB set aside for them before sizing the KV cache (%d "
+                "blocks, %.0f MiB); capture took %.0f MiB",
+                graph_bytes / 2**20,
+                num_blocks,
+                kv_bytes / 2**20,
+                taken / 2**20,
+            )
         self._peer_caches = PeerCaches()  # same-host peers' caches, mapped
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache

@@ -96,13 +96,22 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, positions, rotary)
+        return self.output(self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta))
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated queries and keys, and the values, of the rows of ``x``."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_q_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return q, k, v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended.reshape(attended.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -140,11 +149,31 @@ class DecoderLayer(nn.Module):
             residual = residual + out;           out = mlp(norm2(residual))
             return out, residual                 (the next norm adds them)
         """
+        q, k, v, residual = self.attention_inputs(x, residual, positions, rotary)
+        attended = self.self_attn.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.attention_output(attended, residual)
+
+    def attention_inputs(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to attention: ``(q, k, v, residual)``. Attention alone reads the KV
+        cache and the step's metadata, so the parts before and after it can be replayed from
+        CUDA graphs of fixed shapes (``worker.cuda_graphs.PrefillGraphs``)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rotary, kv_cache, meta)
+        return *self.self_attn.project(x, positions, rotary), residual
+
+    def attention_output(
+        self, attended: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention: ``(mlp output, residual)`` from attention's output."""
+        x = self.self_attn.output(attended)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -168,6 +197,9 @@ class DecoderModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # no layers
             return self.norm(x)
         # NOTE: the last layer's MLP output joins the stream here, in the final norm's add.
@@ -195,5 +227,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (fp32) of the rows ``logit_rows`` of the packed batch, e.g. each sequence's
         last new token."""
-        hidden = self.model(input_ids, positions, kv_caches, meta)
-        return self.lm_head(hidden[logit_rows]).float()
+        return self.logits(self.model(input_ids, positions, kv_caches, meta), logit_rows)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden[rows]).float()

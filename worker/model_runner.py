@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvswitch.worker.attention import AttentionMetadata
-from kvswitch.worker.cuda_graphs import DecodeGraphs
+from kvswitch.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 from kvswitch.worker.kv_transfer import allocate_shared_caches
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.step_inputs import InputStager
@@ -65,10 +65,13 @@ class ModelRunner:
         kv_cache_file: str | None = None,
         cuda_graphs: bool = False,
         max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         """``kv_cache_file``: put the KV cache in this new file of the host's shared memory
         (CPU only), where same-host peers copy blocks straight out of it. ``cuda_graphs``: run
-        decode steps of up to ``max_num_seqs`` sequences from captured CUDA graphs."""
+        decode steps of up to ``max_num_seqs`` sequences from captured CUDA graphs, and steps
+        of up to ``max_num_batched_tokens`` tokens (at most 512) with all but attention
+        replayed from graphs (worker/cuda_graphs.py)."""
         config = model.config
         param = next(model.parameters())
         self.model = model
@@ -90,6 +93,7 @@ class ModelRunner:
                 for _ in range(config.num_layers)
             ]
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if cuda_graphs:
             self.graphs = DecodeGraphs(
                 model,
@@ -97,6 +101,9 @@ class ModelRunner:
                 block_size=block_size,
                 max_model_len=min(config.max_position_embeddings, num_blocks * block_size),
                 max_num_seqs=max_num_seqs,
+            )
+            self.prefill_graphs = PrefillGraphs(
+                model, self.kv_caches, max_num_tokens=max_num_batched_tokens
             )
 
     def execute(self, seqs: Sequence[ScheduledSeq], *, every_token: bool = False) -> torch.Tensor:
@@ -126,8 +133,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_batch(self, batch: StepBatch, *, every_token: bool = False) -> torch.Tensor:
         """``execute`` for a batch already in arrays (the engine's path): positions and slots
-        are computed with numpy, and all inputs reach the device in one copy (``InputStager``);
-        a decode step with ``cuda_graphs`` replays a graph instead (``DecodeGraphs``)."""
+        are computed with numpy, and all inputs reach the device in one copy (``InputStager``).
+        With ``cuda_graphs`` a decode step replays a graph instead (``DecodeGraphs``), and
+        another step of few enough tokens replays all but attention (``PrefillGraphs``)."""
         num_new, start_pos = batch.num_new, batch.start_pos
         num_seqs = len(num_new)
         if num_seqs == 0:
@@ -180,4 +188,7 @@ class ModelRunner:
             max_q_len=max_q_len,
             max_seq_len=int(seq_lens.max()),
         )
+        prefill_graphs = self.prefill_graphs
+        if not every_token and prefill_graphs is not None and prefill_graphs.can_run(num_tokens):
+            return prefill_graphs.run(input_ids, positions, meta, logit_rows)
         return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)

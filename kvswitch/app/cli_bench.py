@@ -57,6 +57,8 @@ TTFT_HELP = {
     "num_trials": "cold/warm pairs to take the median of",
     "profile": "also profile one warm and one cold request with torch's profiler: host time, "
     "device time, torch ops",
+    "cuda_graphs": "GPU: steps replayed from CUDA graphs (the worker's --cuda-graphs): a warm "
+    "prompt's tail runs all but attention from graphs",
     "seed": "random seed of the prompts",
 }
 
@@ -67,7 +69,7 @@ DECODE_HELP = {
     "batch_sizes": "comma-separated batch sizes to measure",
     "num_prompt_tokens": "prompt length of every request",
     "num_output_tokens": "tokens each request decodes",
-    "cuda_graphs": "GPU: decode steps replayed from CUDA graphs (the worker's --cuda-graphs)",
+    "cuda_graphs": TTFT_HELP["cuda_graphs"],
     "seed": "random seed of the prompts",
 }
 

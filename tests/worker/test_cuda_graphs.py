@@ -11,8 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvswitch.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from kvswitch.worker.engine import EngineConfig, LLMEngine
+from kvswitch.worker.cuda_graphs import (
+    DecodeGraphs,
+    PrefillGraphs,
+    capture_sizes,
+    graph_memory_bytes,
+    prefill_capture_sizes,
+)
+from kvswitch.worker.engine import EngineConfig, LLMEngine, kv_cache_budget_bytes
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.model_runner import ModelRunner, StepBatch
@@ -35,6 +41,49 @@ def test_capture_sizes_pad_a_step_by_at_most_seven_rows() -> None:
         assert 0 <= min(s for s in sizes if s >= n) - n <= 7
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_sizes(0)
+
+
+def test_prefill_capture_sizes_double_up_to_the_step_limit() -> None:
+    assert prefill_capture_sizes(2048) == [16, 32, 64, 128, 256, 512]
+    assert prefill_capture_sizes(100) == [16, 32, 64, 100]
+    assert prefill_capture_sizes(16) == [16]
+    assert prefill_capture_sizes(5) == [5]
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        prefill_capture_sizes(0)
+
+
+def test_graph_memory_is_counted_once_and_set_aside_before_the_kv_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode graphs' fp32 logits are one buffer, not one per batch size (2 GiB at 256
+    sequences and a 128K vocabulary), and the estimate comes off the free memory that the KV
+    cache's fraction is taken of."""
+    config = ModelConfig.random_preset("llama-1b")
+    estimate = graph_memory_bytes(
+        config,
+        2,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        max_model_len=131072,
+        block_size=16,
+    )
+    logits_once = 256 * config.vocab_size * 4
+    # Per batch size they would be 4,231 rows' worth, 33 times one buffer.
+    assert logits_once < estimate < 8 * logits_once
+    more_seqs = graph_memory_bytes(
+        config,
+        2,
+        max_num_seqs=512,
+        max_num_batched_tokens=2048,
+        max_model_len=131072,
+        block_size=16,
+    )
+    assert more_seqs > estimate + logits_once
+    free = 80 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, free))
+    engine_config = EngineConfig(device="cuda", gpu_memory_fraction=0.5, cuda_graphs=True)
+    assert kv_cache_budget_bytes(engine_config, estimate) == (free - estimate) // 2
+    assert kv_cache_budget_bytes(engine_config) == free // 2
 
 
 def test_staged_arrays_arrive_whole_in_one_buffer() -> None:
@@ -135,6 +184,55 @@ def check_padded_steps(device: str, dtype: torch.dtype, *, capture: bool, **tole
             torch.testing.assert_close(v_padded, v_plain, **tolerance)
 
 
+def check_piecewise_steps(device: str, dtype: torch.dtype, *, capture: bool, **tolerance) -> None:
+    """Steps of prompt chunks and decodes side by side, of every padding amount and shrinking
+    after larger ones (stale rows behind them), run with all but attention from the stretches
+    of ``PrefillGraphs``: each step's logits and KV cache are the plain path's."""
+    rng = np.random.default_rng(4)
+    plain, piecewise = _runner(device, dtype), _runner(device, dtype)
+    piecewise.prefill_graphs = PrefillGraphs(
+        piecewise.model, piecewise.kv_caches, max_num_tokens=40, capture=capture
+    )
+    assert piecewise.prefill_graphs.sizes == [16, 32, 40]
+    # Eight sequences of 16 blocks each (block 0 unused), filled a few tokens at a time.
+    tables = [list(range(1 + 16 * s, 17 + 16 * s)) for s in range(8)]
+    lengths = [0] * 8
+    for num_seqs in [8, 2, 5, 1, 8, 3, 6, 4, 7]:
+        rows = sorted(rng.choice(8, num_seqs, replace=False).tolist())
+        num_new = rng.integers(1, 6, num_seqs)
+        num_new[0] = max(num_new[0], 2)  # never all decodes: those are DecodeGraphs' steps
+        batch = StepBatch(
+            input_ids=rng.integers(0, 257, int(num_new.sum())),
+            start_pos=np.array([lengths[r] for r in rows]),
+            num_new=num_new,
+            block_tables=np.array([tables[r] for r in rows], np.int32),
+        )
+        want = plain.execute_batch(batch)
+        got = piecewise.execute_batch(batch)
+        assert got.shape == want.shape == (num_seqs, 257)
+        torch.testing.assert_close(got, want, **tolerance)
+        for r, n in zip(rows, num_new.tolist(), strict=True):
+            lengths[r] += n
+        for (k_plain, v_plain), (k_got, v_got) in zip(
+            plain.kv_caches, piecewise.kv_caches, strict=True
+        ):
+            torch.testing.assert_close(k_got, k_plain, **tolerance)
+            torch.testing.assert_close(v_got, v_plain, **tolerance)
+    # A step past the largest size goes the plain way.
+    assert not piecewise.prefill_graphs.can_run(41)
+    big = StepBatch(
+        input_ids=rng.integers(0, 257, 41),
+        start_pos=np.array([0]),
+        num_new=np.array([41]),
+        block_tables=np.array([tables[0][:11]], np.int32),
+    )
+    torch.testing.assert_close(piecewise.execute_batch(big), plain.execute_batch(big), **tolerance)
+
+
+def test_piecewise_steps_match_the_plain_path() -> None:
+    check_piecewise_steps("cpu", torch.float32, capture=False)
+
+
 def test_padded_decode_steps_match_the_plain_path_and_write_only_their_slots() -> None:
     check_padded_steps("cpu", torch.float32, capture=False)
 
@@ -187,6 +285,15 @@ def test_cuda_graphs_are_refused_off_a_gpu() -> None:
 )
 def test_captured_graphs_match_the_plain_path(dtype: torch.dtype, tolerance: dict) -> None:
     check_padded_steps("cuda", dtype, capture=True, **tolerance)
+
+
+@gpu_test
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [(torch.float32, {"atol": 1e-4, "rtol": 1e-4}), (torch.bfloat16, {"atol": 0.1, "rtol": 0.05})],
+)
+def test_captured_stretches_match_the_plain_path(dtype: torch.dtype, tolerance: dict) -> None:
+    check_piecewise_steps("cuda", dtype, capture=True, **tolerance)
 
 
 @gpu_test
