@@ -6,7 +6,8 @@ it, and compiles it for the chosen architecture the way the JIT would on that GP
 constexprs, the same integer and pointer specializations, the same default warps and stages. For
 each launch it reads off the result:
 
-- registers per thread and local-memory bytes (spills), as ptxas allocated them in the cubin;
+- registers per thread and local-memory bytes per thread (spills, which ptxas puts in the
+  stack frame), as ptxas allocated them in the cubin;
 - shared memory per program, and how many programs fit on one multiprocessor at once;
 - the widths of the global loads and of the asynchronous copies into shared memory that the
   pipeliner makes of a loop's loads (16-byte accesses are what keep HBM busy);
@@ -76,13 +77,22 @@ class Shape:
     head_dim: int
     dtype: torch.dtype
     block_size: int = 16
+    # Split counts of decode CUDA graphs whose merge to compile as well. The merge depends on
+    # head_dim and the split count alone (and the output's dtype), so one shape per head_dim does.
+    graph_splits: tuple[int, ...] = ()
 
+
+# A decode CUDA graph launches paged_decode for the model's whole context, so its split count is
+# the one that fills the multiprocessors four deep (choose_num_splits): on an H100's 132, 66 at
+# batch 1 over 8 KV heads, 256 over 2 KV heads at 16K tokens, 528 over one KV head; the merge
+# pads them to 128, 256 and 1,024 rows. (The decode kernel compiles as for any split count.)
+GRAPH_SPLITS = (66, 256, 528)
 
 # The shape of `kvswitch bench kernels`, the `random:llama-1b` worker model, the GQA extremes
 # the tests cover, and the fp32 path (no tensor cores).
 SHAPES = (
-    Shape("bench 32q/8kv d128 bf16", 32, 8, 128, torch.bfloat16),
-    Shape("llama-1b 32q/8kv d64 bf16", 32, 8, 64, torch.bfloat16),
+    Shape("bench 32q/8kv d128 bf16", 32, 8, 128, torch.bfloat16, graph_splits=GRAPH_SPLITS),
+    Shape("llama-1b 32q/8kv d64 bf16", 32, 8, 64, torch.bfloat16, graph_splits=GRAPH_SPLITS),
     Shape("mha 32q/32kv d128 fp16", 32, 32, 128, torch.float16),
     Shape("gqa16 64q/4kv d128 bf16", 64, 4, 128, torch.bfloat16),
     Shape("fp32 8q/2kv d64", 8, 2, 64, torch.float32),
@@ -173,7 +183,8 @@ def _compile(launch: _Launch, arch: Arch, case: str) -> CompiledLaunch:
         num_warps=num_warps,
         num_stages=compiled.metadata.num_stages,
         registers=usage["REG"],
-        local_bytes=usage["LOCAL"],
+        # NOTE: ptxas spills into the stack frame (STACK); LOCAL counts only local arrays.
+        local_bytes=usage["LOCAL"] + usage["STACK"],
         shared_bytes=shared_bytes,
         programs_per_sm=programs_per_sm(arch, usage["REG"], shared_bytes, num_warps),
         global_load_bytes=global_load_widths(ptx),
@@ -290,6 +301,8 @@ def _launch_cases(shape: Shape) -> list[tuple[str, Callable[[], object]]]:
     cos = torch.zeros(context, shape.head_dim // 2)  # fp32, as RopeConfig makes them
     positions = torch.zeros(8, dtype=torch.int64)
 
+    graph_splits = [(f"paged_decode {n} splits", decode(n)) for n in shape.graph_splits]
+
     return [
         ("rms_norm", lambda: rms_norm(hidden, norm_weight, 1e-5)),
         ("rms_norm + residual", lambda: rms_norm(hidden, norm_weight, 1e-5, residual=hidden)),
@@ -297,6 +310,7 @@ def _launch_cases(shape: Shape) -> list[tuple[str, Callable[[], object]]]:
         ("store_kv", lambda: store_kv(kv_rows, kv_rows, k_cache, v_cache, slots)),
         ("paged_decode", decode(1)),
         ("paged_decode split", decode(4)),
+        *graph_splits,
         ("paged_prefill", prefill(context)),
         ("paged_prefill 16-token chunk", prefill(16)),
     ]
