@@ -32,7 +32,7 @@ class TTFTBenchConfig:
     num_cached_tokens: int = 3968
     num_trials: int = 5
     profile: bool = False
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -51,20 +51,20 @@ class DecodeBenchConfig:
     batch_sizes: str = "1,32"
     num_prompt_tokens: int = 128
     num_output_tokens: int = 64
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_cuda_graphs(self.cuda_graphs, self.device)
 
 
-def check_cuda_graphs(cuda_graphs: bool, device: str) -> None:
+def check_cuda_graphs(cuda_graphs: bool | None, device: str) -> None:
     if cuda_graphs and not device.startswith("cuda"):
         raise ValueError("cuda_graphs replays steps on a GPU: use it with a cuda device")
 
 
 def _engine(
-    model: str, device: str, dtype: str, num_tokens: int, *, cuda_graphs: bool = False
+    model: str, device: str, dtype: str, num_tokens: int, *, cuda_graphs: bool | None = None
 ) -> LLMEngine:
     # NOTE: imported here so that `kvswitch --help` does not load torch.
     from kvswitch.worker.engine import EngineConfig, LLMEngine
@@ -138,7 +138,7 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         "model": config.model or engine.model_config.name,
         "device": config.device,
         "dtype": config.dtype,
-        "cuda_graphs": config.cuda_graphs,
+        "cuda_graphs": engine.config.cuda_graphs,
         "machine": machine_info(),
     }
 
@@ -179,7 +179,7 @@ def run_decode(config: DecodeBenchConfig) -> dict:
         "machine": machine_info(),
         "device": config.device,
         "dtype": config.dtype,
-        "cuda_graphs": config.cuda_graphs,
+        "cuda_graphs": config.cuda_graphs is not False and config.device.startswith("cuda"),
     }
     from kvswitch.worker.request import SamplingParams
 

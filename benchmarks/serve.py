@@ -44,6 +44,7 @@ class ServeBenchConfig:
     max_tokens: int = 32
     kv_cache_bytes: int = 1 << 30
     max_logit_gap: float = -1.0  # < 0: 1e-3 for float32, 0.25 for 16-bit dtypes
+    cuda_graphs: bool | None = None  # the workers' (None: their default, on for cuda)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -99,6 +100,7 @@ def _serve(config: ServeBenchConfig, prompts: list[list[int]]) -> list[dict[str,
         device=config.device,
         dtype=config.dtype,
         kv_cache_bytes=config.kv_cache_bytes,
+        cuda_graphs=config.cuda_graphs,
     )
     records = []
     with LocalCluster(cluster_config) as cluster:
@@ -185,6 +187,7 @@ def run(config: ServeBenchConfig) -> dict[str, Any]:
         },
         "model": config.model or "tiny",
         "device": config.device,
+        "cuda_graphs": config.cuda_graphs is not False and config.device == "cuda",
         "dtype": config.dtype,
         "machine": machine_info(),
     }

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvswitch.benchmarks.engine import check_cuda_graphs
 from kvswitch.benchmarks.timing import machine_info
 
 
@@ -35,7 +36,7 @@ class StepBenchConfig:
     num_seqs: int = 256
     context_len: int = 4096
     num_steps: int = 20
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     parts: bool = False
     seed: int = 0
 
@@ -44,8 +45,7 @@ class StepBenchConfig:
             raise ValueError("num_seqs and num_steps must be positive")
         if self.context_len < 64:
             raise ValueError(f"context_len must be at least 64, got {self.context_len}")
-        if self.cuda_graphs and not self.device.startswith("cuda"):
-            raise ValueError("cuda_graphs replays decode steps on a GPU: use it with a cuda device")
+        check_cuda_graphs(self.cuda_graphs, self.device)
 
 
 class _TimedForward:
@@ -180,7 +180,7 @@ def run(config: StepBenchConfig) -> dict:
         "machine": machine_info(),
         "device": config.device,
         "dtype": config.dtype,
-        "cuda_graphs": config.cuda_graphs,
+        "cuda_graphs": engine.config.cuda_graphs,
         "num_seqs": config.num_seqs,
         "context_len": config.context_len,
         "num_steps": config.num_steps,

@@ -54,7 +54,8 @@ class ClusterConfig:
     kv_cache_bytes: int = 256 << 20  # per worker
     kv_cache_shm: bool = False  # CPU: KV caches in /dev/shm, blocks copied straight between them
     max_num_seqs: int = 64  # per worker: most requests computed together in one step
-    cuda_graphs: bool = False  # CUDA: every worker replays its decode steps from CUDA graphs
+    # CUDA: every worker replays its steps from CUDA graphs; None: the workers' default (on CUDA).
+    cuda_graphs: bool | None = None
     policy: str = "cost"
     host: str = "127.0.0.1"
     http_port: int = -1  # the router's OpenAI-compatible HTTP API; -1 = none, 0 = a free port
@@ -432,7 +433,7 @@ class LocalCluster:
             "--max-num-seqs", str(config.max_num_seqs),
             "--metrics-port", str(config.metrics_port_of(name)),
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
-            *(["--cuda-graphs"] if config.cuda_graphs else []),
+            *({True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}.get(config.cuda_graphs, [])),
             *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),
             *(["--insecure"] if config.insecure else []),
             *self._extra_worker_args,

@@ -623,3 +623,22 @@ def test_generate_takes_the_prompt_as_ids_from_a_file_or_stdin_with_stops_and_lo
         assert f" {num_tokens} output tokens" in err
         code, _, err = generate("--prompt", "Hi", "--lora", "no-such-adapter")
         assert code == 1 and "unknown adapter 'no-such-adapter'" in err
+
+
+def test_an_unset_bool_or_none_option_stays_none() -> None:
+    """``bool | None`` fields (a default that depends on other options, as --cuda-graphs on
+    the device) parse to None unless --field or --no-field is given."""
+    import argparse
+    import dataclasses
+
+    from kvswitch.app.cli_args import add_config_args, config_from_args
+
+    @dataclasses.dataclass
+    class Options:
+        graphs: bool | None = None
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, Options, {"graphs": "replay graphs; default: on a GPU"})
+    for argv, want in (([], None), (["--graphs"], True), (["--no-graphs"], False)):
+        assert config_from_args(Options, parser.parse_args(argv)).graphs is want
+    assert "(default" not in parser.format_help()

@@ -25,9 +25,10 @@ class EngineConfig:
     kv_cache_shm: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # CUDA: run decode steps from CUDA graphs, one captured per batch size up to max_num_seqs
-    # when the engine starts (worker/cuda_graphs.py): a step's kernels cost the host one launch.
-    cuda_graphs: bool = False
+    # CUDA: replay steps from CUDA graphs captured when the engine starts (worker/cuda_graphs.py):
+    # decode steps whole, one graph per batch size up to max_num_seqs, and steps of up to 512
+    # tokens all but attention. None: on for a CUDA device, off elsewhere.
+    cuda_graphs: bool | None = None
     # CPU: threads torch computes a step with; 0 = torch's default (one per core). Several CPU
     # workers on one host must share the cores: each taking them all, their thread pools spin
     # against each other and every step slows many times over.
@@ -59,9 +60,9 @@ class EngineConfig:
                 "kv_cache_shm puts a CPU worker's KV cache in shared memory: use it with device cpu"
             )
         if self.cuda_graphs and not self.device.startswith("cuda"):
-            raise ValueError(
-                "cuda_graphs captures decode steps on a GPU: use it with a cuda device"
-            )
+            raise ValueError("cuda_graphs captures steps on a GPU: use it with a cuda device")
+        if self.cuda_graphs is None:
+            object.__setattr__(self, "cuda_graphs", self.device.startswith("cuda"))
         if self.gpu_memory_fraction and not self.device.startswith("cuda"):
             raise ValueError(
                 "gpu_memory_fraction sizes a GPU's KV cache: use it with a cuda device"

@@ -41,7 +41,7 @@ class WorkerConfig:
     kv_cache_shm: bool = False  # CPU: the KV cache in shared memory, for same-host peers to copy
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    cuda_graphs: bool = False  # CUDA: decode steps replayed from captured graphs
+    cuda_graphs: bool | None = None  # CUDA: steps replayed from captured graphs; None: on CUDA
     # Requests that may wait for a place in the batch; past them, Generate answers
     # RESOURCE_EXHAUSTED (the router tries another worker) instead of queueing without bound.
     # NOTE: a request admitted behind a full batch waits about max_waiting_requests /

@@ -26,14 +26,17 @@ def add_config_args(
 ) -> None:
     """One ``--field-name`` option per field of ``config_cls``, default taken from the field.
 
-    A ``bool`` field becomes a pair, ``--field-name`` / ``--no-field-name``. Every field needs a
+    A ``bool`` field becomes a pair, ``--field-name`` / ``--no-field-name``; a ``bool | None``
+    one too, left None when neither is given (its help says what None does). Every field needs a
     help text in ``helps``: an option nobody explained is no help to a newcomer.
     """
     for field in dataclasses.fields(config_cls):
         type_name = field.type if isinstance(field.type, str) else field.type.__name__
         option = "--" + field.name.replace("_", "-")
         help_text = f"{helps[field.name]} (default: %(default)s)"
-        if type_name == "bool":
+        if type_name == "bool | None":
+            help_text = helps[field.name]
+        if type_name in ("bool", "bool | None"):
             parser.add_argument(
                 option,
                 action=argparse.BooleanOptionalAction,

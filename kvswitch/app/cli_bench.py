@@ -57,8 +57,9 @@ TTFT_HELP = {
     "num_trials": "cold/warm pairs to take the median of",
     "profile": "also profile one warm and one cold request with torch's profiler: host time, "
     "device time, torch ops",
-    "cuda_graphs": "GPU: steps replayed from CUDA graphs (the worker's --cuda-graphs): a warm "
-    "prompt's tail runs all but attention from graphs",
+    "cuda_graphs": "GPU: steps replayed from CUDA graphs (the worker's --cuda-graphs, on by "
+    "default with --device cuda; --no-cuda-graphs for the plain path): a warm prompt's tail runs "
+    "all but attention from graphs",
     "seed": "random seed of the prompts",
 }
 
@@ -111,6 +112,8 @@ SERVE_HELP = {
     "kv_cache_bytes": "KV cache memory per worker, in bytes",
     "max_logit_gap": "most a served token's reference logit may sit below the reference's best; "
     "< 0 = 1e-3 for float32, 0.25 (eight bf16 steps at a logit of 4) for 16-bit dtypes",
+    "cuda_graphs": "the workers' --cuda-graphs (on by default with --device cuda; "
+    "--no-cuda-graphs checks the plain path)",
     "seed": "random seed of the prompts",
 }
 
@@ -148,8 +151,8 @@ STEP_HELP = {
     "num_seqs": "requests decoding together",
     "context_len": "tokens of context each request decodes at",
     "num_steps": "timed steps (the median is reported)",
-    "cuda_graphs": "GPU: decode steps replayed from CUDA graphs (the worker's --cuda-graphs); "
-    "the replay is then the forward taken out",
+    "cuda_graphs": "GPU: decode steps replayed from CUDA graphs (the worker's --cuda-graphs, "
+    "on by default with --device cuda); the replay is then the forward taken out",
     "parts": "also time each part of the host work on its own (parts_ms)",
     "seed": "random seed of the prompts",
 }

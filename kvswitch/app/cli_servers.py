@@ -64,8 +64,10 @@ WORKER_HELP = {
     "another worker",
     "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
     "prefilled in chunks",
-    "cuda_graphs": "GPU workers: capture the model's forward as CUDA graphs at start, one per "
-    "batch size up to --max-num-seqs, and replay them for decode steps (docs/WORKER.md)",
+    "cuda_graphs": "GPU workers: capture the model's forward as CUDA graphs at start and replay "
+    "them: decode steps whole (a graph per batch size up to --max-num-seqs), steps of up to 512 "
+    "tokens all but attention (docs/WORKER.md). Default: on with --device cuda; "
+    "--no-cuda-graphs turns them off",
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
     "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
     "them all, they slow each other many times over",

@@ -321,8 +321,11 @@ def test_up_gives_each_cpu_worker_its_share_of_the_cores(tmp_path: Path) -> None
 def test_up_passes_cuda_graphs_to_gpu_workers_only(tmp_path: Path) -> None:
     gpu = LocalCluster(ClusterConfig(device="cuda", cuda_graphs=True), log_dir=tmp_path)
     assert "--cuda-graphs" in gpu._worker_argv("worker-0", "both")
-    plain = LocalCluster(ClusterConfig(device="cuda"), log_dir=tmp_path)
-    assert "--cuda-graphs" not in plain._worker_argv("worker-0", "both")
+    # Unsaid, the workers' own default (on for CUDA) holds; turned off, it is said.
+    default = LocalCluster(ClusterConfig(device="cuda"), log_dir=tmp_path)._worker_argv("w", "both")
+    assert "--cuda-graphs" not in default and "--no-cuda-graphs" not in default
+    off = LocalCluster(ClusterConfig(device="cuda", cuda_graphs=False), log_dir=tmp_path)
+    assert "--no-cuda-graphs" in off._worker_argv("worker-0", "both")
     with pytest.raises(ValueError, match="cuda_graphs is for GPU workers"):
         ClusterConfig(cuda_graphs=True)
 

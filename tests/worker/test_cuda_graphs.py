@@ -270,7 +270,10 @@ def test_steps_the_graphs_cannot_take_run_the_plain_path() -> None:
         )
 
 
-def test_cuda_graphs_are_refused_off_a_gpu() -> None:
+def test_cuda_graphs_are_on_by_default_on_a_gpu_and_refused_off_one() -> None:
+    assert EngineConfig(device="cuda").cuda_graphs is True
+    assert EngineConfig(device="cuda:1", cuda_graphs=False).cuda_graphs is False
+    assert EngineConfig().cuda_graphs is False
     with pytest.raises(ValueError, match="use it with a cuda device"):
         EngineConfig(cuda_graphs=True)
     model = CausalLM(ModelConfig.random_preset("tiny"))
