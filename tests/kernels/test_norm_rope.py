@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvswitch.kernels import rms_norm, rms_norm_ref, rotary, rotary_ref
+from kvswitch.kernels.layout import interpreting
 from kvswitch.worker.attention import AttentionMetadata
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.model_config import ModelConfig
@@ -238,6 +239,7 @@ def test_cpu_forward_is_the_unfused_decoder_bit_for_bit(dtype: torch.dtype) -> N
     assert torch.equal(fused, want)
 
 
+@pytest.mark.skipif(not interpreting(), reason="Triton runs CPU tensors only in its interpreter")
 def test_the_models_kernel_path_through_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model's CUDA branch (fused norms, in-place rotary), run on CPU tensors through the
     interpreter, against its CPU branch. Attention keeps its own switch (the CPU references)."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvswitch.kernels import paged_decode, paged_decode_ref
+from kvswitch.kernels.tiles import decode_tiles
 from tests.kernels.paged_case import (
     DEVICE,
     DTYPES,
@@ -80,7 +81,8 @@ def test_each_sequence_cuts_its_own_context_into_the_splits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Splits are sized by each sequence's length, not the launch's longest: under a launch for
-    4,096 tokens a 160-token context still spreads over all 4 splits (16-token tiles)."""
+    4,096 tokens a 10-tile context still spreads over all 4 splits (160 tokens in the
+    interpreter's 16-token tiles, 640 in compiled 64-token ones)."""
     # NOTE: by name: the package's own paged_decode attribute is the function.
     module = importlib.import_module("kvswitch.kernels.paged_decode")
     merged = []
@@ -95,10 +97,12 @@ def test_each_sequence_cuts_its_own_context_into_the_splits(
 
     merge = module._merge_splits_kernel
     monkeypatch.setattr(module, "_merge_splits_kernel", MergeSpy())
-    run_case([32, 160], group=2, dtype=torch.float32, block_size=16, num_splits=4, max_seq_len=4096)
+    block_n = decode_tiles(16).block_n
+    seq_lens = [2 * block_n, 10 * block_n]
+    run_case(seq_lens, group=2, dtype=torch.float32, block_size=16, num_splits=4, max_seq_len=4096)
     (lse,) = merged  # [num_seqs, num_q_heads, num_splits]; -inf where a split had no tokens
-    assert lse[1].isfinite().all()  # 160 tokens: splits of 48, 48, 48 and 16
-    assert lse[0, :, :2].isfinite().all()  # 32 tokens: two tiles, in the first two splits
+    assert lse[1].isfinite().all()  # 10 tiles: splits of 3, 3, 3 and 1
+    assert lse[0, :, :2].isfinite().all()  # two tiles, in the first two splits
     assert torch.isneginf(lse[0, :, 2:]).all()
 
 

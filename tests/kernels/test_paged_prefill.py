@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvswitch.kernels import paged_prefill, paged_prefill_ref
+from kvswitch.kernels.layout import interpreting
 from kvswitch.kernels.tiles import Tiles
 from tests.kernels.paged_case import (
     DEVICE,
@@ -66,7 +67,19 @@ def test_prefill_mixed_batch(dtype: torch.dtype, group: int) -> None:
     run_case(MIXED, group=group, dtype=dtype)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(2, 4), (4, 2), (16, 16)])
+interpreter_tiles = pytest.mark.skipif(
+    not interpreting(), reason="compiled, tl.dot takes no tile side under 16"
+)
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n",
+    [
+        pytest.param(2, 4, marks=interpreter_tiles),
+        pytest.param(4, 2, marks=interpreter_tiles),
+        (16, 16),
+    ],
+)
 def test_prefill_tile_sizes(block_m: int, block_n: int) -> None:
     """Query tiles smaller than a sequence's new tokens, key tiles smaller than a page."""
     run_case(MIXED, group=2, dtype=torch.float32, block_m=block_m, block_n=block_n)
@@ -79,6 +92,7 @@ def test_prefill_split_context(num_splits: int) -> None:
     run_case([*MIXED, (40, 3)], group=2, dtype=torch.float32, num_splits=num_splits)
 
 
+@pytest.mark.skipif(not interpreting(), reason="counts the interpreter's 4 multiprocessors")
 def test_prefill_splits_a_long_prefix_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """A few new tokens on a long cached prefix make too few programs to fill the device: the
     launcher splits their context (the interpreter counts 4 multiprocessors) and merges."""
