@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one run, from the repository root:
 #   1. the GPU tests (pytest -m gpu): compiled kernels, bf16 included, and decode CUDA graphs
-#      against the plain path;
+#      against the plain path; a step per test file, each with its own JUnit XML
+#      (OUT_DIR/tests_paged_decode.xml for tests/kernels/test_paged_decode.py, ...);
 #   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
 #      tile sweep that tells which defaults to keep);
 #   3. the worker's time to first token on the GPU, prompt mostly cached against cold, and a
 #      profile of each (torch ops and kernels launched, host and device time);
 #   4. a local cluster serving a random 1B-class model on the GPU, its greedy output checked
-#      against the torch reference attention (bf16 and fp32), cold and cached;
+#      against the torch references (bf16 and fp32), cold and cached;
 #   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine;
 #   6. the host time of an engine step on the GPU (kvswitch bench step: 256 decodes at 4K), and
 #      decode throughput at batch 1 and 32 (kvswitch bench decode), each without and with
@@ -45,7 +46,21 @@ step() {
 
 step gpu nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 step versions "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step tests "$python" -m pytest -m gpu tests/kernels tests/worker/test_cuda_graphs.py -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
+# The GPU tests a file at a time, so that one slow compile costs only its own file's results:
+# every file of tests/kernels and tests/worker/test_cuda_graphs.py that has gpu-marked tests
+# (pytest -m gpu selects nothing in the others, and exits 5 for it).
+echo "== tests: the files with GPU tests" >&2
+test_files=$(timeout "$step_timeout" "$python" -m pytest -m gpu --collect-only -q -p no:cacheprovider \
+    tests/kernels tests/worker/test_cuda_graphs.py | grep -o '^tests/[^:]*\.py' | sort -u)
+if [ -z "$test_files" ]; then
+    echo "== tests FAILED: no GPU tests collected" >&2
+    status=1
+fi
+for file in $test_files; do
+    name=$(basename "$file" .py)
+    step "tests-${name#test_}" "$python" -m pytest -m gpu "$file" -q -p no:cacheprovider \
+        --junitxml="$out/tests_${name#test_}.xml"
+done
 step kernels "$python" -m kvswitch bench kernels --sweep --json "$out/kernels.json"
 step ttft "$python" -m kvswitch bench ttft --model random:llama-1b --device cuda --dtype bfloat16 \
     --profile --json "$out/ttft.json"
