@@ -149,30 +149,37 @@ def _merge_splits_kernel(
     stride_lse_h,
     stride_o_s,
     stride_o_h,
-    SPLITS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # NOTE: the splits are taken SPLIT_CHUNK at a time, first for the largest log-sum-exp,
+    # then weighted: a decode graph's hundreds of splits held at once would spill registers.
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    split_mask = splits < num_splits
-    lse = tl.load(
-        lse_ptr + seq * stride_lse_s + head * stride_lse_h + splits,
-        mask=split_mask,
-        other=float("-inf"),
-    )
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(
-        part_ptr
-        + seq * stride_p_s
-        + head * stride_p_h
-        + splits[:, None] * stride_p_split
-        + dims[None, :],
-        mask=split_mask[:, None] & (dims[None, :] < head_dim),
-        other=0.0,
-    )
-    out = tl.sum(part * weights[:, None], 0) / tl.sum(weights, 0)
+    lse_row = lse_ptr + seq * stride_lse_s + head * stride_lse_h
+    part_row = part_ptr + seq * stride_p_s + head * stride_p_h
+    lse_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        splits = first + tl.arange(0, SPLIT_CHUNK)
+        lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    top = tl.max(lse_max, 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([SPLIT_CHUNK], tl.float32)
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        splits = first + tl.arange(0, SPLIT_CHUNK)
+        split_mask = splits < num_splits
+        lse = tl.load(lse_row + splits, mask=split_mask, other=float("-inf"))
+        weights = tl.exp2(lse - top)
+        part = tl.load(
+            part_row + splits[:, None] * stride_p_split + dims[None, :],
+            mask=split_mask[:, None] & (dims[None, :] < head_dim),
+            other=0.0,
+        )
+        acc += tl.sum(part * weights[:, None], 0)
+        total += weights
+    out = acc / tl.sum(total, 0)
     tl.store(
         out_ptr + seq * stride_o_s + head * stride_o_h + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -308,6 +315,6 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) ->
         lse.stride(1),
         out.stride(0),
         out.stride(1),
-        SPLITS_PAD=next_pow2(num_splits),
+        SPLIT_CHUNK=min(16, next_pow2(num_splits)),
         BLOCK_D=next_pow2(head_dim),
     )
