@@ -56,17 +56,29 @@ class PagedAttention:
     ) -> torch.Tensor:
         """query [num_tokens, num_q_heads, head_dim], key/value [num_tokens, num_kv_heads,
         head_dim] -> [num_tokens, num_q_heads, head_dim], written into ``out`` if given."""
-        if use_triton(query.device):
-            from kvswitch.kernels import paged_decode, paged_prefill, store_kv
+        store(key, value, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(query, k_cache, v_cache, meta, out)
 
-            store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward`` once the step's K/V are stored."""
+        tables, seq_lens = meta.block_tables, meta.seq_lens
+        if use_triton(query.device):
+            from kvswitch.kernels import paged_decode, paged_prefill
+
             if meta.is_decode_only:
                 return paged_decode(
                     query,
                     k_cache,
                     v_cache,
-                    meta.block_tables,
-                    meta.seq_lens,
+                    tables,
+                    seq_lens,
                     self.scale,
                     max_seq_len=meta.max_seq_len,
                     out=out,
@@ -75,16 +87,14 @@ class PagedAttention:
                 query,
                 k_cache,
                 v_cache,
-                meta.block_tables,
+                tables,
                 meta.cu_q_lens,
-                meta.seq_lens,
+                seq_lens,
                 self.scale,
                 max_q_len=meta.max_q_len,
                 max_seq_len=meta.max_seq_len,
                 out=out,
             )
-        reference.store_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
-        tables, seq_lens = meta.block_tables, meta.seq_lens
         if meta.is_decode_only:
             result = reference.paged_decode_ref(
                 query, k_cache, v_cache, tables, seq_lens, self.scale
@@ -94,3 +104,19 @@ class PagedAttention:
                 query, k_cache, v_cache, tables, meta.cu_q_lens, seq_lens, self.scale
             )
         return result if out is None else out.copy_(result)
+
+
+def store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each row's K/V into its slot of the caches; rows with slot -1 write nothing."""
+    if use_triton(key.device):
+        from kvswitch.kernels import store_kv
+
+        store_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -48,7 +48,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvswitch.worker.attention import AttentionMetadata
+from kvswitch.worker.attention import AttentionMetadata, store
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.step_inputs import UploadBuffer, aligned
@@ -295,14 +295,24 @@ def capture(run: Callable[[], object], pool: tuple[int, int]) -> torch.cuda.CUDA
 
 class _Stretches:
     """The stretches of one token count's forward, between attentions, each with the static
-    tensors it reads and writes: ``qkv[i]`` and ``residual[i]`` come out of stretch ``i`` (layer
-    ``i`` up to attention), ``attended`` is read by the next, ``hidden`` comes out of the last."""
+    tensors it reads and writes: stretch ``i`` (layer ``i`` up to attention) stores the rows' K/V
+    at ``slot_mapping`` (-1 for padding rows: nothing) and leaves ``qkv[i]`` and ``residual[i]``;
+    ``attended`` is read by the next, ``hidden`` comes out of the last."""
 
-    def __init__(self, model: CausalLM, size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        size: int,
+        device: torch.device,
+    ) -> None:
         config = model.config
         self.model = model
+        self.kv_caches = kv_caches
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int32, device=device)
+        self.num_slots_set = 0  # leading rows of slot_mapping that may not be -1
         dtype = next(model.parameters()).dtype
         self.attended = torch.zeros(
             (size, config.num_q_heads, config.head_dim), dtype=dtype, device=device
@@ -332,6 +342,7 @@ class _Stretches:
         q, k, v, residual = layers[index].attention_inputs(
             x, residual, self.positions, decoder.rotary
         )
+        store(k, v, *self.kv_caches[index], self.slot_mapping)
         self.qkv[index], self.residual[index] = (q, k, v), residual
 
     def capture(self, pool: tuple[int, int]) -> None:
@@ -359,7 +370,7 @@ class PrefillGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = prefill_capture_sizes(max_num_tokens)
-        self._stretches = {size: _Stretches(model, size, device) for size in self.sizes}
+        self._stretches = {size: _Stretches(model, kv_caches, size, device) for size in self.sizes}
         if capture:
             start = time.perf_counter()
             with torch.cuda.device(device), torch.inference_mode():
@@ -396,17 +407,25 @@ class PrefillGraphs:
         size = next(s for s in self.sizes if s >= num_tokens)
         stretches = self._stretches[size]
         # NOTE: rows past num_tokens keep the ids and positions of an earlier step: they are
-        # computed and thrown away, and attention, which alone mixes rows, never sees them.
+        # computed and thrown away (their slot is -1), and attention, which alone mixes rows,
+        # never sees them.
         stretches.input_ids[:num_tokens].copy_(input_ids)
         stretches.positions[:num_tokens].copy_(positions)
+        stretches.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
+        if stretches.num_slots_set > num_tokens:
+            stretches.slot_mapping[num_tokens : stretches.num_slots_set] = -1
+        stretches.num_slots_set = num_tokens
         layers = self.model.model.layers
         for index, (layer, (k_cache, v_cache)) in enumerate(
             zip(layers, self.kv_caches, strict=True)
         ):
             stretches.run(index)
-            q, k, v = (t[:num_tokens] for t in stretches.qkv[index])
-            layer.self_attn.attn.forward(
-                q, k, v, k_cache, v_cache, meta, out=stretches.attended[:num_tokens]
+            layer.self_attn.attn.attend(
+                stretches.qkv[index][0][:num_tokens],
+                k_cache,
+                v_cache,
+                meta,
+                out=stretches.attended[:num_tokens],
             )
         stretches.run(len(layers))
         return self.model.logits(stretches.hidden, logit_rows)
