@@ -30,7 +30,7 @@ def load_model(
         init_random_weights(model, seed=DEFAULT_SEED)
     else:
         load_safetensors(model, Path(model_dir))
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().fuse()
 
 
 def model_config(model_dir: str | Path | None) -> ModelConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -313,3 +314,36 @@ def test_a_sliding_window_model_is_exact_up_to_its_window_and_serves_no_further(
     assert ModelConfig.from_dir(tmp_path).max_position_embeddings == 48
     engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=16))
     assert engine.max_model_len == 48
+
+
+def test_fused_projections_compute_the_same_in_the_same_memory() -> None:
+    """``fuse`` (as load_model does) runs q/k/v and gate/up as one matmul each: the same logits
+    as the separate projections, the parameters now views of the fused weights (no memory
+    added, the checkpoint's names kept), and qwen2's q/k/v biases fused too."""
+    from kvswitch.worker.model import CausalLM
+
+    for preset, bias in (("tiny", False), ("tiny", True)):
+        torch.manual_seed(0)
+        config = ModelConfig.random_preset(preset)
+        if bias:
+            config = dataclasses.replace(config, attention_bias=True)
+        model = CausalLM(config)
+        for parameter in model.parameters():
+            torch.nn.init.normal_(parameter, std=0.05)
+        runner = ModelRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
+        seqs = [ScheduledSeq(list(range(3, 14)), 0, [4, 9, 2])]
+        plain = runner.execute(seqs, every_token=True)
+        names = list(model.state_dict())
+        model.fuse()
+        assert list(model.state_dict()) == names
+        attention = model.model.layers[0].self_attn
+        fused = attention.qkv_proj
+        assert fused is not None and model.model.layers[0].mlp.gate_up_proj is not None
+        storage = fused.weight.untyped_storage().data_ptr()
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+            assert projection.weight.untyped_storage().data_ptr() == storage
+            if bias:
+                assert projection.bias.untyped_storage().data_ptr() == (
+                    fused.bias.untyped_storage().data_ptr()
+                )
+        torch.testing.assert_close(runner.execute(seqs, every_token=True), plain)
