@@ -139,7 +139,19 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         "device": config.device,
         "dtype": config.dtype,
         "cuda_graphs": engine.config.cuda_graphs,
+        **graph_memory(engine),
         "machine": machine_info(),
+    }
+
+
+def graph_memory(engine: LLMEngine) -> dict[str, float]:
+    """What the engine set aside for its CUDA graphs and what capturing them took, in MiB."""
+    if engine.graph_memory_bytes is None:
+        return {}
+    set_aside, taken = engine.graph_memory_bytes
+    return {
+        "graph_memory_set_aside_mib": set_aside / 2**20,
+        "graph_memory_taken_mib": taken / 2**20,
     }
 
 
@@ -204,5 +216,7 @@ def run_decode(config: DecodeBenchConfig) -> dict:
             num_tokens += len(engine.step())
         elapsed = time.perf_counter() - start
         results[f"decode_tokens_per_s_batch_{batch}"] = num_tokens / elapsed
+        for key, mib in graph_memory(engine).items():
+            results[f"{key}_batch_{batch}"] = mib
         print(f"  batch {batch}: {num_tokens / elapsed:,.0f} tokens/s", file=sys.stderr)
     return results

@@ -66,7 +66,11 @@ class ServeBenchConfig:
 # Every module that binds ``use_triton``, the switch between the Triton kernels and the torch
 # references: worker.attention defines it, the others import it by name, so each holds a binding
 # of its own that a patch of attention's leaves on the kernels.
-USE_TRITON_MODULES = ("kvswitch.worker.attention", "kvswitch.worker.model")
+USE_TRITON_MODULES = (
+    "kvswitch.worker.attention",
+    "kvswitch.worker.cuda_graphs",
+    "kvswitch.worker.model",
+)
 
 
 @contextmanager

@@ -190,6 +190,7 @@ def paged_prefill(
     num_splits: int | None = None,
     tiles: Tiles | None = None,
     out: torch.Tensor | None = None,
+    splits: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged contexts.
 
@@ -199,6 +200,11 @@ def paged_prefill(
     ``max_seq_len`` spare device syncs when the caller knows them. ``num_splits`` cuts each query
     tile's context into that many programs; by default (None) as many as fill the device when
     the query tiles alone would not.
+
+    ``splits``: the caller's ``(partial, lse)`` buffers, fp32 ``[rows, num_q_heads, num_splits,
+    head_dim]`` and ``[rows, num_q_heads, num_splits]`` (rows at least the query's): the kernel
+    leaves its splits there and ``out`` is not written; the caller merges them
+    (``paged_decode.merge_splits``), perhaps from a CUDA graph.
     """
     check_kv_cache(k_cache, v_cache)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -227,22 +233,27 @@ def paged_prefill(
     if tiles.block_m == 0:
         raise ValueError("paged_prefill needs tiles with block_m set")
     num_q_tiles = math.ceil(max_q_len / tiles.block_m)
-    if num_splits is None:
-        num_programs = num_q_heads * num_seqs * num_q_tiles
-        num_splits = 1
-        if num_programs < num_sms(query.device):
-            if max_seq_len is None:
-                max_seq_len = int(seq_lens.max().item())
-            num_splits = choose_prefill_splits(
-                num_programs, max_seq_len - max_q_len, tiles.block_n, num_sms(query.device)
+    if splits is not None:
+        partial, lse = splits
+        num_splits = check_splits(partial, lse, query.shape[0], num_q_heads, head_dim)
+    else:
+        if num_splits is None:
+            num_programs = num_q_heads * num_seqs * num_q_tiles
+            num_splits = 1
+            if num_programs < num_sms(query.device):
+                if max_seq_len is None:
+                    max_seq_len = int(seq_lens.max().item())
+                num_splits = choose_prefill_splits(
+                    num_programs, max_seq_len - max_q_len, tiles.block_n, num_sms(query.device)
+                )
+        elif num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        if num_splits > 1:
+            partial = query.new_empty(
+                (query.shape[0], num_q_heads, num_splits, head_dim), dtype=torch.float32
             )
-    elif num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+            lse = query.new_empty((query.shape[0], num_q_heads, num_splits), dtype=torch.float32)
     if num_splits > 1:
-        partial = query.new_empty(
-            (query.shape[0], num_q_heads, num_splits, head_dim), dtype=torch.float32
-        )
-        lse = query.new_empty((query.shape[0], num_q_heads, num_splits), dtype=torch.float32)
         target, o_split, lse_strides = partial, partial.stride(2), (lse.stride(0), lse.stride(1))
         o_strides = (partial.stride(0), partial.stride(1))
     else:
@@ -279,9 +290,32 @@ def paged_prefill(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and splits is None:
         merge_splits(partial, lse, out)
     return out
+
+
+def check_splits(
+    partial: torch.Tensor, lse: torch.Tensor, num_rows: int, num_q_heads: int, head_dim: int
+) -> int:
+    """The number of splits that caller-owned split buffers hold (at least 2), or ValueError."""
+    num_splits = partial.shape[2] if partial.dim() == 4 else 0
+    if (
+        num_splits < 2
+        or partial.shape[0] < num_rows
+        or partial.shape[1:] != (num_q_heads, num_splits, head_dim)
+        or lse.shape != partial.shape[:3]
+        or partial.dtype != torch.float32
+        or lse.dtype != torch.float32
+        or partial.stride(-1) != 1
+        or lse.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"splits must be fp32 [rows, {num_q_heads}, S, {head_dim}] and [rows, {num_q_heads}, "
+            f"S], S >= 2, rows >= {num_rows}; got {tuple(partial.shape)} {partial.dtype} and "
+            f"{tuple(lse.shape)} {lse.dtype}"
+        )
+    return num_splits
 
 
 def choose_prefill_splits(

@@ -66,13 +66,19 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,
+        splits: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``forward`` once the step's K/V are stored."""
+        """``forward`` once the step's K/V are stored. ``splits``: ``(partial, lse)`` buffers
+        (``kernels.paged_prefill``'s): on CUDA the kernel leaves each query's context splits
+        there and ``out`` is written later, by ``merge_splits`` (from a CUDA graph); elsewhere
+        ``out`` is written at once."""
         tables, seq_lens = meta.block_tables, meta.seq_lens
         if use_triton(query.device):
             from kvswitch.kernels import paged_decode, paged_prefill
 
-            if meta.is_decode_only:
+            # NOTE: with splits even decodes take the prefill kernel (a query of one token):
+            # the merge that finishes them is already captured.
+            if meta.is_decode_only and splits is None:
                 return paged_decode(
                     query,
                     k_cache,
@@ -94,6 +100,7 @@ class PagedAttention:
                 max_q_len=meta.max_q_len,
                 max_seq_len=meta.max_seq_len,
                 out=out,
+                splits=splits,
             )
         if meta.is_decode_only:
             result = reference.paged_decode_ref(
@@ -120,3 +127,12 @@ def store(
         store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def merge_splits(out: torch.Tensor, splits: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Finish into ``out`` an ``attend`` given ``splits``: on CUDA merge them; elsewhere
+    ``attend`` wrote ``out`` itself."""
+    if use_triton(out.device):
+        from kvswitch.kernels.paged_decode import merge_splits as merge
+
+        merge(*splits, out)

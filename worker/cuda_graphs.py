@@ -48,7 +48,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvswitch.worker.attention import AttentionMetadata, store
+from kvswitch.worker.attention import AttentionMetadata, merge_splits, store, use_triton
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.step_inputs import UploadBuffer, aligned
@@ -304,6 +304,7 @@ class _Stretches:
         model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         size: int,
+        num_splits: int,
         device: torch.device,
     ) -> None:
         config = model.config
@@ -317,6 +318,14 @@ class _Stretches:
         self.attended = torch.zeros(
             (size, config.num_q_heads, config.head_dim), dtype=dtype, device=device
         )
+        # Attention's context splits, merged into ``attended`` at the start of the next stretch.
+        self.splits: tuple[torch.Tensor, torch.Tensor] | None = None
+        if num_splits > 1:
+            rows = (size, config.num_q_heads, num_splits)
+            self.splits = (
+                torch.zeros((*rows, config.head_dim), dtype=torch.float32, device=device),
+                torch.zeros(rows, dtype=torch.float32, device=device),
+            )
         num_layers = len(model.model.layers)
         self.qkv: list[tuple[torch.Tensor, ...]] = [()] * num_layers
         self.residual: list[torch.Tensor] = [self.attended] * num_layers
@@ -330,6 +339,8 @@ class _Stretches:
             return
         decoder = self.model.model
         layers = decoder.layers
+        if index > 0 and self.splits is not None:
+            merge_splits(self.attended, self.splits)
         if index == 0:
             x, residual = decoder.embed_tokens(self.input_ids), None
         else:
@@ -354,6 +365,25 @@ class _Stretches:
         ]
 
 
+def _one_sequence_splits(
+    model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], size: int
+) -> int:
+    """paged_prefill's splits for one sequence of ``size`` new tokens over the longest context
+    the cache holds; 1 off CUDA (the torch reference does not split)."""
+    k_cache = kv_caches[0][0] if kv_caches else None
+    if k_cache is None or not use_triton(k_cache.device):
+        return 1
+    from kvswitch.kernels.paged_decode import num_sms
+    from kvswitch.kernels.paged_prefill import choose_prefill_splits
+    from kvswitch.kernels.tiles import prefill_tiles
+
+    num_blocks, block_size = k_cache.shape[:2]
+    tiles = prefill_tiles(size, block_size, k_cache.dtype)
+    num_programs = model.config.num_q_heads * -(-size // tiles.block_m)
+    max_prefix = num_blocks * block_size - size
+    return choose_prefill_splits(num_programs, max_prefix, tiles.block_n, num_sms(k_cache.device))
+
+
 class PrefillGraphs:
     """Runs steps of up to ``max_num_tokens`` new tokens with every part of the forward but
     attention replayed from graphs (see the module's doc)."""
@@ -365,12 +395,25 @@ class PrefillGraphs:
         *,
         max_num_tokens: int,
         capture: bool = True,
+        num_splits: int | None = None,
     ) -> None:
+        """``num_splits``: how many programs attention cuts each query tile's context into, the
+        same for every step of a token count (the merge is captured); by default as many as
+        fill the device when the step is one sequence (``kernels.paged_prefill``'s choice)."""
         device = _graph_device(model, capture)
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = prefill_capture_sizes(max_num_tokens)
-        self._stretches = {size: _Stretches(model, kv_caches, size, device) for size in self.sizes}
+        self._stretches = {
+            size: _Stretches(
+                model,
+                kv_caches,
+                size,
+                num_splits or _one_sequence_splits(model, kv_caches, size),
+                device,
+            )
+            for size in self.sizes
+        }
         if capture:
             start = time.perf_counter()
             with torch.cuda.device(device), torch.inference_mode():
@@ -420,12 +463,14 @@ class PrefillGraphs:
             zip(layers, self.kv_caches, strict=True)
         ):
             stretches.run(index)
+            splits = stretches.splits
             layer.self_attn.attn.attend(
                 stretches.qkv[index][0][:num_tokens],
                 k_cache,
                 v_cache,
                 meta,
                 out=stretches.attended[:num_tokens],
+                splits=None if splits is None else (splits[0][:num_tokens], splits[1][:num_tokens]),
             )
         stretches.run(len(layers))
         return self.model.logits(stretches.hidden, logit_rows)

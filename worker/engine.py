@@ -139,9 +139,12 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        # The CUDA graphs' memory: (set aside for them, what capturing them took).
+        self.graph_memory_bytes: tuple[int, int] | None = None
         if config.cuda_graphs:
             kv_bytes = num_blocks * kv_cache_bytes_per_block(self.model, config.block_size, dtype)
             taken = torch.cuda.memory_reserved(config.device) - reserved_before - kv_bytes
+            self.graph_memory_bytes = (graph_bytes, taken)
             logger.info(
                 "CUDA graphs: %.0f MiB set aside for them before sizing the KV cache (%d "
                 "blocks, %.0f MiB); capture took %.0f MiB",

@@ -109,6 +109,33 @@ def test_prefill_splits_a_long_prefix_by_default(monkeypatch: pytest.MonkeyPatch
     assert merged == [4]
 
 
+def test_prefill_leaves_its_splits_to_the_caller_when_given_their_buffers() -> None:
+    """With the caller's split buffers the kernel writes the splits there and not ``out``;
+    merged afterwards (as a CUDA graph does later) they are the attention. Rows past the query
+    are the caller's: they stay as they were. Buffers of the wrong shape are refused."""
+    merge_splits = importlib.import_module("kvswitch.kernels.paged_decode").merge_splits
+    seqs = [(13, 5), (22, 9), (6, 1)]
+    case = make_case(
+        [n for n, _ in seqs], block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+    q_lens = [q for _, q in seqs]
+    query = torch.randn(sum(q_lens), 4, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    cu_q_lens = torch.tensor([0, 5, 14, 15], dtype=torch.int32, device=DEVICE)
+    args = (query, case.k_cache, case.v_cache, case.block_tables, cu_q_lens, case.seq_lens, 0.25)
+    partial = torch.full((20, 4, 3, 16), 7.0, device=DEVICE)
+    lse = torch.full((20, 4, 3), 7.0, device=DEVICE)
+    out = torch.full_like(query, 5.0)
+    paged_prefill(*args, out=out, splits=(partial, lse))
+    assert bool((out == 5.0).all())
+    assert bool((partial[15:] == 7.0).all()) and bool((lse[15:] == 7.0).all())
+    merge_splits(partial[:15], lse[:15], out)
+    torch.testing.assert_close(out, paged_prefill_ref(*args), **TOLERANCES[torch.float32])
+    with pytest.raises(ValueError, match="splits must be fp32"):
+        paged_prefill(*args, splits=(partial[:10], lse[:10]))  # fewer rows than the query
+    with pytest.raises(ValueError, match="S >= 2"):
+        paged_prefill(*args, splits=(partial[:, :, :1], lse[:, :, :1]))
+
+
 def test_prefill_split_choice() -> None:
     from kvswitch.kernels.paged_prefill import choose_prefill_splits
 

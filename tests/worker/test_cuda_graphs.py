@@ -184,14 +184,20 @@ def check_padded_steps(device: str, dtype: torch.dtype, *, capture: bool, **tole
             torch.testing.assert_close(v_padded, v_plain, **tolerance)
 
 
-def check_piecewise_steps(device: str, dtype: torch.dtype, *, capture: bool, **tolerance) -> None:
+def check_piecewise_steps(
+    device: str, dtype: torch.dtype, *, capture: bool, num_splits: int | None = None, **tolerance
+) -> None:
     """Steps of prompt chunks and decodes side by side, of every padding amount and shrinking
     after larger ones (stale rows behind them), run with all but attention from the stretches
     of ``PrefillGraphs``: each step's logits and KV cache are the plain path's."""
     rng = np.random.default_rng(4)
     plain, piecewise = _runner(device, dtype), _runner(device, dtype)
     piecewise.prefill_graphs = PrefillGraphs(
-        piecewise.model, piecewise.kv_caches, max_num_tokens=40, capture=capture
+        piecewise.model,
+        piecewise.kv_caches,
+        max_num_tokens=40,
+        capture=capture,
+        num_splits=num_splits,
     )
     assert piecewise.prefill_graphs.sizes == [16, 32, 40]
     # Eight sequences of 16 blocks each (block 0 unused), filled a few tokens at a time.
@@ -231,6 +237,14 @@ def check_piecewise_steps(device: str, dtype: torch.dtype, *, capture: bool, **t
 
 def test_piecewise_steps_match_the_plain_path() -> None:
     check_piecewise_steps("cpu", torch.float32, capture=False)
+
+
+def test_piecewise_kernel_path_through_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch of the stretches on CPU tensors, through Triton's interpreter: K/V stored
+    by store_kv inside them, attention's context splits left in their buffers and merged at the
+    start of the next stretch; against the plain path, whose kernels merge at once."""
+    monkeypatch.setattr("kvswitch.worker.attention.use_triton", lambda device: True)
+    check_piecewise_steps("cpu", torch.float32, capture=False, num_splits=3, atol=1e-5, rtol=1e-5)
 
 
 def test_padded_decode_steps_match_the_plain_path_and_write_only_their_slots() -> None:

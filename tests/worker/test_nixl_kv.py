@@ -30,6 +30,7 @@ from kvswitch.worker.nixl_kv import (
     coalesce_runs,
     nixl_available,
 )
+from tests.kernels.paged_case import gpu_test
 from tests.worker.nixl_holder import filled_caches
 
 needs_nixl = pytest.mark.skipif(
@@ -318,3 +319,29 @@ def test_bench_transfer_refuses_options_that_would_do_nothing(
         main(["bench", "transfer", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@gpu_test
+@needs_nixl
+def test_blocks_in_gpu_memory_are_read_byte_for_byte() -> None:
+    """On a GPU each worker registers its cache as VRAM: scattered blocks of one device cache
+    read into another's, byte for byte, the rest untouched."""
+    device = torch.device("cuda")
+    want = filled_caches(LAYOUT, NUM_BLOCKS, seed=5)
+    held = [tuple(t.to(device) for t in pair) for pair in want]
+    caches = [tuple(t.to(device) for t in pair) for pair in zeroed_caches()]
+    with (
+        NixlKVAgent(held, name="vram-holder") as holder,
+        NixlKVAgent(caches, name="vram-reader") as reader,
+    ):
+        assert holder.peer_info().mem_type == "VRAM"
+        read = reader.read_blocks(holder.peer_info(), [3, 4, 9, 30], [0, 1, 17, 2])
+        assert read.num_blocks == 4
+    torch.cuda.synchronize()
+    got = [tuple(t.cpu() for t in pair) for pair in caches]
+    for got_block, want_block in zip(
+        bits(got, [0, 1, 17, 2]), bits(want, [3, 4, 9, 30]), strict=True
+    ):
+        np.testing.assert_array_equal(got_block, want_block)
+    untouched = [i for i in range(NUM_BLOCKS) if i not in (0, 1, 17, 2)]
+    assert all(not block.any() for block in bits(got, untouched))
