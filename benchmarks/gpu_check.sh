@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one run, from the repository root:
-#   1. the GPU tests (pytest -m gpu): compiled kernels, bf16 included, and decode CUDA graphs
-#      against the plain path; a step per test file, each with its own JUnit XML
+#   1. the GPU tests (pytest -m gpu): compiled kernels, bf16 included, and CUDA graphs (decode
+#      and piecewise prefill) against the plain path; a step per test file, each with its own JUnit XML
 #      (OUT_DIR/tests_paged_decode.xml for tests/kernels/test_paged_decode.py, ...);
 #   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
 #      tile sweep that tells which defaults to keep);
 #   3. the worker's time to first token on the GPU, prompt mostly cached against cold, and a
-#      profile of each (torch ops and kernels launched, host and device time);
-#   4. a local cluster serving a random 1B-class model on the GPU, its greedy output checked
-#      against the torch references (bf16 and fp32), cold and cached;
+#      profile of each (torch ops and kernels launched, host and device time), without CUDA
+#      graphs (ttft_plain.json) and with them (their default on a GPU);
+#   4. a local cluster serving a random 1B-class model on the GPU (graphs on), its greedy output
+#      checked against the torch references (bf16 and fp32), cold and cached;
 #   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine;
 #   6. the host time of an engine step on the GPU (kvswitch bench step: 256 decodes at 4K), and
-#      decode throughput at batch 1 and 32 (kvswitch bench decode), each without and with
-#      --cuda-graphs.
+#      decode throughput at batch 1, 32 and 256 (kvswitch bench decode), each without
+#      (--no-cuda-graphs, *_plain.json) and with graphs.
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default out/gpu)
 # PYTHON picks the interpreter (default python3); it must hold torch with CUDA, triton and the
 # project's dependencies; kvswitch itself is installed (pip install -e . --no-deps, which needs
@@ -62,18 +63,22 @@ for file in $test_files; do
         --junitxml="$out/tests_${name#test_}.xml"
 done
 step kernels "$python" -m kvswitch bench kernels --sweep --json "$out/kernels.json"
-step ttft "$python" -m kvswitch bench ttft --model random:llama-1b --device cuda --dtype bfloat16 \
-    --profile --json "$out/ttft.json"
+# CUDA graphs are on by default on a GPU; each timing runs without them (_plain) and with them.
+for graphs in --no-cuda-graphs ""; do
+    name=${graphs:+_plain}
+    step "ttft$name" "$python" -m kvswitch bench ttft --model random:llama-1b --device cuda \
+        --dtype bfloat16 $graphs --profile --json "$out/ttft$name.json"
+done
 for dtype in bfloat16 float32; do
     step "serve-$dtype" "$python" -m kvswitch bench serve --model random:llama-1b --device cuda \
         --dtype "$dtype" --json "$out/serve_$dtype.json"
 done
 step router "$python" -m kvswitch bench router --json "$out/router.json"
-for graphs in "" --cuda-graphs; do
-    name=${graphs:+_graphs}
+for graphs in --no-cuda-graphs ""; do
+    name=${graphs:+_plain}
     step "step$name" "$python" -m kvswitch bench step --model random:llama-1b --device cuda \
         --dtype bfloat16 $graphs --json "$out/step$name.json"
     step "decode$name" "$python" -m kvswitch bench decode --model random:llama-1b --device cuda \
-        --dtype bfloat16 $graphs --json "$out/decode$name.json"
+        --dtype bfloat16 --batch-sizes 1,32,256 $graphs --json "$out/decode$name.json"
 done
 exit $status
