@@ -102,6 +102,10 @@ def graph_memory_bytes(
     sizes = prefill_capture_sizes(max_num_batched_tokens)
     held_per_row = config.num_layers * (attention * config.head_dim + hidden) * element_size
     held_per_row += (2 * hidden + config.num_q_heads * config.head_dim) * element_size + 16
+    # Attention's context splits (fp32), as many as one sequence's query heads need to fill 132
+    # multiprocessors.
+    splits = max(1, 132 // config.num_q_heads)
+    held_per_row += config.num_q_heads * splits * (config.head_dim + 1) * 4
     # (The head runs outside the stretches, on the step's logit rows only.)
     prefill = sum(sizes) * held_per_row + sizes[-1] * per_row
     return (decode + prefill) * 11 // 10
