@@ -9,7 +9,8 @@
 #      profile of each (torch ops and kernels launched, host and device time), without CUDA
 #      graphs (ttft_plain.json) and with them (their default on a GPU);
 #   4. a local cluster serving a random 1B-class model on the GPU (graphs on), its greedy output
-#      checked against the torch references (bf16 and fp32), cold and cached;
+#      checked against the torch references (bf16 and fp32), cold and cached; and bf16 again at
+#      4,096-token prompts, so that decode graphs are checked at long contexts;
 #   5. the router's overhead (kvswitch bench router), for the figure on a many-core machine;
 #   6. the host time of an engine step on the GPU (kvswitch bench step: 256 decodes at 4K), and
 #      decode throughput at batch 1, 32 and 256 (kvswitch bench decode), each without
@@ -73,6 +74,9 @@ for dtype in bfloat16 float32; do
     step "serve-$dtype" "$python" -m kvswitch bench serve --model random:llama-1b --device cuda \
         --dtype "$dtype" --json "$out/serve_$dtype.json"
 done
+# Decode graphs at long contexts: 4,096-token prompts (half shared), 32 tokens decoded from each.
+step serve-4k "$python" -m kvswitch bench serve --model random:llama-1b --device cuda \
+    --dtype bfloat16 --num-prompt-tokens 4096 --num-shared-tokens 2048 --json "$out/serve_4k.json"
 step router "$python" -m kvswitch bench router --json "$out/router.json"
 for graphs in --no-cuda-graphs ""; do
     name=${graphs:+_plain}
