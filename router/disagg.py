@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvswitch.router.policy import WorkerState
 
 ON_TRANSFER_FAILURE = ("recompute", "fail")
-TRANSPORTS = ("", "mapped", "shm", "grpc")
+TRANSPORTS = ("", "auto", "nixl", "mapped", "shm", "grpc")
 MAX_LEASE_S = 600.0  # what a worker grants at most
 
 
@@ -41,7 +41,8 @@ class DisaggConfig:
     lease_s: float = 5.0
     # When the transfer fails: compute the missing blocks on the decode worker, or fail.
     on_transfer_failure: str = "recompute"
-    # How the blocks travel: "mapped", "shm", "grpc", or "" (the first of those that works).
+    # How the blocks travel: "nixl", "mapped", "shm", "grpc", or "auto" / "" (the first of those
+    # that works; the decode worker decides).
     transport: str = ""
 
     def __post_init__(self) -> None:
@@ -62,7 +63,7 @@ class DisaggConfig:
             )
         if self.transport not in TRANSPORTS:
             raise ValueError(
-                f"transport must be mapped, shm, grpc or empty, got {self.transport!r}"
+                f"transport must be auto, nixl, mapped, shm, grpc or empty, got {self.transport!r}"
             )
 
 

@@ -91,7 +91,7 @@ class RouterConfig:
     max_prefill_queue_tokens: int = 32768  # a prefill worker this loaded takes no more prompts
     kv_lease_s: float = 5.0  # how long a prefill worker holds the blocks for the decode worker
     on_transfer_failure: str = "recompute"  # or "fail": the request, with ABORTED
-    kv_transport: str = ""  # "mapped", "shm", "grpc", or "" (the first of those that works)
+    kv_transport: str = "auto"  # "nixl", "mapped", "shm", "grpc", or "auto": the first that works
     token: str = ""  # if set, clients must send "authorization: Bearer <token>"
     # What one client may ask (router/limits.py); 0 = no limit.
     max_prompt_tokens: int = 131072

@@ -14,6 +14,20 @@ shared memory that the holder's engine core writes and the taker's reads (``shm`
 written into the cache only whole, so a pull cut short leaves a leading run of the chain, never
 a half-written block.
 
+Two transports leave the holder's engine core out of the copy: the holder holds the blocks
+under a lease and answers their ids in one chunk, and the taker's core copies them itself,
+out of the holder's KV cache file in this host's shared memory (``mapped``) or with a one-sided
+NIXL read from the holder's agent, DRAM or GPU memory, on any host (``nixl``)::
+
+    taker                                            holder
+      FetchBlocks(nixl, transfer_id) --------------->  hold the blocks; answer their ids, the
+      <------------ block ids, agent info, lease ---   agent's info (its cache registered on
+      core: one NIXL READ into its own blocks          first use) and the lease
+      ReleaseBlocks(lease) ------------------------->  release
+
+``auto`` (or empty) tries ``nixl`` first where NIXL imports here, then ``mapped``, ``shm`` and
+``grpc``, and remembers a peer that answered it has no NIXL.
+
 "Share a host" means the same ``/dev/shm`` (``shared_memory.host_id``): each FetchBlocks says the
 asker's id, each answer the holder's, and the taker remembers each peer's. A peer known to be
 elsewhere gets gRPC at once; one not known yet is asked ``mapped`` first, which makes no file
@@ -36,6 +50,7 @@ from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, KVLayout
+from kvswitch.worker.nixl_kv import nixl_installed
 from kvswitch.worker.shared_memory import ShmFiles, ShmRefused, sweep
 from kvswitch.worker.shared_memory import host_id as this_host_id
 
@@ -47,7 +62,7 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # Through shared memory a chunk costs its engine core one copy and no message: larger ones pay.
 SHM_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 32 << 20
-TRANSPORTS = ("", "mapped", "shm", "grpc")
+TRANSPORTS = ("", "auto", "nixl", "mapped", "shm", "grpc")
 # How long a mapped fetch's blocks stay held if the asker never says it copied them.
 MAPPED_HOLD_S = 10.0
 _CHANNEL_OPTIONS = [
@@ -62,7 +77,7 @@ class PullResult:
     num_cached_blocks: int  # leading blocks of the chain cached here once the pull was done
     num_blocks: int  # blocks that came from the peer
     num_bytes: int
-    transport: str  # "shm" or "grpc"; "" when nothing moved
+    transport: str  # "nixl", "mapped", "shm" or "grpc"; "" when nothing moved
 
 
 class BlockTransfers:
@@ -84,6 +99,10 @@ class BlockTransfers:
         self._peers = PeerChannels(security)
         self.host_id = this_host_id() if host_id is None else host_id
         self._peer_hosts: dict[str, str] = {}  # each peer's host id, as it last said
+        # Whether "auto" tries NIXL first: where it is installed.
+        self.nixl = nixl_installed()
+        self._peers_without_nixl: set[str] = set()  # peers that answered they have no NIXL
+        self._nixl_info: bytes | None = None  # this worker's, once asked for
         self.shm_files = ShmFiles(shm_max_bytes)  # where same-host peers write blocks
         sweep(CACHE_PREFIX)
         self._tasks: set[asyncio.Task] = set()  # releases sent, not waited for
@@ -106,8 +125,8 @@ class BlockTransfers:
             # asker's gRPC try takes it), only this worker's id, for the asker to remember.
             await context.write(worker_pb2.KVBlockChunk(host_id=self.host_id))
             return
-        if request.mapped:
-            await self._send_mapped(request, context)
+        if request.mapped or request.nixl:
+            await self._send_held(request, context)
             return
         layout = self._engine.facts.kv_layout
         default = SHM_CHUNK_BYTES if request.shm_path else DEFAULT_CHUNK_BYTES
@@ -150,12 +169,19 @@ class BlockTransfers:
             if lease_id is not None and not keep_lease:
                 self._engine.release(lease_id)
 
-    async def _send_mapped(
+    async def _send_held(
         self, request: worker_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        """A ``mapped`` fetch: the blocks held under a lease, their ids in one chunk."""
+        """A ``mapped`` or ``nixl`` fetch: the blocks held under a lease, their ids in one chunk
+        with what the asker reaches them by (this worker's cache file, or its NIXL agent)."""
         facts = self._engine.facts
-        if not facts.kv_cache_file:
+        if request.nixl:
+            if self._nixl_info is None:
+                self._nixl_info = await asyncio.wrap_future(self._engine.nixl_info())
+            reach: dict[str, Any] = {"nixl_peer_info": self._nixl_info}
+        elif facts.kv_cache_file:
+            reach = {"cache_file": facts.kv_cache_file, "cache_num_blocks": facts.num_blocks}
+        else:
             raise ValueError("this worker's KV cache is not in shared memory (--kv-cache-shm)")
         lease_id = request.transfer_id or f"fetch-{uuid.uuid4().hex}"
         block_ids = await asyncio.wrap_future(
@@ -165,11 +191,10 @@ class BlockTransfers:
             worker_pb2.KVBlockChunk(
                 layout=worker_pb2.KVLayout(**dataclasses.asdict(facts.kv_layout)),
                 num_blocks=len(block_ids),
-                cache_file=facts.kv_cache_file,
-                cache_num_blocks=facts.num_blocks,
                 block_ids=block_ids,
                 lease_id=lease_id,
                 host_id=self.host_id,
+                **reach,
             )
         )
 
@@ -186,15 +211,20 @@ class BlockTransfers:
         timeout_s: float | None = None,
     ) -> PullResult:
         """Take the leading blocks of ``hashes`` that this worker does not hold from the peer
-        into the prefix cache. ``transport``: "mapped", "shm", "grpc", or "" for the first of
-        those the peer can serve (gRPC at once for a peer on another host). ``transfer_id``: the
-        peer's lease on the blocks, released once they are here (or wanted no more).
+        into the prefix cache. ``transport``: "nixl", "mapped", "shm", "grpc", or "auto" / ""
+        for the first of those the peer can serve (NIXL where both have it; gRPC at once for a
+        peer on another host without it). ``transfer_id``: the peer's lease on the blocks,
+        released once they are here (or wanted no more).
 
-        Raises ``grpc.aio.AioRpcError`` (the peer failed), ``ShmRefused`` (shm was asked for and
-        cannot be had), ValueError (the peer's blocks do not fit this worker), ``EngineStopped``;
-        blocks written before the failure stay cached."""
+        Raises ``grpc.aio.AioRpcError`` (the peer failed), ``ShmRefused`` or ``NixlRefused``
+        (the transport asked for cannot be had), ValueError (the peer's blocks do not fit this
+        worker, a NIXL read failed), ``EngineStopped``; blocks written before the failure stay
+        cached."""
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be mapped, shm, grpc or empty, got {transport!r}")
+            raise ValueError(
+                f"transport must be auto, nixl, mapped, shm, grpc or empty, got {transport!r}"
+            )
+        transport = "" if transport == "auto" else transport
         num_held = await self.num_cached(hashes)
         wanted = hashes[num_held:]  # what is held here already does not move
         if not wanted:
@@ -202,7 +232,15 @@ class BlockTransfers:
                 await self.release(peer_address, transfer_id)
             return PullResult(num_held, 0, 0, "")
         fetch = _Fetch(request_id, transfer_id, wanted, timeout_s)
-        chosen = transport or ("mapped" if self._may_share(peer_address) else "grpc")
+        same_host = "mapped" if self._may_share(peer_address) else "grpc"
+        chosen = transport or ("nixl" if self._may_nixl(peer_address) else same_host)
+        if chosen == "nixl":
+            try:
+                num_blocks, num_written = await self._pull_nixl(peer_address, fetch)
+            except NixlRefused:
+                if transport == "nixl":
+                    raise
+                chosen = same_host
         if chosen in ("mapped", "shm") and not self._may_share(peer_address):
             raise ShmRefused(
                 f"{peer_address} does not share this worker's {SHM_DIR} (its host id "
@@ -231,6 +269,11 @@ class BlockTransfers:
         num_cached = len(hashes) if whole else await self.num_cached(hashes)
         num_bytes = num_blocks * self._engine.facts.kv_layout.bytes_per_block
         return PullResult(num_cached, num_blocks, num_bytes, chosen)
+
+    def _may_nixl(self, peer_address: str) -> bool:
+        """Whether to try NIXL with the peer: installed here, and the peer has not said it has
+        none."""
+        return self.nixl and peer_address not in self._peers_without_nixl
 
     def _may_share(self, peer_address: str) -> bool:
         """Whether this worker may move blocks through shared memory with the peer: it has
@@ -264,22 +307,38 @@ class BlockTransfers:
         )
         return num_found
 
+    async def _pull_nixl(self, peer_address: str, fetch: _Fetch) -> tuple[int, int]:
+        """Read the blocks over NIXL straight out of the peer's KV cache; (blocks moved, blocks
+        newly cached). ``NixlRefused`` if the peer has no NIXL (remembered)."""
+        try:
+            chunk = await self._fetch_held(peer_address, fetch, nixl=True)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._peers_without_nixl.add(peer_address)
+                raise NixlRefused(f"{peer_address}: {e.details()}") from None
+            raise
+        if chunk is grpc.aio.EOF or not chunk.nixl_peer_info:
+            raise ValueError("the peer answered a NIXL fetch without its agent's info")
+        try:
+            self._engine.facts.kv_layout.check_same(_layout_from_proto(chunk.layout))
+            num_written = await asyncio.wrap_future(
+                self._engine.write_blocks_nixl(
+                    fetch.wanted[: chunk.num_blocks],
+                    chunk.nixl_peer_info,
+                    list(chunk.block_ids),
+                    fetch.timeout_s,
+                )
+            )
+        finally:
+            self._background(self.release(peer_address, chunk.lease_id))
+        return chunk.num_blocks, num_written
+
     async def _pull_mapped(self, peer_address: str, fetch: _Fetch) -> tuple[int, int]:
         """Copy the blocks straight out of the peer's KV cache file; (blocks moved, blocks
         newly cached). ``ShmRefused`` if its cache is not in this host's shared memory."""
         ours = self._engine.facts.kv_layout
         try:
-            stream = self._peers.stub(peer_address).FetchBlocks(
-                worker_pb2.FetchBlocksRequest(
-                    request_id=fetch.request_id,
-                    block_hashes=fetch.wanted,
-                    transfer_id=fetch.transfer_id,
-                    mapped=True,
-                    host_id=self.host_id,
-                ),
-                timeout=fetch.timeout_s,
-            )
-            chunk = await stream.read()
+            chunk = await self._fetch_held(peer_address, fetch, mapped=True)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise ShmRefused(e.details()) from None
@@ -307,6 +366,23 @@ class BlockTransfers:
             # runs out.
             self._background(self.release(peer_address, chunk.lease_id))
         return chunk.num_blocks, num_written
+
+    async def _fetch_held(
+        self, peer_address: str, fetch: _Fetch, **how: bool
+    ) -> worker_pb2.KVBlockChunk | Any:
+        """The one chunk a ``mapped`` or ``nixl`` fetch (``how``) is answered with: block ids
+        held under a lease, no data; ``grpc.aio.EOF`` if none came."""
+        stream = self._peers.stub(peer_address).FetchBlocks(
+            worker_pb2.FetchBlocksRequest(
+                request_id=fetch.request_id,
+                block_hashes=fetch.wanted,
+                transfer_id=fetch.transfer_id,
+                host_id=self.host_id,
+                **how,
+            ),
+            timeout=fetch.timeout_s,
+        )
+        return await stream.read()
 
     def _background(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -357,6 +433,10 @@ class BlockTransfers:
                 raise ShmRefused(e.details()) from None
             raise
         return num_blocks, num_written
+
+
+class NixlRefused(Exception):
+    """A NIXL transfer cannot be had: the peer has no NIXL (not installed there)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ Serving process to core::
     [WRITE_BLOCKS_FROM, call_id, block_hashes, [shm path, offset]]
     [HOLD_BLOCKS, call_id, block_hashes, lease_id, hold_s]
     [WRITE_BLOCKS_MAPPED, call_id, block_hashes, peer cache file, its num_blocks, peer block ids]
+    [NIXL_INFO, call_id]               this engine's NIXL peer info (its agent made on first use)
+    [WRITE_BLOCKS_NIXL, call_id, block_hashes, peer's NIXL peer info, peer block ids, timeout_s]
     [ADD_AWAITING_KV, call_id, request_id, prompt, block_hashes, params, cache_salt,
      num_resumed_tokens, hold_s]       ADD for a request whose prompt's KV a transfer brings:
                                        its blocks are held, it waits for KV_LANDED
@@ -35,7 +37,8 @@ Core to serving process::
     [SNAPSHOT_TAKEN, call_id, hashes]  after a STEP that carries every event before it
     [REPLY, call_id, ok, value]        to READ_BLOCKS (num_blocks, + their bytes as a second
                                        frame, unless written to shm), HOLD_BLOCKS (block ids)
-                                       the WRITEs (num written), ADD_AWAITING_KV
+                                       the WRITEs (num written), NIXL_INFO (bytes),
+                                       ADD_AWAITING_KV
                                        ([num_cached_blocks, block ids, refused]) and
                                        KV_LANDED (num landed);
                                        when not ok, value is the error's message
@@ -76,7 +79,7 @@ from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, St
     HOLD_BLOCKS,
     WRITE_BLOCKS_MAPPED,
 ) = range(10)
-ADD_AWAITING_KV, KV_LANDED = range(16, 18)
+ADD_AWAITING_KV, KV_LANDED, NIXL_INFO, WRITE_BLOCKS_NIXL = range(16, 20)
 # Core -> serving process.
 READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED, REPLY = range(10, 16)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -60,6 +62,9 @@ from kvswitch.worker.request import (
 from kvswitch.worker.sampler import Sampler, make_generator, seed_for_position
 from kvswitch.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvswitch.worker.weights import load_model, model_namespace
+
+if TYPE_CHECKING:
+    from kvswitch.worker.nixl_kv import NixlKVAgent
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +159,7 @@ class LLMEngine:
                 taken / 2**20,
             )
         self._peer_caches = PeerCaches()  # same-host peers' caches, mapped
+        self._nixl_agent: NixlKVAgent | None = None  # registered on first use
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache
         )
@@ -286,6 +292,9 @@ class LLMEngine:
     def close(self) -> None:
         """Unmap the peers' caches and remove this engine's cache file, if it has one."""
         self._peer_caches.close()
+        if self._nixl_agent is not None:
+            self._nixl_agent.close()
+            self._nixl_agent = None
         if self.kv_cache_file is not None:
             remove_cache_file(self.kv_cache_file)
 
@@ -319,6 +328,52 @@ class LLMEngine:
             copy_peer_blocks(self.runner.kv_caches, block_ids, peer, peer_ids)
 
         return self._put_cached_blocks(block_hashes, copy)
+
+    def nixl_peer_info(self) -> bytes:
+        """What a peer's NIXL agent needs to read this engine's blocks (``NixlPeerInfo``, as
+        bytes); the KV cache is registered with an agent on first use. ValueError where NIXL
+        is not installed."""
+        return self._nixl().peer_info().to_bytes()
+
+    def write_cached_blocks_nixl(
+        self,
+        block_hashes: Sequence[bytes],
+        peer_info: bytes,
+        peer_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+    ) -> int:
+        """``write_cached_blocks`` with the blocks read over NIXL straight out of a peer's KV
+        cache (its ``nixl_peer_info``; the ids its ``hold_cached_blocks`` answered), one READ a
+        run of blocks that land together. ValueError if the read fails (the holder gone, a
+        timeout, by default ``nixl_kv``'s): nothing it was to fill is cached."""
+        if len(peer_block_ids) != len(block_hashes):
+            raise ValueError(f"{len(peer_block_ids)} block ids for {len(block_hashes)} hashes")
+        from kvswitch.worker.nixl_kv import DEFAULT_TIMEOUT_S, NixlPeerInfo, NixlTransferError
+
+        agent, peer = self._nixl(), NixlPeerInfo.from_bytes(peer_info)
+        # NOTE: the read runs on this engine's loop, which waits for it: never past the default.
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else min(timeout_s, DEFAULT_TIMEOUT_S)
+
+        def copy(positions: list[int], block_ids: list[int]) -> None:
+            peer_ids = [peer_block_ids[i] for i in positions]
+            agent.read_blocks(peer, peer_ids, block_ids, timeout_s=timeout_s)
+
+        try:
+            return self._put_cached_blocks(block_hashes, copy)
+        except NixlTransferError as e:
+            raise ValueError(f"NIXL read from {peer.agent_name} failed: {e}") from e
+
+    def _nixl(self) -> NixlKVAgent:
+        if self._nixl_agent is None:
+            from kvswitch.worker.nixl_kv import NixlKVAgent, NixlUnavailable
+
+            # NOTE: a name of its own per engine: a restarted worker's agent is a new peer.
+            name = f"kvswitch-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                self._nixl_agent = NixlKVAgent(self.runner.kv_caches, name=name)
+            except NixlUnavailable as e:
+                raise ValueError(str(e)) from e
+        return self._nixl_agent
 
     def release_lease(self, lease_id: str) -> bool:
         """Let the blocks a finished request held for a peer go; False if none are held."""

@@ -499,6 +499,24 @@ class EngineClient:
             [wire.WRITE_BLOCKS_MAPPED], block_hashes, peer_file, peer_num_blocks, peer_block_ids
         )
 
+    def nixl_info(self) -> Future[bytes]:
+        """What a peer's NIXL agent needs to read this engine's blocks
+        (``LLMEngine.nixl_peer_info``); fails where NIXL is not installed."""
+        return self._call([wire.NIXL_INFO])
+
+    def write_blocks_nixl(
+        self,
+        block_hashes: list[bytes],
+        peer_info: bytes,
+        peer_block_ids: list[int],
+        timeout_s: float | None = None,
+    ) -> Future[int]:
+        """``write_blocks`` with the blocks read over NIXL out of a peer's KV cache
+        (``LLMEngine.write_cached_blocks_nixl``); how many were new."""
+        return self._call(
+            [wire.WRITE_BLOCKS_NIXL], block_hashes, peer_info, peer_block_ids, timeout_s
+        )
+
     def _call(
         self, kind: list[Any], *args: Any, payload: bytes | memoryview | None = None
     ) -> Future[Any]:

@@ -231,6 +231,10 @@ class EngineCore:
                 self._reply(message[1], self.engine.hold_cached_blocks, *message[2:])
             elif kind == wire.WRITE_BLOCKS_MAPPED:
                 self._reply(message[1], self.engine.write_cached_blocks_mapped, *message[2:])
+            elif kind == wire.NIXL_INFO:
+                self._reply(message[1], self.engine.nixl_peer_info)
+            elif kind == wire.WRITE_BLOCKS_NIXL:
+                self._reply(message[1], self.engine.write_cached_blocks_nixl, *message[2:])
             elif kind == wire.ADD_AWAITING_KV:
                 self._reply(message[1], self._add_awaiting_kv, message[2])
             elif kind == wire.KV_LANDED:

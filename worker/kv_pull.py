@@ -20,7 +20,13 @@ from collections.abc import Callable
 import grpc
 
 from kvswitch.v1 import worker_pb2
-from kvswitch.worker.block_transfer import TRANSPORTS, BlockTransfers, PullResult, ShmRefused
+from kvswitch.worker.block_transfer import (
+    TRANSPORTS,
+    BlockTransfers,
+    NixlRefused,
+    PullResult,
+    ShmRefused,
+)
 from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.peers import FleetPeers, PeerRefused
 from kvswitch.worker.request import PullSlots
@@ -68,7 +74,8 @@ class KVPuller:
         if request.transport not in TRANSPORTS:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"transport must be mapped, shm, grpc or empty, got {request.transport!r}",
+                f"transport must be auto, nixl, mapped, shm, grpc or empty, got "
+                f"{request.transport!r}",
             )
         try:
             pulled = await self._transfers.pull(
@@ -83,7 +90,7 @@ class KVPuller:
                 grpc.StatusCode.UNAVAILABLE,
                 f"peer {request.peer_address}: {e.code().name}: {e.details()}",
             )
-        except (ValueError, ShmRefused) as e:
+        except (ValueError, ShmRefused, NixlRefused) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.peer_address}: {e}")
         _log_pull(pulled, request.peer_address, len(hashes), request.request_id)
         return worker_pb2.PullBlocksResponse(
@@ -142,7 +149,7 @@ class KVPuller:
                 transfer_id=source.transfer_id,
                 timeout_s=timeout_s,
             )
-        except (grpc.aio.AioRpcError, ValueError, ShmRefused, PeerRefused) as e:
+        except (grpc.aio.AioRpcError, ValueError, ShmRefused, NixlRefused, PeerRefused) as e:
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
             message = f"the KV transfer from {source.peer_address} failed: {why}"
             self._failed("failed", message, source)
@@ -199,7 +206,8 @@ def check_kv_source(source: worker_pb2.KVSource) -> None:
         raise ValueError("kv_source names no peer_address")
     if source.transport not in TRANSPORTS:
         raise ValueError(
-            f"kv_source.transport must be mapped, shm, grpc or empty, not {source.transport!r}"
+            "kv_source.transport must be auto, nixl, mapped, shm, grpc or empty, not "
+            f"{source.transport!r}"
         )
     if source.on_failure not in ("", "recompute", "fail"):
         raise ValueError(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -80,6 +81,12 @@ def load_nixl() -> ModuleType:
         _quiet_nixl_logger()
         return module
     raise NixlUnavailable(f"NIXL is not installed: {INSTALL_HINT} ({'; '.join(reasons)})")
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL package is installed, without importing it (a serving process asks; its
+    engine core imports it)."""
+    return any(importlib.util.find_spec(name.split(".")[0]) for name in _MODULES)
 
 
 def nixl_available() -> bool:

@@ -169,9 +169,10 @@ ROUTER_HELP = {
     "for its decode worker (each fetch restarts it)",
     "on_transfer_failure": "disaggregated prefill: when the KV transfer fails, recompute the "
     "missing blocks on the decode worker, or fail the request (ABORTED)",
-    "kv_transport": "disaggregated prefill: how KV blocks travel: mapped (one host, copied "
+    "kv_transport": "disaggregated prefill: how KV blocks travel: nixl (a one-sided NIXL read by "
+    "the decode worker, any host; kvswitch[nixl] on both workers), mapped (one host, copied "
     "straight out of a --kv-cache-shm worker's cache), shm (one host, through a file), grpc, or "
-    "empty = the first of those that works",
+    "auto = the first of those that works",
     "token": "if set, clients must send 'authorization: Bearer TOKEN'; or set KVSWITCH_TOKEN",
     "max_prompt_tokens": "longest prompt a client may send, in tokens (INVALID_ARGUMENT past "
     "it); 0 = no limit",

@@ -104,7 +104,7 @@ class SnapshotChunk(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., event_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes", "max_chunk_bytes", "shm_path", "transfer_id", "mapped", "host_id")
+    __slots__ = ("request_id", "block_hashes", "max_chunk_bytes", "shm_path", "transfer_id", "mapped", "host_id", "nixl")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class FetchBlocksRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     max_chunk_bytes: int
@@ -119,7 +120,8 @@ class FetchBlocksRequest(_message.Message):
     transfer_id: str
     mapped: bool
     host_id: str
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[bool] = ..., host_id: _Optional[str] = ...) -> None: ...
+    nixl: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., transfer_id: _Optional[str] = ..., mapped: _Optional[bool] = ..., host_id: _Optional[str] = ..., nixl: _Optional[bool] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
@@ -136,7 +138,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
-    __slots__ = ("layout", "first_block", "num_blocks", "data", "cache_file", "cache_num_blocks", "block_ids", "lease_id", "host_id")
+    __slots__ = ("layout", "first_block", "num_blocks", "data", "cache_file", "cache_num_blocks", "block_ids", "lease_id", "host_id", "nixl_peer_info")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class KVBlockChunk(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_PEER_INFO_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     first_block: int
     num_blocks: int
@@ -155,7 +158,8 @@ class KVBlockChunk(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_id: str
     host_id: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., cache_file: _Optional[str] = ..., cache_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    nixl_peer_info: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., cache_file: _Optional[str] = ..., cache_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., host_id: _Optional[str] = ..., nixl_peer_info: _Optional[bytes] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "peer_address", "block_hashes", "transport")

@@ -257,7 +257,7 @@ def test_an_out_of_bounds_router_request_is_invalid_argument_naming_the_field(
         ({"kv_source": worker_pb2.KVSource()}, "kv_source names no peer_address"),
         (
             {"kv_source": worker_pb2.KVSource(peer_address="p:1", transport="pigeon")},
-            "kv_source.transport must be mapped, shm, grpc or empty",
+            "kv_source.transport must be auto, nixl, mapped, shm, grpc or empty",
         ),
         (
             {"kv_source": worker_pb2.KVSource(peer_address="p:1", on_failure="shrug")},

@@ -22,6 +22,7 @@ from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, SHM_PREFIX, KVLayou
 from kvswitch.worker.kv_transfer import PeerCache
 from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
+from tests.worker.test_nixl_kv import needs_nixl
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
@@ -33,6 +34,8 @@ PROMPT = [256, *b"A long shared document, block after block of it. " * 6]  # 301
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[BackgroundWorker, BackgroundWorker]]:
     holder, taker = BackgroundWorker(CONFIG), BackgroundWorker(CONFIG)
+    # "auto" as without NIXL: these tests are about the transports that follow it.
+    taker.server.transfers.nixl = False
     yield holder, taker
     holder.close()
     taker.close()
@@ -62,7 +65,9 @@ def pull(
     return taker.stub.PullBlocks(request, timeout=30)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm", "mapped"])
+@pytest.mark.parametrize(
+    "transport", ["grpc", "shm", "mapped", pytest.param("nixl", marks=needs_nixl)]
+)
 def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(transport: str) -> None:
     before = transfer_files()
     config = dataclasses.replace(CONFIG, kv_cache_shm=transport == "mapped")

@@ -3,7 +3,9 @@ workers over real gRPC (prefill, decode, and one alone for reference), the decod
 small and its KV cache's invariants checked whenever it falls idle.
 
 Faults are put into the prefill worker's reads of its own blocks (what it streams to the decode
-worker), in the test's process, where that worker's serving side runs."""
+worker), in the test's process, where that worker's serving side runs; so the decode worker
+pulls as it does without NIXL, whose reads the prefill worker does not make
+(tests/worker/test_nixl_pulls.py has those)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def workers() -> Iterator[tuple[BackgroundWorker, BackgroundWorker, BackgroundWo
         BackgroundWorker(decode_config),
         BackgroundWorker(CONFIG),
     ]
+    started[1].server.transfers.nixl = False
     try:
         addresses = {w.server.address for w in started[:2]}
         assert wait_for(lambda: addresses <= live_addresses(index_address), 30)
@@ -98,16 +101,21 @@ def prefill(worker: BackgroundWorker, prompt: list[int], request_id: str) -> int
 
 
 def decode_request(
-    prefill_worker: BackgroundWorker, prompt: list[int], first: int, transfer_id: str, **source
+    prefill_worker: BackgroundWorker | str,
+    prompt: list[int],
+    first: int,
+    transfer_id: str,
+    **source,
 ) -> worker_pb2.WorkerGenerateRequest:
+    """The decode half of a request whose prompt the prefill worker (or the worker at that
+    address) computed, sampling ``first``."""
+    address = prefill_worker if isinstance(prefill_worker, str) else prefill_worker.server.address
     return worker_pb2.WorkerGenerateRequest(
         request_id=f"decode-{transfer_id}",
         prompt_token_ids=[*prompt, first],
         num_resumed_tokens=1,
         sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS - 1),
-        kv_source=worker_pb2.KVSource(
-            peer_address=prefill_worker.server.address, transfer_id=transfer_id, **source
-        ),
+        kv_source=worker_pb2.KVSource(peer_address=address, transfer_id=transfer_id, **source),
     )
 
 

@@ -1,0 +1,245 @@
+"""Disaggregated prefill over NIXL between live workers: the decode worker's engine core reads
+the prompt's blocks one-sided out of the prefill worker's KV cache, into the blocks it holds for
+the request; the prefill worker only leases them and answers their ids.
+
+The decode worker runs in the test's process (its serving side; its engine core is a process of
+its own) with its KV cache's invariants checked whenever it falls idle; prefill workers are
+processes of their own where a test stops or kills one."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.serving import start_server_process
+from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.worker.server import WorkerConfig
+from tests.worker.background import BackgroundWorker
+from tests.worker.test_disaggregated_pulls import (
+    BLOCK_SIZE,
+    NUM_TOKENS,
+    cached,
+    decode,
+    decode_request,
+    live_addresses,
+    num_integrity_checks,
+    prefill,
+    prompt_of,
+    pull_failures,
+    settled,
+    wait_for,
+)
+from tests.worker.test_nixl_kv import needs_nixl
+
+pytestmark = needs_nixl
+
+BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
+CONFIG = WorkerConfig(port=0, kv_cache_bytes=256 * BLOCK_BYTES, grace_s=0.0)
+NUM_PULLED = 43  # full blocks of prompt_of's prompts
+
+
+@pytest.fixture(scope="module")
+def index_url() -> Iterator[str]:
+    """A router's index: a decode worker takes KV blocks only from workers of its fleet."""
+    router, index_address = start_server_process(["router", "--port", "0"])
+    yield f"grpc://{index_address}"
+    router.terminate()
+    router.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def decode_worker(index_url: str) -> Iterator[BackgroundWorker]:
+    config = dataclasses.replace(
+        CONFIG, index=index_url, kv_cache_bytes=128 * BLOCK_BYTES, check_integrity=True
+    )
+    worker = BackgroundWorker(config)
+    yield worker
+    worker.close()
+
+
+def in_fleet(index_url: str, address: str) -> str:
+    """``address`` once the fleet's index lists it live."""
+    assert wait_for(lambda: address in live_addresses(index_url.removeprefix("grpc://")), 30)
+    return address
+
+
+@pytest.fixture(scope="module")
+def alone() -> Iterator[BackgroundWorker]:
+    """Serves each prompt by itself, for reference."""
+    worker = BackgroundWorker(CONFIG)
+    yield worker
+    worker.close()
+
+
+def expected_tokens(alone: BackgroundWorker, prompt: list[int]) -> list[int]:
+    tokens, _, _ = alone.generate(prompt, max_tokens=NUM_TOKENS)
+    return tokens
+
+
+def nixl_reads(worker: BackgroundWorker) -> list[int]:
+    """Counts the blocks of each NIXL read the worker's engine core is asked for, from now."""
+    reads: list[int] = []
+    engine = worker.server.engine
+    original = engine.write_blocks_nixl
+
+    def counted(block_hashes, *args, **kwargs) -> Future:
+        reads.append(len(block_hashes))
+        return original(block_hashes, *args, **kwargs)
+
+    engine.write_blocks_nixl = counted
+    return reads
+
+
+def test_a_prompt_pulled_over_nixl_serves_as_if_computed_here(
+    index_url: str, decode_worker: BackgroundWorker, alone: BackgroundWorker
+) -> None:
+    """auto takes NIXL: one read of the 43 blocks into those held for the request, the prefill
+    worker's lease let go, the tokens those of a worker that computed the prompt itself."""
+    holder = BackgroundWorker(dataclasses.replace(CONFIG, index=index_url))
+    try:
+        in_fleet(index_url, holder.server.address)
+        checks = num_integrity_checks(decode_worker)
+        reads = nixl_reads(decode_worker)
+        prompt = prompt_of(51)
+        first = prefill(holder, prompt, "over-nixl")
+        request = decode_request(holder.server.address, prompt, first, "over-nixl")
+        tokens, final = decode(decode_worker, request)
+        assert [first, *tokens] == expected_tokens(alone, prompt)
+        assert reads == [NUM_PULLED]
+        assert final.stats.num_transferred_blocks == NUM_PULLED
+        assert final.stats.num_cached_tokens == NUM_PULLED * BLOCK_SIZE
+        hashes = hash_prompt_blocks(prompt, BLOCK_SIZE, decode_worker.server.engine.namespace)
+        assert set(hashes[:NUM_PULLED]) <= cached(decode_worker)
+        assert wait_for(lambda: holder.load().num_free_blocks == 256)  # the lease let go
+        settled(decode_worker, checks)
+    finally:
+        holder.close()
+
+
+def test_a_holder_without_nixl_is_pulled_from_another_way_and_remembered(
+    index_url: str, decode_worker: BackgroundWorker, alone: BackgroundWorker
+) -> None:
+    """A prefill worker that answers it has no NIXL (FAILED_PRECONDITION): auto falls back to
+    the shared-memory and gRPC transports at once, and asks that peer no more; a pull that
+    names nixl fails, and the request computes its prompt here."""
+    holder = BackgroundWorker(dataclasses.replace(CONFIG, index=index_url))
+    try:
+        in_fleet(index_url, holder.server.address)
+
+        def no_nixl() -> Future:
+            refused: Future = Future()
+            refused.set_exception(ValueError("NIXL is not installed: pip install 'kvswitch[nixl]'"))
+            return refused
+
+        holder.server.engine.nixl_info = no_nixl
+        reads = nixl_reads(decode_worker)
+        address = holder.server.address
+        for tag, source in ((52, {}), (53, {}), (54, {"transport": "nixl"})):
+            prompt = prompt_of(tag)
+            first = prefill(holder, prompt, f"elsewhere-{tag}")
+            failed = pull_failures(decode_worker, "failed")
+            tokens, final = decode(
+                decode_worker, decode_request(address, prompt, first, f"elsewhere-{tag}", **source)
+            )
+            assert [first, *tokens] == expected_tokens(alone, prompt)
+            if source:
+                assert final.stats.num_transferred_blocks == 0
+                assert pull_failures(decode_worker, "failed") == failed + 1
+            else:
+                assert final.stats.num_transferred_blocks == NUM_PULLED
+        assert reads == []
+        assert address in decode_worker.server.transfers._peers_without_nixl
+    finally:
+        holder.close()
+
+
+def test_a_holder_stopped_or_killed_before_the_read_costs_a_recompute(
+    index_url: str, decode_worker: BackgroundWorker, alone: BackgroundWorker
+) -> None:
+    """The prefill worker answers the fetch, then its engine core (the process whose memory the
+    KV cache is, and whose UCX thread serves the read) is stopped (SIGSTOP), or killed
+    (SIGKILL), before the decode worker reads: the read fails or runs out the kv_source's 2 s,
+    nothing half-read is cached, each request computes its prompt and serves the tokens of a
+    worker that computed it alone, and the decode worker's cache is clean after."""
+    holder, address = start_server_process(
+        ["worker", "--port", "0", "--kv-cache-bytes", str(256 * BLOCK_BYTES), "--index", index_url]
+    )
+    try:
+        in_fleet(index_url, address)
+        prompts = [prompt_of(55), prompt_of(56)]
+        firsts = []
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            for i, prompt in enumerate(prompts):
+                request = worker_pb2.WorkerGenerateRequest(
+                    request_id=f"held-{i}",
+                    prompt_token_ids=prompt,
+                    sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+                    hold_blocks_ms=60_000,
+                )
+                responses = list(stub.Generate(request, timeout=60))
+                firsts.append(responses[0].chunk.token_ids[0])
+        checks = num_integrity_checks(decode_worker)
+        core = engine_core_pid(holder.pid)
+        namespace = decode_worker.server.engine.namespace
+        for i, signum in enumerate((signal.SIGSTOP, signal.SIGKILL)):
+            failed = pull_failures(decode_worker, "failed")
+            signal_before_read(decode_worker, core, signum)
+            request = decode_request(address, prompts[i], firsts[i], f"held-{i}", timeout_ms=2000)
+            tokens, final = decode(decode_worker, request)
+            assert [firsts[i], *tokens] == expected_tokens(alone, prompts[i])
+            assert final.stats.num_transferred_blocks == 0
+            assert final.stats.num_cached_tokens == 0
+            assert pull_failures(decode_worker, "failed") == failed + 1
+            hashes = hash_prompt_blocks(prompts[i], BLOCK_SIZE, namespace)
+            assert set(hashes[:NUM_PULLED]) <= cached(decode_worker)  # computed here, cached
+            if signum == signal.SIGSTOP:
+                os.kill(core, signal.SIGCONT)  # to answer the next fetch
+        settled(decode_worker, checks)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=30)
+
+
+def engine_core_pid(worker_pid: int) -> int:
+    """The pid of a worker's engine core: the child its serving process spawned (the other
+    is multiprocessing's resource tracker)."""
+    tasks = Path(f"/proc/{worker_pid}/task").iterdir()
+    children = [c for task in tasks for c in (task / "children").read_text().split()]
+    cores = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(cores) == 1, children
+    return int(cores[0])
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie's memory is gone too)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def signal_before_read(worker: BackgroundWorker, pid: int, signum: int) -> None:
+    """Send process ``pid`` ``signum`` just before ``worker``'s next NIXL read, once (a kill
+    waited for: the memory read is gone before the read starts)."""
+    engine = worker.server.engine
+    original: Callable[..., Future] = engine.write_blocks_nixl
+
+    def read_once_signalled(*args, **kwargs) -> Future:
+        engine.write_blocks_nixl = original
+        os.kill(pid, signum)
+        if signum == signal.SIGKILL:
+            assert wait_for(lambda: gone(pid), 30)
+        return original(*args, **kwargs)
+
+    engine.write_blocks_nixl = read_once_signalled
