@@ -41,6 +41,7 @@ class PDBenchConfig:
     long_per_s: float = 1.0
     duration_s: float = 20.0
     kv_cache_bytes: int = 256 << 20
+    kv_transport: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -178,6 +179,7 @@ def run(config: PDBenchConfig) -> dict[str, Any]:
             decode_workers=config.num_workers - 1,
             port=0,
             kv_cache_bytes=config.kv_cache_bytes,
+            kv_transport=config.kv_transport,
         ),
     }
     report: dict[str, Any] = {}

@@ -31,6 +31,7 @@ from pathlib import Path
 from kvswitch.cache_index.connect import split_password
 from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.deploy.processes import Child, ChildError, RestartPolicy
+from kvswitch.router.disagg import TRANSPORTS
 from kvswitch.security import INDEX_PASSWORD_ENV
 from kvswitch.serving import host_port
 
@@ -57,6 +58,7 @@ class ClusterConfig:
     # CUDA: every worker replays its steps from CUDA graphs; None: the workers' default (on CUDA).
     cuda_graphs: bool | None = None
     policy: str = "cost"
+    kv_transport: str = "auto"  # disaggregated prefill: how KV blocks travel (the router's)
     host: str = "127.0.0.1"
     http_port: int = -1  # the router's OpenAI-compatible HTTP API; -1 = none, 0 = a free port
     # Prometheus /metrics: the router on this port, worker i (in --workers, --prefill-workers,
@@ -68,6 +70,11 @@ class ClusterConfig:
     insecure: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(
+                f"kv_transport must be one of {', '.join(t for t in TRANSPORTS if t)}, got "
+                f"{self.kv_transport!r}"
+            )
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -410,6 +417,7 @@ class LocalCluster:
             "--index", split_password(index_url)[0],
             "--model", config.model,
             "--policy", config.policy,
+            "--kv-transport", config.kv_transport,
             *(["--http-port", str(config.http_port)] if http and config.http_port >= 0 else []),
             *(["--metrics-port", str(config.metrics_port_of("router"))] if http else []),
             *(["--insecure"] if config.insecure else []),

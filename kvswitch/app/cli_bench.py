@@ -180,6 +180,8 @@ PD_HELP = {
     "long_per_s": "long prompts arriving a second (Poisson)",
     "duration_s": "seconds of load per cluster",
     "kv_cache_bytes": "KV cache memory per worker, in bytes",
+    "kv_transport": "how the disaggregated cluster moves KV blocks: auto, nixl, mapped, shm or "
+    "grpc (the router's --kv-transport)",
     "seed": "random seed of the prompts and arrivals",
 }
 

@@ -219,6 +219,7 @@ UP_HELP = {
     "max_num_seqs": "most requests each worker computes together in one step",
     "cuda_graphs": WORKER_HELP["cuda_graphs"],
     "policy": ROUTER_HELP["policy"],
+    "kv_transport": ROUTER_HELP["kv_transport"],
     "host": "address every process listens on",
     "http_port": "the router's OpenAI-compatible HTTP API at http://HOST:PORT/v1; 0 picks a "
     "free one, -1 = none (docs/OPENAI.md)",

@@ -318,6 +318,16 @@ def test_up_gives_each_cpu_worker_its_share_of_the_cores(tmp_path: Path) -> None
     assert threads == max((os.cpu_count() or 1) // 2, 1)
 
 
+def test_up_passes_its_kv_transport_to_the_router_and_refuses_an_unknown_one(
+    tmp_path: Path,
+) -> None:
+    cluster = LocalCluster(ClusterConfig(kv_transport="nixl"), log_dir=tmp_path)
+    args = cluster._router_args("grpc://127.0.0.1:1")
+    assert args[args.index("--kv-transport") + 1] == "nixl"
+    with pytest.raises(ValueError, match="kv_transport must be one of auto, nixl"):
+        ClusterConfig(kv_transport="rdma")
+
+
 def test_up_passes_cuda_graphs_to_gpu_workers_only(tmp_path: Path) -> None:
     gpu = LocalCluster(ClusterConfig(device="cuda", cuda_graphs=True), log_dir=tmp_path)
     assert "--cuda-graphs" in gpu._worker_argv("worker-0", "both")
