@@ -25,8 +25,9 @@ NIXL read from the holder's agent, DRAM or GPU memory, on any host (``nixl``)::
       core: one NIXL READ into its own blocks          first use) and the lease
       ReleaseBlocks(lease) ------------------------->  release
 
-``auto`` (or empty) tries ``nixl`` first where NIXL imports here, then ``mapped``, ``shm`` and
-``grpc``, and remembers a peer that answered it has no NIXL.
+``auto`` (or empty) tries ``nixl`` first on a GPU worker where NIXL is installed, then
+``mapped``, ``shm`` and ``grpc``, and remembers a peer that answered it has no NIXL; a CPU worker
+reads over NIXL when ``nixl`` is named.
 
 "Share a host" means the same ``/dev/shm`` (``shared_memory.host_id``): each FetchBlocks says the
 asker's id, each answer the holder's, and the taker remembers each peer's. A peer known to be
@@ -99,8 +100,10 @@ class BlockTransfers:
         self._peers = PeerChannels(security)
         self.host_id = this_host_id() if host_id is None else host_id
         self._peer_hosts: dict[str, str] = {}  # each peer's host id, as it last said
-        # Whether "auto" tries NIXL first: where it is installed.
-        self.nixl = nixl_installed()
+        # Whether "auto" tries NIXL first: on a GPU worker where it is installed. NOTE: not on
+        # a CPU worker: a NIXL agent's progress thread spins a core from its first transfer on
+        # (NIXL's Python API fixes its delay at 0), which a CPU engine computes with.
+        self.nixl = engine.facts.device.startswith("cuda") and nixl_installed()
         self._peers_without_nixl: set[str] = set()  # peers that answered they have no NIXL
         self._nixl_info: bytes | None = None  # this worker's, once asked for
         self.shm_files = ShmFiles(shm_max_bytes)  # where same-host peers write blocks
@@ -212,9 +215,9 @@ class BlockTransfers:
     ) -> PullResult:
         """Take the leading blocks of ``hashes`` that this worker does not hold from the peer
         into the prefix cache. ``transport``: "nixl", "mapped", "shm", "grpc", or "auto" / ""
-        for the first of those the peer can serve (NIXL where both have it; gRPC at once for a
-        peer on another host without it). ``transfer_id``: the peer's lease on the blocks,
-        released once they are here (or wanted no more).
+        for the first of those the peer can serve (NIXL first on a GPU worker, where both have
+        it; gRPC at once for a peer on another host without it). ``transfer_id``: the peer's
+        lease on the blocks, released once they are here (or wanted no more).
 
         Raises ``grpc.aio.AioRpcError`` (the peer failed), ``ShmRefused`` or ``NixlRefused``
         (the transport asked for cannot be had), ValueError (the peer's blocks do not fit this

@@ -103,6 +103,7 @@ class CoreFacts:
     max_model_len: int
     kv_layout: KVLayout  # how its blocks travel as bytes
     kv_cache_file: str = ""  # its KV cache in this host's shared memory; empty: not there
+    device: str = "cpu"  # where the model runs: "cpu", "cuda", "cuda:1", ...
 
 
 @dataclass(frozen=True, slots=True)

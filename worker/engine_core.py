@@ -90,6 +90,7 @@ class EngineCore:
             max_model_len=engine.max_model_len,
             kv_layout=engine.kv_layout,
             kv_cache_file=engine.kv_cache_file or "",
+            device=engine.config.device,
         )
 
     def run(self, parent_pid: int | None = None) -> None:

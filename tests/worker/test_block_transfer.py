@@ -34,8 +34,6 @@ PROMPT = [256, *b"A long shared document, block after block of it. " * 6]  # 301
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[BackgroundWorker, BackgroundWorker]]:
     holder, taker = BackgroundWorker(CONFIG), BackgroundWorker(CONFIG)
-    # "auto" as without NIXL: these tests are about the transports that follow it.
-    taker.server.transfers.nixl = False
     yield holder, taker
     holder.close()
     taker.close()

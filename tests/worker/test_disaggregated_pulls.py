@@ -3,9 +3,9 @@ workers over real gRPC (prefill, decode, and one alone for reference), the decod
 small and its KV cache's invariants checked whenever it falls idle.
 
 Faults are put into the prefill worker's reads of its own blocks (what it streams to the decode
-worker), in the test's process, where that worker's serving side runs; so the decode worker
-pulls as it does without NIXL, whose reads the prefill worker does not make
-(tests/worker/test_nixl_pulls.py has those)."""
+worker), in the test's process, where that worker's serving side runs (a CPU worker's "auto"
+does not read over NIXL, where the prefill worker makes no reads: tests/worker/test_nixl_pulls.py
+has those)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,6 @@ def workers() -> Iterator[tuple[BackgroundWorker, BackgroundWorker, BackgroundWo
         BackgroundWorker(decode_config),
         BackgroundWorker(CONFIG),
     ]
-    started[1].server.transfers.nixl = False
     try:
         addresses = {w.server.address for w in started[:2]}
         assert wait_for(lambda: addresses <= live_addresses(index_address), 30)

@@ -101,8 +101,9 @@ def nixl_reads(worker: BackgroundWorker) -> list[int]:
 def test_a_prompt_pulled_over_nixl_serves_as_if_computed_here(
     index_url: str, decode_worker: BackgroundWorker, alone: BackgroundWorker
 ) -> None:
-    """auto takes NIXL: one read of the 43 blocks into those held for the request, the prefill
-    worker's lease let go, the tokens those of a worker that computed the prompt itself."""
+    """Named, nixl is one read of the 43 blocks into those held for the request, the prefill
+    worker's lease let go, the tokens those of a worker that computed the prompt itself. A CPU
+    worker's auto does not take it (a NIXL agent's progress thread spins a core)."""
     holder = BackgroundWorker(dataclasses.replace(CONFIG, index=index_url))
     try:
         in_fleet(index_url, holder.server.address)
@@ -110,7 +111,8 @@ def test_a_prompt_pulled_over_nixl_serves_as_if_computed_here(
         reads = nixl_reads(decode_worker)
         prompt = prompt_of(51)
         first = prefill(holder, prompt, "over-nixl")
-        request = decode_request(holder.server.address, prompt, first, "over-nixl")
+        address = holder.server.address
+        request = decode_request(address, prompt, first, "over-nixl", transport="nixl")
         tokens, final = decode(decode_worker, request)
         assert [first, *tokens] == expected_tokens(alone, prompt)
         assert reads == [NUM_PULLED]
@@ -119,6 +121,13 @@ def test_a_prompt_pulled_over_nixl_serves_as_if_computed_here(
         hashes = hash_prompt_blocks(prompt, BLOCK_SIZE, decode_worker.server.engine.namespace)
         assert set(hashes[:NUM_PULLED]) <= cached(decode_worker)
         assert wait_for(lambda: holder.load().num_free_blocks == 256)  # the lease let go
+
+        other = prompt_of(57)
+        first = prefill(holder, other, "auto")
+        tokens, final = decode(decode_worker, decode_request(address, other, first, "auto"))
+        assert [first, *tokens] == expected_tokens(alone, other)
+        assert final.stats.num_transferred_blocks == NUM_PULLED
+        assert reads == [NUM_PULLED]  # moved, but not over NIXL
         settled(decode_worker, checks)
     finally:
         holder.close()
@@ -127,10 +136,12 @@ def test_a_prompt_pulled_over_nixl_serves_as_if_computed_here(
 def test_a_holder_without_nixl_is_pulled_from_another_way_and_remembered(
     index_url: str, decode_worker: BackgroundWorker, alone: BackgroundWorker
 ) -> None:
-    """A prefill worker that answers it has no NIXL (FAILED_PRECONDITION): auto falls back to
-    the shared-memory and gRPC transports at once, and asks that peer no more; a pull that
-    names nixl fails, and the request computes its prompt here."""
+    """A prefill worker that answers it has no NIXL (FAILED_PRECONDITION): a GPU worker's auto
+    (which tries NIXL first) falls back to the shared-memory and gRPC transports at once, and
+    asks that peer no more; a pull that names nixl fails, and the request computes its prompt
+    here."""
     holder = BackgroundWorker(dataclasses.replace(CONFIG, index=index_url))
+    decode_worker.server.transfers.nixl = True  # auto as on a GPU worker
     try:
         in_fleet(index_url, holder.server.address)
 
@@ -158,6 +169,7 @@ def test_a_holder_without_nixl_is_pulled_from_another_way_and_remembered(
         assert reads == []
         assert address in decode_worker.server.transfers._peers_without_nixl
     finally:
+        decode_worker.server.transfers.nixl = False
         holder.close()
 
 
@@ -193,7 +205,9 @@ def test_a_holder_stopped_or_killed_before_the_read_costs_a_recompute(
         for i, signum in enumerate((signal.SIGSTOP, signal.SIGKILL)):
             failed = pull_failures(decode_worker, "failed")
             signal_before_read(decode_worker, core, signum)
-            request = decode_request(address, prompts[i], firsts[i], f"held-{i}", timeout_ms=2000)
+            request = decode_request(
+                address, prompts[i], firsts[i], f"held-{i}", transport="nixl", timeout_ms=2000
+            )
             tokens, final = decode(decode_worker, request)
             assert [firsts[i], *tokens] == expected_tokens(alone, prompts[i])
             assert final.stats.num_transferred_blocks == 0

@@ -33,17 +33,9 @@ OWN_SHM += [f'mount -t tmpfs tmpfs {SHM_DIR} && exec "$@"', "sh"]
 def pair() -> Iterator[tuple[BackgroundWorker, BackgroundWorker]]:
     config = dataclasses.replace(CONFIG, kv_cache_shm=True)  # mapped, the first choice
     holder, taker = BackgroundWorker(config), BackgroundWorker(config)
-    without_nixl(taker)
     yield holder, taker
     holder.close()
     taker.close()
-
-
-def without_nixl(taker: BackgroundWorker) -> BackgroundWorker:
-    """The taker's "auto" as where NIXL is not installed: these tests are about what follows
-    it (tests/worker/test_nixl_pulls.py has NIXL's)."""
-    taker.server.transfers.nixl = False
-    return taker
 
 
 def pull(taker: BackgroundWorker, address: str, hashes: list[bytes], transport: str = ""):
@@ -109,7 +101,7 @@ def test_a_holder_with_its_own_dev_shm_is_pulled_from_over_grpc_without_trying()
         ["worker", "--port", "0", "--kv-cache-bytes", str(64 * BLOCK_BYTES), "--kv-cache-shm"],
         prefix=OWN_SHM,
     )
-    taker = without_nixl(BackgroundWorker(CONFIG))
+    taker = BackgroundWorker(CONFIG)
     try:
         with grpc.insecure_channel(address) as channel:
             request = worker_pb2.WorkerGenerateRequest(
@@ -131,7 +123,7 @@ def test_a_holder_with_its_own_dev_shm_is_pulled_from_over_grpc_without_trying()
 
 
 def test_a_pull_over_the_takers_shared_memory_cap_goes_over_grpc() -> None:
-    holder, taker = BackgroundWorker(CONFIG), without_nixl(BackgroundWorker(CONFIG))  # shm
+    holder, taker = BackgroundWorker(CONFIG), BackgroundWorker(CONFIG)  # caches private: shm
     try:
         holder.generate(PROMPT, max_tokens=2)
         holder.generate(OTHER, max_tokens=2)
