@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
+
 SUBNET = "10.200.0"
 
 
@@ -22,6 +24,14 @@ class NetnsUnavailable(Exception):
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def hosts_or_skip() -> NetnsHosts:
+    """New hosts, or the test skipped, saying why, where namespaces cannot be made."""
+    try:
+        return NetnsHosts()
+    except NetnsUnavailable as e:
+        pytest.skip(f"{e}: the multi-host test needs network namespaces (root)")
 
 
 class NetnsHosts:

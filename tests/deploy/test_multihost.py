@@ -29,7 +29,7 @@ from kvswitch.serving import start_server_process
 from kvswitch.worker.engine import LLMEngine
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.request import SamplingParams
-from tests.deploy.netns import NetnsHosts, NetnsUnavailable
+from tests.deploy.netns import NetnsHosts, hosts_or_skip
 
 CLIENT = Path(__file__).with_name("netns_client.py")
 WORKERS = {"w1": 21, "w2": 22, "w3": 23}
@@ -67,10 +67,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    try:
-        hosts = NetnsHosts()
-    except NetnsUnavailable as e:
-        pytest.skip(f"{e}: the multi-host test needs network namespaces (root)")
+    hosts = hosts_or_skip()
     processes: list[subprocess.Popen] = []
     try:
         redis_address = hosts.add("redis", 2)

@@ -19,12 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.serving import start_server_process
 from kvswitch.worker.weights import model_namespace
-from tests.deploy.netns import NetnsHosts, NetnsUnavailable
+from tests.deploy.netns import NetnsHosts, hosts_or_skip
 from tests.worker.test_nixl_kv import needs_nixl
 
 pytestmark = needs_nixl
@@ -46,10 +44,7 @@ def tx_bytes(hosts: NetnsHosts, name: str) -> int:
 
 
 def test_blocks_read_over_nixl_across_hosts_and_a_link_cut_midway(tmp_path: Path) -> None:
-    try:
-        hosts = NetnsHosts()
-    except NetnsUnavailable as e:
-        pytest.skip(f"{e}: the multi-host test needs network namespaces (root)")
+    hosts = hosts_or_skip()
     processes: list[subprocess.Popen] = []
     try:
         addresses = {name: hosts.add(name, octet) for name, octet in (("p", 31), ("d", 32))}
