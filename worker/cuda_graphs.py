@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 # The largest step a prefill graph takes: past it the device's work, not the launches, sets the
 # step's time (a 4,096-token prompt of a 1B model: 26 ms of device time against 5 of launches).
 MAX_PREFILL_GRAPH_TOKENS = 512
+# Multiprocessors the memory estimate assumes, before any device is asked: an H100's or H200's.
+_NUM_SMS = 132
 
 
 def prefill_capture_sizes(max_num_tokens: int) -> list[int]:
@@ -83,8 +85,9 @@ def graph_memory_bytes(
     """The device memory the graphs of ``DecodeGraphs`` and ``PrefillGraphs`` will hold,
     estimated before the KV cache is sized (they are captured after it): the static inputs and
     outputs each keeps, and one forward's temporaries at the largest size in their shared
-    pools, plus a tenth for the allocator's rounding (random:llama-1b on an H200: 287 MiB
-    counted, 292 taken). The engine logs it beside what capture took."""
+    pools, plus a tenth for the allocator's rounding (random:llama-1b on an H200 took 292 MiB
+    where 287 were counted without that tenth and the split buffers; 351 now). The engine logs
+    it beside what capture took."""
     hidden, attention = config.hidden_size, (config.num_q_heads + 2 * config.num_kv_heads)
     per_row = (2 * hidden + attention * config.head_dim + 3 * config.intermediate_size) * (
         element_size
@@ -97,14 +100,14 @@ def graph_memory_bytes(
     max_blocks = -(-max_model_len // block_size)
     decode = max_num_seqs * (24 + 8 * max_blocks + 4 * config.vocab_size)
     decode += forward_bytes(max_num_seqs)
-    # Decode attention's splits: at most 4 programs per multiprocessor's worth (132 on an H100).
-    decode += 4 * 132 * config.num_q_heads // max(config.num_kv_heads, 1) * config.head_dim * 4
+    # Decode attention's splits: at most 4 programs per multiprocessor's worth.
+    decode += 4 * _NUM_SMS * config.num_q_heads // max(config.num_kv_heads, 1) * config.head_dim * 4
     sizes = prefill_capture_sizes(max_num_batched_tokens)
     held_per_row = config.num_layers * (attention * config.head_dim + hidden) * element_size
     held_per_row += (2 * hidden + config.num_q_heads * config.head_dim) * element_size + 16
-    # Attention's context splits (fp32), as many as one sequence's query heads need to fill 132
+    # Attention's context splits (fp32), as many as one sequence's query heads need to fill the
     # multiprocessors.
-    splits = max(1, 132 // config.num_q_heads)
+    splits = max(1, _NUM_SMS // config.num_q_heads)
     held_per_row += config.num_q_heads * splits * (config.head_dim + 1) * 4
     # (The head runs outside the stretches, on the step's logit rows only.)
     prefill = sum(sizes) * held_per_row + sizes[-1] * per_row
