@@ -239,13 +239,7 @@ def paged_prefill(
     else:
         if num_splits is None:
             num_programs = num_q_heads * num_seqs * num_q_tiles
-            num_splits = 1
-            if num_programs < num_sms(query.device):
-                if max_seq_len is None:
-                    max_seq_len = int(seq_lens.max().item())
-                num_splits = choose_prefill_splits(
-                    num_programs, max_seq_len - max_q_len, tiles.block_n, num_sms(query.device)
-                )
+            num_splits = _default_splits(num_programs, seq_lens, max_q_len, max_seq_len, tiles)
         elif num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         if num_splits > 1:
@@ -293,6 +287,23 @@ def paged_prefill(
     if num_splits > 1 and splits is None:
         merge_splits(partial, lse, out)
     return out
+
+
+def _default_splits(
+    num_programs: int,
+    seq_lens: torch.Tensor,
+    max_q_len: int,
+    max_seq_len: int | None,
+    tiles: Tiles,
+) -> int:
+    """``choose_prefill_splits`` for this launch; 1, with no sync, when the query tiles alone
+    fill the device."""
+    device_sms = num_sms(seq_lens.device)
+    if num_programs >= device_sms:
+        return 1
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    return choose_prefill_splits(num_programs, max_seq_len - max_q_len, tiles.block_n, device_sms)
 
 
 def check_splits(
