@@ -187,19 +187,25 @@ class BlockTransfers:
         else:
             raise ValueError("this worker's KV cache is not in shared memory (--kv-cache-shm)")
         lease_id = request.transfer_id or f"fetch-{uuid.uuid4().hex}"
-        block_ids = await asyncio.wrap_future(
-            self._engine.hold_blocks(list(request.block_hashes), lease_id, MAPPED_HOLD_S)
-        )
-        await context.write(
-            worker_pb2.KVBlockChunk(
-                layout=worker_pb2.KVLayout(**dataclasses.asdict(facts.kv_layout)),
-                num_blocks=len(block_ids),
-                block_ids=block_ids,
-                lease_id=lease_id,
-                host_id=self.host_id,
-                **reach,
+        try:
+            block_ids = await asyncio.wrap_future(
+                self._engine.hold_blocks(list(request.block_hashes), lease_id, MAPPED_HOLD_S)
             )
-        )
+            await context.write(
+                worker_pb2.KVBlockChunk(
+                    layout=worker_pb2.KVLayout(**dataclasses.asdict(facts.kv_layout)),
+                    num_blocks=len(block_ids),
+                    block_ids=block_ids,
+                    lease_id=lease_id,
+                    host_id=self.host_id,
+                    **reach,
+                )
+            )
+        except BaseException:
+            # NOTE: the asker went away before it had the ids (or they could not be sent):
+            # nobody will release the hold. Sent after it, on the same pipe, this runs after it.
+            self._engine.release(lease_id)
+            raise
 
     # -- the taker's side ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -170,6 +171,59 @@ def test_a_holder_without_nixl_is_pulled_from_another_way_and_remembered(
         assert address in decode_worker.server.transfers._peers_without_nixl
     finally:
         decode_worker.server.transfers.nixl = False
+        holder.close()
+
+
+def test_a_decode_request_cancelled_before_its_holder_answers_lets_the_lease_go(
+    index_url: str, decode_worker: BackgroundWorker
+) -> None:
+    """The client leaves while the prefill worker is still holding the blocks for the NIXL
+    fetch (before it answered their ids): the prefill worker lets the lease go at once (the
+    asker is gone; it would otherwise hold them a minute), and the decode worker frees what it
+    held for the request."""
+    holder = BackgroundWorker(dataclasses.replace(CONFIG, index=index_url))
+    try:
+        in_fleet(index_url, holder.server.address)
+        checks = num_integrity_checks(decode_worker)
+        prompt = prompt_of(58)
+        first = prefill(holder, prompt, "cancelled")  # held for 60 s
+        engine = holder.server.engine
+        original = engine.hold_blocks
+        holding, gate = threading.Event(), threading.Event()
+
+        def held_late(*args, **kwargs) -> Future:
+            """The hold goes to the engine core at once; its answer comes once ``gate`` opens."""
+            inner = original(*args, **kwargs)
+            holding.set()
+            result: Future = Future()
+
+            def later() -> None:
+                gate.wait()
+                error = inner.exception()
+                if result.set_running_or_notify_cancel():  # else its reader went away
+                    if error is None:
+                        result.set_result(inner.result())
+                    else:
+                        result.set_exception(error)
+
+            threading.Thread(target=later, daemon=True).start()
+            return result
+
+        engine.hold_blocks = held_late
+        request = decode_request(
+            holder.server.address, prompt, first, "cancelled", transport="nixl"
+        )
+        call = decode_worker.stub.Generate(request, timeout=60)
+        assert holding.wait(30)
+        call.cancel()
+        gate.set()
+        with pytest.raises(grpc.RpcError) as error:
+            next(call)
+        assert error.value.code() == grpc.StatusCode.CANCELLED
+        # Held again for the fetch, the blocks would stay 10 s; for the prefill, 60.
+        assert wait_for(lambda: holder.load().num_free_blocks == 256, 5)
+        settled(decode_worker, checks)
+    finally:
         holder.close()
 
 
