@@ -241,6 +241,26 @@ class BlockTransfers:
                 await self.release(peer_address, transfer_id)
             return PullResult(num_held, 0, 0, "")
         fetch = _Fetch(request_id, transfer_id, wanted, timeout_s)
+        try:
+            chosen, num_blocks, num_written = await self._pull_by(peer_address, fetch, transport)
+        except asyncio.CancelledError:
+            if transfer_id:
+                # NOTE: the peer may hold the blocks for a fetch whose answer was still on its
+                # way (the peer lets them go itself when it sees this worker leave first).
+                self._background(self.release(peer_address, transfer_id))
+            raise
+        # NOTE: every wanted block newly cached, into room enough that none evicted another:
+        # the whole chain is cached, no need to ask the engine core again.
+        whole = num_written == len(wanted) <= self._engine.load.num_free_blocks
+        num_cached = len(hashes) if whole else await self.num_cached(hashes)
+        num_bytes = num_blocks * self._engine.facts.kv_layout.bytes_per_block
+        return PullResult(num_cached, num_blocks, num_bytes, chosen)
+
+    async def _pull_by(
+        self, peer_address: str, fetch: _Fetch, transport: str
+    ) -> tuple[str, int, int]:
+        """The fetch by ``transport`` (or "" for the first that works): (the transport it went
+        by, blocks moved, blocks newly cached)."""
         same_host = "mapped" if self._may_share(peer_address) else "grpc"
         chosen = transport or ("nixl" if self._may_nixl(peer_address) else same_host)
         if chosen == "nixl":
@@ -272,12 +292,7 @@ class BlockTransfers:
                 chosen = "grpc"  # the peer cannot see this host's shared memory
         if chosen == "grpc":
             num_blocks, num_written = await self._fetch(peer_address, fetch, path="")
-        # NOTE: every wanted block newly cached, into room enough that none evicted another:
-        # the whole chain is cached, no need to ask the engine core again.
-        whole = num_written == len(wanted) <= self._engine.load.num_free_blocks
-        num_cached = len(hashes) if whole else await self.num_cached(hashes)
-        num_bytes = num_blocks * self._engine.facts.kv_layout.bytes_per_block
-        return PullResult(num_cached, num_blocks, num_bytes, chosen)
+        return chosen, num_blocks, num_written
 
     def _may_nixl(self, peer_address: str) -> bool:
         """Whether to try NIXL with the peer: installed here, and the peer has not said it has
