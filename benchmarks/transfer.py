@@ -39,6 +39,8 @@ block and tensor). ``UCX_TLS`` as the environment sets it (unset: UCX's own choi
 - ``copy_gbps``: one numpy copy of as many bytes, in this process, timed as often: the copy a
   transfer of the same bytes is measured against.
 - ``connect_ms``: the first read of one block, which connects to the holder.
+- ``idle_cpu_per_s``: CPU-seconds this process spends per second doing nothing, its agent made
+  and its reads done (NIXL's progress thread: about 1, a core, where it spins).
 """
 
 from __future__ import annotations
@@ -237,6 +239,15 @@ def _copy_gbps() -> float:
 # -- --transport nixl ----------------------------------------------------------------------------
 
 
+def _idle_cpu_per_s(seconds: float = 2.0) -> float:
+    """This process's CPU time over ``seconds`` of doing nothing, per second."""
+    before, start = os.times(), time.perf_counter()
+    time.sleep(seconds)
+    after = os.times()
+    used = (after.user - before.user) + (after.system - before.system)
+    return used / (time.perf_counter() - start)
+
+
 def _run_nixl(config: TransferBenchConfig) -> dict[str, object]:
     from kvswitch.worker.nixl_kv import NixlKVAgent, NixlPeerInfo, NixlUnavailable, load_nixl
 
@@ -267,6 +278,7 @@ def _run_nixl(config: TransferBenchConfig) -> dict[str, object]:
                 _read_prompt(reader, peer, caches, num_tokens, config.num_prompts)
                 for num_tokens in lengths
             ]
+            idle_cpu_per_s = _idle_cpu_per_s()
     finally:
         ours.close()  # the holder's cue to go
         holder.join(30)
@@ -282,6 +294,7 @@ def _run_nixl(config: TransferBenchConfig) -> dict[str, object]:
         "bytes_per_token": layout.bytes_per_block // BLOCK_SIZE,
         "num_reads": config.num_prompts,
         "connect_ms": connect_ms,
+        "idle_cpu_per_s": idle_cpu_per_s,
         "nixl_gbps": total["_bytes"] / total["_nixl_s"] / 1e9,
         "nixl_blocks_per_s": total["_blocks"] / total["_nixl_s"],
         "scattered_gbps": total["_bytes"] / total["_scattered_s"] / 1e9,

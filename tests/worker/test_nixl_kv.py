@@ -300,6 +300,7 @@ def test_bench_transfer_over_nixl_reads_every_length_and_checks_its_bytes(tmp_pa
     assert [p["scattered_num_descriptors"] for p in figures["prompts"]] == [8, 64]
     for key in ("nixl_gbps", "nixl_blocks_per_s", "scattered_gbps", "copy_gbps"):
         assert figures[key] > 0, key
+    assert figures["idle_cpu_per_s"] >= 0
 
 
 @pytest.mark.parametrize(
