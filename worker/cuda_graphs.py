@@ -467,18 +467,15 @@ class PrefillGraphs:
             stretches.slot_mapping[num_tokens : stretches.num_slots_set] = -1
         stretches.num_slots_set = num_tokens
         layers = self.model.model.layers
+        attended = stretches.attended[:num_tokens]
+        splits = stretches.splits
+        if splits is not None:
+            splits = (splits[0][:num_tokens], splits[1][:num_tokens])
         for index, (layer, (k_cache, v_cache)) in enumerate(
             zip(layers, self.kv_caches, strict=True)
         ):
             stretches.run(index)
-            splits = stretches.splits
-            layer.self_attn.attn.attend(
-                stretches.qkv[index][0][:num_tokens],
-                k_cache,
-                v_cache,
-                meta,
-                out=stretches.attended[:num_tokens],
-                splits=None if splits is None else (splits[0][:num_tokens], splits[1][:num_tokens]),
-            )
+            query = stretches.qkv[index][0][:num_tokens]
+            layer.self_attn.attn.attend(query, k_cache, v_cache, meta, attended, splits)
         stretches.run(len(layers))
         return self.model.logits(stretches.hidden, logit_rows)

@@ -221,7 +221,7 @@ def test_a_decode_request_cancelled_before_its_holder_answers_lets_the_lease_go(
             next(call)
         assert error.value.code() == grpc.StatusCode.CANCELLED
         # Held again for the fetch, the blocks would stay 10 s; for the prefill, 60.
-        assert wait_for(lambda: holder.load().num_free_blocks == 256, 5)
+        assert wait_for(lambda: holder.load().num_free_blocks == 256, 8)
         settled(decode_worker, checks)
     finally:
         holder.close()
