@@ -31,7 +31,10 @@ one NIXL READ into this process's own cache, every byte checked after it. The la
 Llama 3.2 1B's KV (16 layers x 8 KV heads x 64 dims, bfloat16): 32 KiB a token, 512 KiB a block.
 Each length is read twice over: its blocks in one run of consecutive ids on both sides (a
 descriptor per tensor), then scattered (every other block of the holder's: a descriptor per
-block and tensor). ``UCX_TLS`` as the environment sets it (unset: UCX's own choice). Figures:
+block and tensor). ``UCX_TLS`` as the environment sets it (unset: UCX's own choice).
+``--across-hosts``: the holder runs on a host of its own, a network namespace wired to this
+process's through a bridge (veth pairs, 1500-byte frames; root), and UCX is told to use TCP, as
+it would between two machines without RDMA. Figures:
 
 - ``nixl_gbps``, ``nixl_blocks_per_s``: bytes and blocks over all consecutive reads / their
   summed time (each read timed from the call to its return: descriptors, post, wait);
@@ -41,25 +44,31 @@ block and tensor). ``UCX_TLS`` as the environment sets it (unset: UCX's own choi
 - ``connect_ms``: the first read of one block, which connects to the holder.
 - ``idle_cpu_per_s``: CPU-seconds this process spends per second doing nothing, its agent made
   and its reads done (NIXL's progress thread: about 1, a core, where it spins).
+- ``link_bytes`` (``--across-hosts``): bytes the holder's host sent over its link meanwhile, at
+  least every byte read (else the reads did not cross it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import json
 import os
 import re
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvswitch.benchmarks.timing import BenchmarkUnavailable, machine_info
 from kvswitch.serving import start_server_process
 from kvswitch.worker.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvswitch.deploy.netns import NetnsHosts
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class TransferBenchConfig:
     transport: str = ""
     nixl_prompt_tokens: str = "1024,4096,16384"
     nixl_kv_layout: str = "16x8x64:bfloat16"
+    across_hosts: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prompts <= 0 or self.prompt_tokens < 16:
@@ -88,11 +98,14 @@ class TransferBenchConfig:
                     "prompt_tokens and --seed are for the workers' pulls; with --transport "
                     "nixl, nixl_prompt_tokens"
                 )
-        elif (self.nixl_prompt_tokens, self.nixl_kv_layout) != (
+        elif (self.nixl_prompt_tokens, self.nixl_kv_layout, self.across_hosts) != (
             defaults["nixl_prompt_tokens"].default,
             defaults["nixl_kv_layout"].default,
+            False,
         ):
-            raise ValueError("nixl_prompt_tokens and nixl_kv_layout are for --transport nixl")
+            raise ValueError(
+                "nixl_prompt_tokens, nixl_kv_layout and across_hosts are for --transport nixl"
+            )
 
     def nixl_lengths(self) -> list[int]:
         try:
@@ -119,6 +132,8 @@ class TransferBenchConfig:
 
 
 BLOCK_SIZE = 16
+# --across-hosts: the holder's and this process's addresses, away from the multi-host tests'.
+ACROSS_HOSTS_SUBNET = "10.201.0"
 
 
 def run(config: TransferBenchConfig) -> dict[str, object]:
@@ -258,18 +273,33 @@ def _run_nixl(config: TransferBenchConfig) -> dict[str, object]:
     layout = config.nixl_layout()
     lengths = config.nixl_lengths()
     max_blocks = max(lengths) // BLOCK_SIZE
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
     # Room for the longest prompt's blocks scattered over every other block.
-    holder = context.Process(target=_hold, args=(theirs, asdict(layout), 2 * max_blocks))
-    holder.start()
-    try:
-        deadline = time.monotonic() + 300
-        while not ours.poll(0.1):
-            if not holder.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the holder process did not publish its NIXL agent (above)")
-        peer = NixlPeerInfo.from_bytes(ours.recv_bytes())
+    hold = [
+        sys.executable,
+        "-m",
+        __name__,
+        "--hold",
+        json.dumps(asdict(layout)),
+        str(2 * max_blocks),
+    ]
+    hosts, link_bytes = None, None
+    with contextlib.ExitStack() as stack:
+        if config.across_hosts:
+            hosts = _hosts()
+            stack.callback(hosts.close)
+            # NOTE: on one machine UCX would read through CMA, network namespaces or not; and
+            # each side names its link, or UCX connects from every interface it has (from an
+            # address the other host has no route back to).
+            hold = [*hosts.prefix_for("holder"), "env", "UCX_NET_DEVICES=eth0", *hold]
+            stack.enter_context(_environ(UCX_TLS="tcp", UCX_NET_DEVICES=hosts.here_device))
+        holder = subprocess.Popen(hold, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        stack.callback(_stop, holder)
+        line = holder.stdout.readline()  # NOTE: it exits, closing its stdout, if it fails
+        if not line.startswith(b"{"):
+            raise RuntimeError(f"the holder process did not publish its NIXL agent: {line!r}")
+        peer = NixlPeerInfo.from_bytes(line)
         caches = _caches(layout, max_blocks, fill=False)
+        before, ucx_tls = _tx_bytes(hosts), os.environ.get("UCX_TLS", "")
         with NixlKVAgent(caches, name=f"bench-reader-{os.getpid()}") as reader:
             start = time.perf_counter()
             reader.read_blocks(peer, [0], [0], timeout_s=60)
@@ -279,17 +309,17 @@ def _run_nixl(config: TransferBenchConfig) -> dict[str, object]:
                 for num_tokens in lengths
             ]
             idle_cpu_per_s = _idle_cpu_per_s()
-    finally:
-        ours.close()  # the holder's cue to go
-        holder.join(30)
-        if holder.is_alive():
-            holder.kill()
-            holder.join()
+        if hosts is not None:
+            link_bytes = _tx_bytes(hosts) - before
     total = {key: sum(row[key] for row in rows) for key in rows[0] if key.startswith("_")}
     result = {
         "machine": machine_info(),
         "transport": "nixl",
-        "ucx_tls": os.environ.get("UCX_TLS", ""),
+        "ucx_tls": ucx_tls,
+        "across_hosts": config.across_hosts,
+        # Bytes the holder's host sent over its link during the reads (across hosts only): at
+        # least every byte read, or the reads did not cross it.
+        "link_bytes": link_bytes,
         "kv_layout": asdict(layout),
         "bytes_per_token": layout.bytes_per_block // BLOCK_SIZE,
         "num_reads": config.num_prompts,
@@ -362,16 +392,64 @@ def _read_prompt(
     }
 
 
-def _hold(conn: Connection, layout_fields: dict[str, Any], num_blocks: int) -> None:
-    """The holder process: a KV cache of known bytes behind a NIXL agent, its peer info sent
-    on ``conn``, held until the other end closes it."""
+def _hosts() -> NetnsHosts:
+    """A holder host in a network namespace of its own, and this process's namespace wired to
+    the same switch."""
+    from kvswitch.deploy.netns import NetnsHosts, NetnsUnavailable
+
+    try:
+        hosts = NetnsHosts(subnet=ACROSS_HOSTS_SUBNET)
+    except NetnsUnavailable as e:
+        raise BenchmarkUnavailable(f"--across-hosts needs network namespaces (root): {e}") from None
+    try:
+        hosts.add("holder", 2)
+        hosts.attach_here(1)
+    except Exception:
+        hosts.close()
+        raise
+    return hosts
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """This process's environment (and its children's) with ``values`` set, for a while."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _tx_bytes(hosts: NetnsHosts | None) -> int:
+    if hosts is None:
+        return 0
+    return int(hosts.run("holder", "cat", "/sys/class/net/eth0/statistics/tx_bytes").stdout)
+
+
+def _stop(holder: subprocess.Popen) -> None:
+    holder.stdin.close()  # the holder's cue to go
+    try:
+        holder.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        holder.kill()
+        holder.wait()
+
+
+def _hold(layout_fields: dict[str, Any], num_blocks: int) -> None:
+    """The holder process: a KV cache of known bytes behind a NIXL agent, its peer info printed
+    (one line), held until its stdin closes."""
     from kvswitch.worker.nixl_kv import NixlKVAgent
 
     caches = _caches(KVLayout(**layout_fields), num_blocks, fill=True)
     with NixlKVAgent(caches, name=f"bench-holder-{os.getpid()}") as agent:
-        conn.send_bytes(agent.peer_info().to_bytes())
-        with contextlib.suppress(EOFError):  # closed, or the reader died
-            conn.recv_bytes()
+        sys.stdout.buffer.write(agent.peer_info().to_bytes() + b"\n")
+        sys.stdout.flush()
+        sys.stdin.buffer.read()
 
 
 def _caches(layout: KVLayout, num_blocks: int, *, fill: bool) -> list:
@@ -414,3 +492,10 @@ def _check(caches: list, peer_block_ids: list[int], block_ids: list[int]) -> Non
         )
         if not np.array_equal(got, expected):
             raise RuntimeError(f"tensor {number}: the blocks read differ from the holder's")
+
+
+if __name__ == "__main__":
+    # The holder process: python -m kvswitch.benchmarks.transfer --hold LAYOUT_JSON NUM_BLOCKS
+    if sys.argv[1:2] != ["--hold"] or len(sys.argv) != 4:
+        sys.exit("usage: python -m kvswitch.benchmarks.transfer --hold LAYOUT_JSON NUM_BLOCKS")
+    _hold(json.loads(sys.argv[2]), int(sys.argv[3]))

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +64,7 @@ from kvswitch.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from kvswitch.worker.weights import load_model, model_namespace
 
 if TYPE_CHECKING:
-    from kvswitch.worker.nixl_kv import NixlKVAgent
+    from kvswitch.worker.nixl_kv import NixlKVAgent, PendingRead
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ class LLMEngine:
             )
         self._peer_caches = PeerCaches()  # same-host peers' caches, mapped
         self._nixl_agent: NixlKVAgent | None = None  # registered on first use
+        self._nixl_writes: dict[Hashable, PendingRead] = {}  # posted reads, by tag
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache
         )
@@ -337,31 +338,71 @@ class LLMEngine:
 
     def write_cached_blocks_nixl(
         self,
+        tag: Hashable,
         block_hashes: Sequence[bytes],
         peer_info: bytes,
         peer_block_ids: Sequence[int],
         timeout_s: float | None = None,
-    ) -> int:
+    ) -> int | None:
         """``write_cached_blocks`` with the blocks read over NIXL straight out of a peer's KV
-        cache (its ``nixl_peer_info``; the ids its ``hold_cached_blocks`` answered), one READ a
-        run of blocks that land together. ValueError if the read fails (the holder gone, a
-        timeout, by default ``nixl_kv``'s): nothing it was to fill is cached."""
+        cache (its ``nixl_peer_info``; the ids its ``hold_cached_blocks`` answered), one READ.
+
+        When every block goes into a block that a pull awaits (the request flow), the read is
+        posted and None returned: steps go on while it runs, and ``poll_nixl_writes`` says,
+        under ``tag``, when it is over. Otherwise the read is waited for, and how many blocks
+        were written returned. ValueError if the read fails (the holder gone, a timeout, by
+        default ``nixl_kv``'s): nothing it was to fill is cached."""
         if len(peer_block_ids) != len(block_hashes):
             raise ValueError(f"{len(peer_block_ids)} block ids for {len(block_hashes)} hashes")
+        if tag in self._nixl_writes:
+            raise ValueError(f"a NIXL write tagged {tag!r} is running already")
         from kvswitch.worker.nixl_kv import DEFAULT_TIMEOUT_S, NixlPeerInfo, NixlTransferError
 
         agent, peer = self._nixl(), NixlPeerInfo.from_bytes(peer_info)
-        # NOTE: the read runs on this engine's loop, which waits for it: never past the default.
-        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else min(timeout_s, DEFAULT_TIMEOUT_S)
-
-        def copy(positions: list[int], block_ids: list[int]) -> None:
-            peer_ids = [peer_block_ids[i] for i in positions]
-            agent.read_blocks(peer, peer_ids, block_ids, timeout_s=timeout_s)
-
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        targets = self.kv_cache.pull_targets(block_hashes)
         try:
-            return self._put_cached_blocks(block_hashes, copy)
+            if len(targets) < len(block_hashes):
+                # NOTE: the read runs on this engine's loop, which waits: never past the default.
+                timeout_s = min(timeout_s, DEFAULT_TIMEOUT_S)
+
+                def copy(positions: list[int], block_ids: list[int]) -> None:
+                    peer_ids = [peer_block_ids[i] for i in positions]
+                    agent.read_blocks(peer, peer_ids, block_ids, timeout_s=timeout_s)
+
+                return self._put_cached_blocks(block_hashes, copy)
+            peer_ids = [peer_block_ids[i] for i in targets]
+            block_ids = [block.block_id for block in targets.values()]
+            pending = agent.post_read(peer, peer_ids, block_ids, timeout_s=timeout_s)
         except NixlTransferError as e:
             raise ValueError(f"NIXL read from {peer.agent_name} failed: {e}") from e
+        self.kv_cache.begin_landing(tag, targets, block_hashes)
+        self._nixl_writes[tag] = pending
+        return None
+
+    @property
+    def num_nixl_writes(self) -> int:
+        """NIXL reads ``write_cached_blocks_nixl`` posted that are not over yet."""
+        return len(self._nixl_writes)
+
+    def poll_nixl_writes(self) -> list[tuple[Hashable, int | ValueError]]:
+        """The posted NIXL reads that are over, by tag: how many blocks each wrote (their
+        requests may run), or why it failed (the blocks it was to fill are not cached)."""
+        from kvswitch.worker.nixl_kv import NixlTransferError
+
+        over: list[tuple[Hashable, int | ValueError]] = []
+        for tag, pending in list(self._nixl_writes.items()):
+            try:
+                if pending.poll() is None:
+                    continue
+            except NixlTransferError as e:
+                self.kv_cache.end_landing(tag, written=False)
+                message = f"NIXL read from {pending.peer_name} failed: {e}"
+                over.append((tag, ValueError(message)))
+            else:
+                over.append((tag, self.kv_cache.end_landing(tag, written=True)))
+            del self._nixl_writes[tag]
+        return over
 
     def _nixl(self) -> NixlKVAgent:
         if self._nixl_agent is None:

@@ -8,7 +8,8 @@ end; ``core_protocol`` is what they say.
 The loop::
 
     commands = everything that arrived (wait for one when there is nothing to step)
-    run them: add, abort, snapshot, block transfers in and out
+    answer the NIXL reads it posted that are over
+    run them: add, abort, snapshot, block transfers in and out (a NIXL read: posted)
     step once, if any request is unfinished
     send one STEP: the step's outputs, the requests it failed, the cache events, the load
 
@@ -50,6 +51,10 @@ _IDLE_WAIT_S = 0.05
 _ORPHAN_CHECK_S = 1.0
 # A command the input thread queues when it fails: the core cannot go on without its input.
 _INPUT_FAILED = -1
+# What a call returns that is answered later (a NIXL read posted).
+_LATER = object()
+# How long the loop waits for commands, at most, while a NIXL read it posted runs.
+_NIXL_POLL_S = 5e-4
 
 
 class _ServingProcessGone(Exception):
@@ -122,9 +127,12 @@ class EngineCore:
                 # NOTE: woken when the first lease runs out, so that a peer that never came for
                 # the blocks frees them on time even on an idle worker.
                 timeout = min(max(lease_end_s - time.monotonic(), 0.0), timeout or math.inf)
+            if engine.num_nixl_writes:
+                timeout = min(timeout, _NIXL_POLL_S) if timeout is not None else _NIXL_POLL_S
             commands = self._take_commands(timeout)
             num_released = len(engine.release_expired_leases()) if lease_end_s is not None else 0
-            if not commands and not engine.has_unfinished() and not num_released:
+            num_answered = self._answer_nixl_writes() if engine.num_nixl_writes else 0
+            if not (commands or engine.has_unfinished() or num_released or num_answered):
                 continue
             commands_start = time.perf_counter()
             if not self._run_commands(commands):
@@ -235,7 +243,7 @@ class EngineCore:
             elif kind == wire.NIXL_INFO:
                 self._reply(message[1], self.engine.nixl_peer_info)
             elif kind == wire.WRITE_BLOCKS_NIXL:
-                self._reply(message[1], self.engine.write_cached_blocks_nixl, *message[2:])
+                self._reply(message[1], self._write_blocks_nixl, *message[1:])
             elif kind == wire.ADD_AWAITING_KV:
                 self._reply(message[1], self._add_awaiting_kv, message[2])
             elif kind == wire.KV_LANDED:
@@ -259,8 +267,27 @@ class EngineCore:
             logger.exception("call %d failed", call_id)
             self._send([wire.REPLY, call_id, False, f"{type(e).__name__}: {e}"])
         else:
+            if value is _LATER:
+                return
             value, payload = value if isinstance(value, tuple) else (value, None)
             self._send([wire.REPLY, call_id, True, value], payload)
+
+    def _write_blocks_nixl(self, call_id: int, *args: Any) -> Any:
+        """The call posts its read, when it can, and is answered once the read is over
+        (``_answer_nixl_writes``): steps go on meanwhile."""
+        written = self.engine.write_cached_blocks_nixl(call_id, *args)
+        return _LATER if written is None else written
+
+    def _answer_nixl_writes(self) -> int:
+        """Answer the NIXL reads that are over (each tagged with the call that posted it); how
+        many were."""
+        over = self.engine.poll_nixl_writes()
+        for call_id, result in over:
+            if isinstance(result, ValueError):
+                self._send([wire.REPLY, call_id, False, str(result)])
+            else:
+                self._send([wire.REPLY, call_id, True, result])
+        return len(over)
 
     def _add(self, request: Request | tuple[str, str]) -> None:
         if isinstance(request, tuple):

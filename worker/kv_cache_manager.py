@@ -20,6 +20,10 @@ the transfer writes into them::
     manager.pull_targets(hashes) -> fill(blocks)  # the transfer's writes, by hash
     manager.commit_pull(request)                  # filled leading run cached; rest computed
 
+A transfer that writes while steps go on (a NIXL read) brackets its writes with
+``begin_landing(transfer, targets, hashes)`` and ``end_landing(transfer, written)``: the blocks
+stay held by it until it ends, even if their request is aborted meanwhile.
+
 Its blocks never sit in the free queue while it waits, so nothing evicts them; the ones the
 transfer did not fill are never cached: the request computes them like any uncached block.
 
@@ -31,7 +35,7 @@ back (publishing BlockRemoved) so that no later request reuses KV that was never
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvswitch.cache_index.events import CacheEvent
@@ -92,6 +96,10 @@ class KVCacheManager:
         self._pulls: dict[str, _Pull] = {}
         self._hash_to_awaiting: dict[bytes, list[KVBlock]] = {}
         self._filled: set[int] = set()
+        # Awaited blocks a transfer is writing now, with their hashes, by transfer: each holds a
+        # reference until the transfer ends, so that an aborted request cannot free them to be
+        # reused under the write.
+        self._landing: dict[Hashable, list[tuple[KVBlock, bytes]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -248,7 +256,8 @@ class KVCacheManager:
         ``block_hashes`` -> a block awaiting it. Does not modify anything. Any block awaiting a
         hash may take its KV: the hash names the KV, whichever request's transfer brings it."""
         targets: dict[int, KVBlock] = {}
-        filled, taken = self._filled, set()
+        filled = self._filled
+        taken = {block.block_id for landed in self._landing.values() for block, _ in landed}
         for i, block_hash in enumerate(block_hashes):
             for block in self._hash_to_awaiting.get(block_hash, ()):
                 if block.block_id not in filled and block.block_id not in taken:
@@ -260,6 +269,35 @@ class KVCacheManager:
     def fill(self, blocks: Iterable[KVBlock]) -> None:
         """A transfer wrote the KV of these ``pull_targets`` blocks."""
         self._filled.update(block.block_id for block in blocks)
+
+    def begin_landing(
+        self, transfer: Hashable, targets: dict[int, KVBlock], block_hashes: Sequence[bytes]
+    ) -> None:
+        """A transfer writes ``pull_targets(block_hashes)`` from now until ``end_landing``:
+        each block held by one more reference meanwhile, and a target of no other transfer."""
+        if transfer in self._landing:
+            raise ValueError(f"transfer {transfer!r} is landing already")
+        self.pool.touch(targets.values())
+        self._landing[transfer] = [(block, block_hashes[i]) for i, block in targets.items()]
+
+    def end_landing(self, transfer: Hashable, written: bool) -> int:
+        """The transfer is over, its blocks' KV ``written`` or not: those still awaited (their
+        request not gone meanwhile) are ``fill``-ed if written, and each lets its reference go.
+        Returns how many were filled."""
+        landed = self._landing.pop(transfer)
+        filled = [
+            block
+            for block, block_hash in landed
+            if written and any(b is block for b in self._hash_to_awaiting.get(block_hash, ()))
+        ]
+        self.fill(filled)
+        self.pool.free_blocks(reversed([block for block, _ in landed]))
+        return len(filled)
+
+    @property
+    def num_landing(self) -> int:
+        """Transfers writing into awaited blocks now."""
+        return len(self._landing)
 
     def commit_pull(self, request: Request, num_written_blocks: int = 0) -> int:
         """The transfer for ``request`` is over: cache the leading run of its awaited blocks
@@ -390,10 +428,14 @@ class KVCacheManager:
             for block in lease.blocks:
                 refs[block.block_id] += 1
                 assert block.block_hash is not None, f"lease {lease_id!r} holds uncached {block}"
+        for transfer, landed in self._landing.items():
+            for block, _ in landed:
+                refs[block.block_id] += 1
+                assert block.block_hash is None, f"transfer {transfer!r} writes cached {block}"
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"block {block.block_id}: ref {block.ref_cnt} but in "
-                f"{refs[block.block_id]} tables and leases"
+                f"{refs[block.block_id]} tables, leases and transfers"
             )
         awaiting: dict[bytes, list[int]] = {}
         for request_id, pull in self._pulls.items():

@@ -11,6 +11,8 @@ taken by its Python code.
                                                         one READ: per layer, key then value, a
                                                         descriptor per run of consecutive ids
       UCX's progress thread serves the read  <-----     waits (a timeout), releases the handle
+                                                      post_read(...): the same, not waiting;
+                                                        its poll() says when it is over
 
 NIXL is an extra (``pip install 'kvswitch[nixl]'``, the ``nixl-cu12`` wheel): this module imports
 without it, and ``NixlKVAgent`` raises ``NixlUnavailable`` naming the extra. A cache lives in
@@ -278,11 +280,28 @@ class NixlKVAgent:
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> NixlRead:
         """Copy the peer's blocks ``peer_block_ids`` into this cache's ``block_ids`` (pair by
-        pair) with one READ, and wait for it.
+        pair) with one READ, and wait for it (``post_read``, then its ``poll`` until it ends)."""
+        pending = self.post_read(peer, peer_block_ids, block_ids, timeout_s=timeout_s)
+        pause_s = 0.0
+        while (read := pending.poll()) is None:
+            time.sleep(pause_s)
+            pause_s = min(max(2 * pause_s, 1e-5), _MAX_POLL_PAUSE_S)
+        return read
+
+    def post_read(
+        self,
+        peer: NixlPeerInfo,
+        peer_block_ids: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> PendingRead:
+        """Start copying the peer's blocks ``peer_block_ids`` into this cache's ``block_ids``
+        (pair by pair) with one READ; its ``poll`` says when it is over. (On one host UCX may
+        copy every byte inside the post; across hosts and on a GPU the read goes on meanwhile.)
 
         ValueError, before anything moves: the layouts differ, or an id is out of range.
-        ``NixlTransferError``: the peer could not be reached, the read failed, or it ran past
-        ``timeout_s`` (then the peer is dropped: its next read adds it again)."""
+        ``NixlTransferError``: the peer could not be reached."""
         self.layout.check_same(peer.layout)
         runs = coalesce_runs(peer_block_ids, block_ids)
         _check_ids(peer_block_ids, peer.num_blocks, "peer")
@@ -292,11 +311,11 @@ class NixlKVAgent:
         tensor_block_bytes = bytes_per_tensor_block(self.layout)
         read = NixlRead(len(block_ids), len(block_ids) * self.layout.bytes_per_block, 0)
         if not len(runs):
-            return read
+            return PendingRead(self, None, peer.agent_name, read, timeout_s)
         local = _descriptors(self._addrs, runs[:, 1], runs[:, 2], tensor_block_bytes)
         remote = _descriptors(peer.tensor_addrs, runs[:, 0], runs[:, 2], tensor_block_bytes)
         local[:, 2], remote[:, 2] = self.device_id, peer.device_id
-        deadline = time.monotonic() + timeout_s
+        read = dataclasses.replace(read, num_descriptors=len(local))
         self._add_peer(peer)
         try:
             handle = self._agent.initialize_xfer(
@@ -308,26 +327,9 @@ class NixlKVAgent:
         except Exception as e:  # NOTE: NIXL's binding errors share no base class of ours
             self._drop_peer(peer.agent_name)
             raise NixlTransferError(f"cannot read from {peer.agent_name}: {e}") from e
-        try:
-            state = self._agent.transfer(handle)
-            pause_s = 0.0
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(pause_s)
-                pause_s = min(max(2 * pause_s, 1e-5), _MAX_POLL_PAUSE_S)
-                state = self._agent.check_xfer_state(handle)
-        except Exception as e:
-            state = f"ERR ({e})"
-        if state == "DONE":
-            handle.release()
-            return dataclasses.replace(read, num_descriptors=len(local))
-        released = self._release(handle)
-        if released:
-            self._drop_peer(peer.agent_name)
-        what = f"timed out after {timeout_s:g} s" if state == "PROC" else f"failed: {state}"
-        raise NixlTransferError(
-            f"reading {len(block_ids)} blocks from {peer.agent_name} {what}; the blocks it was "
-            "to fill hold unknown bytes"
-        )
+        pending = PendingRead(self, handle, peer.agent_name, read, timeout_s)
+        pending.state = self._state(handle, start=True)
+        return pending
 
     def close(self) -> None:
         """Forget every peer and deregister the cache."""
@@ -363,6 +365,13 @@ class NixlKVAgent:
         except Exception as e:
             logger.warning("removing the NIXL peer %s failed: %s", name, e)
 
+    def _state(self, handle: Any, *, start: bool = False) -> str:
+        """A transfer's state ("PROC", "DONE", or "ERR..."), started first with ``start``."""
+        try:
+            return self._agent.transfer(handle) if start else self._agent.check_xfer_state(handle)
+        except Exception as e:  # NOTE: NIXL's binding errors share no base class of ours
+            return f"ERR ({e})"
+
     def _release(self, handle: Any) -> bool:
         """Release a transfer that did not finish (NIXL cancels it); False if it could not be."""
         try:
@@ -373,6 +382,57 @@ class NixlKVAgent:
             logger.warning("releasing an unfinished NIXL read failed: %s", e)
             return False
         return True
+
+
+class PendingRead:
+    """A READ ``NixlKVAgent.post_read`` started. ``poll`` returns None while it runs, the
+    ``NixlRead`` once it is done, and raises ``NixlTransferError`` when it failed or ran past
+    its timeout: its handle is then released, which cancels it, and the peer dropped (its next
+    read adds it again). Once ``poll`` has returned or raised, NIXL writes nothing more into the
+    blocks: a read whose cancel NIXL refuses is polled on, past its timeout, until it ends."""
+
+    def __init__(
+        self, agent: NixlKVAgent, handle: Any, peer_name: str, read: NixlRead, timeout_s: float
+    ) -> None:
+        self._agent = agent
+        self._handle = handle  # None once over
+        self.peer_name = peer_name
+        self.read = read
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.state = "DONE" if handle is None else "PROC"
+        self._failure = ""  # why it failed, once known; it may still be running (cancel refused)
+
+    def poll(self) -> NixlRead | None:
+        if self._handle is None:
+            if self._failure:
+                raise NixlTransferError(self._failure)
+            return self.read
+        if self.state == "PROC":
+            self.state = self._agent._state(self._handle)
+        if self.state == "DONE" and not self._failure:
+            self._handle.release()
+            self._handle = None
+            return self.read
+        if self.state == "PROC" and (self._failure or time.monotonic() < self.deadline):
+            return None  # running, or cancel refused and still running
+        if not self._failure:
+            what = (
+                f"timed out after {self.timeout_s:g} s"
+                if self.state == "PROC"
+                else f"failed: {self.state}"
+            )
+            self._failure = (
+                f"reading {self.read.num_blocks} blocks from {self.peer_name} {what}; the "
+                "blocks it was to fill hold unknown bytes"
+            )
+        released = self._agent._release(self._handle)
+        if not released and self.state == "PROC":
+            return None  # NOTE: still running: its blocks must not be reused before it ends
+        self._handle = None
+        if released:
+            self._agent._drop_peer(self.peer_name)
+        raise NixlTransferError(self._failure)
 
 
 def _check_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> None:

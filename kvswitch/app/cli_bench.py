@@ -167,6 +167,8 @@ TRANSFER_HELP = {
     "nixl_prompt_tokens": "--transport nixl: comma-separated prompt lengths in tokens",
     "nixl_kv_layout": "--transport nixl: the KV cache's LAYERSxKV_HEADSxHEAD_DIM:DTYPE (the "
     "default is Llama 3.2 1B's, 32 KiB a token)",
+    "across_hosts": "--transport nixl: the holder on a host of its own (a network namespace "
+    "wired to this one through a bridge; root), UCX over TCP, as between two machines",
 }
 
 PD_HELP = {

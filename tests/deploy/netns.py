@@ -1,29 +1,13 @@
-"""Hosts on one machine: each a Linux network namespace with its own address, wired to one
-bridge in a namespace of its own (``ip netns``, veth pairs; needs root). Nothing is attached to
-the machine's own network: traffic between the hosts stays inside their namespaces.
-
-    host ns (10.200.0.N/24) --veth--  switch ns: br0  --veth-- host ns ...
-
-``NetnsHosts.add(name, last_octet)`` makes a host; ``run``/``popen`` run a command on it;
-``cut``/``restore`` take its link down at the switch and up again; ``close`` removes it all.
-"""
+"""The multi-host tests' hosts (``kvswitch.deploy.netns``), or the test skipped where network
+namespaces cannot be made."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 
-SUBNET = "10.200.0"
+from kvswitch.deploy.netns import NetnsHosts, NetnsUnavailable
 
-
-class NetnsUnavailable(Exception):
-    """Network namespaces cannot be made here (not root, or no kernel support)."""
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+__all__ = ["NetnsHosts", "hosts_or_skip"]
 
 
 def hosts_or_skip() -> NetnsHosts:
@@ -32,63 +16,3 @@ def hosts_or_skip() -> NetnsHosts:
         return NetnsHosts()
     except NetnsUnavailable as e:
         pytest.skip(f"{e}: the multi-host test needs network namespaces (root)")
-
-
-class NetnsHosts:
-    def __init__(self) -> None:
-        self.prefix = f"kvs{os.getpid() % 100000}"
-        self.switch = f"{self.prefix}-sw"
-        self.hosts: dict[str, str] = {}  # name -> address
-        try:
-            _ip("netns", "add", self.switch)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            raise NetnsUnavailable(f"cannot create a network namespace: {detail.strip()}") from e
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
-
-    def namespace(self, name: str) -> str:
-        return f"{self.prefix}-{name}"
-
-    def _switch_port(self, name: str) -> str:
-        return f"{self.prefix}{name}s"  # at most 15 characters
-
-    def add(self, name: str, last_octet: int) -> str:
-        """A new host; its address."""
-        namespace, address = self.namespace(name), f"{SUBNET}.{last_octet}"
-        _ip("netns", "add", namespace)
-        self.hosts[name] = address
-        port = self._switch_port(name)
-        _ip(
-            "link", "add", "eth0", "netns", namespace, "type", "veth",
-            "peer", "name", port, "netns", self.switch,
-        )  # fmt: skip
-        _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
-        _ip("-n", namespace, "link", "set", "eth0", "up")
-        _ip("-n", namespace, "link", "set", "lo", "up")
-        _ip("-n", self.switch, "link", "set", port, "master", "br0")
-        _ip("-n", self.switch, "link", "set", port, "up")
-        return address
-
-    def prefix_for(self, name: str) -> list[str]:
-        """What runs a command on host ``name``."""
-        return ["ip", "netns", "exec", self.namespace(name)]
-
-    def run(self, name: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.prefix_for(name), *args], capture_output=True, text=True)
-
-    def popen(self, name: str, *args: str, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen([*self.prefix_for(name), *args], **kwargs)
-
-    def cut(self, name: str) -> None:
-        """Take the host's link down at the switch: nothing reaches it, nothing says so."""
-        _ip("-n", self.switch, "link", "set", self._switch_port(name), "down")
-
-    def restore(self, name: str) -> None:
-        _ip("-n", self.switch, "link", "set", self._switch_port(name), "up")
-
-    def close(self) -> None:
-        for name in self.hosts:
-            subprocess.run(["ip", "netns", "del", self.namespace(name)], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)
-        self.hosts.clear()

@@ -637,5 +637,5 @@ def test_integrity_counts_a_leases_references() -> None:
     manager.free(r1)
     manager.check_integrity()
     manager.pool.blocks[0].ref_cnt += 1
-    with pytest.raises(AssertionError, match="in 1 tables and leases"):
+    with pytest.raises(AssertionError, match="in 1 tables, leases and transfers"):
         manager.check_integrity()

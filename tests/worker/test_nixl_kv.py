@@ -86,6 +86,9 @@ class Holder:
             assert time.monotonic() < deadline, "the holder did not stop"
             time.sleep(0.001)
 
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
 
 def _state(task: Path) -> str:
     """A thread's state letter (R running, S sleeping, T stopped, ...)."""
@@ -240,6 +243,42 @@ def test_a_read_from_a_stopped_holder_times_out_and_one_waiting_as_it_is_killed_
 
 
 @needs_nixl
+def test_a_posted_read_whose_cancel_is_refused_is_polled_until_it_ends(
+    reader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``post_read`` returns while the read runs (over TCP from a stopped holder); past its
+    timeout the handle is released, and where NIXL refuses that (made to here: NIXL keeps such
+    a handle), ``poll`` says the read still runs, so that nobody reuses its blocks, until it
+    ends: then it raises the timeout."""
+    agent, _ = reader
+    stuck = Holder("test-stuck-holder", seed=5, env={"UCX_TLS": "tcp"})
+    try:
+        agent.read_blocks(stuck.info, [1], [1])  # connected
+        stuck.pause()
+        pending = agent.post_read(stuck.info, range(8), range(8), timeout_s=0.5)
+        assert pending.poll() is None
+        release, refusing = agent._release, [True]
+        monkeypatch.setattr(agent, "_release", lambda h: not refusing[0] and release(h))
+        while time.monotonic() < pending.deadline + 0.5:
+            assert pending.poll() is None  # past its timeout, cancel refused: still running
+        stuck.resume()
+        refusing[0] = False
+        deadline = time.monotonic() + 30
+        with pytest.raises(
+            NixlTransferError, match=r"from test-stuck-holder timed out after 0\.5 s"
+        ):
+            while pending.poll() is None:
+                assert time.monotonic() < deadline, "the read never ended"
+                time.sleep(0.001)
+        assert pending.state != "PROC"
+        with pytest.raises(NixlTransferError):  # and says so again
+            pending.poll()
+    finally:
+        stuck.kill()
+    assert agent.peer_names == []  # released: the peer dropped, as after any failed read
+
+
+@needs_nixl
 def test_a_peer_restarted_under_its_name_is_replaced(reader) -> None:
     agent, caches = reader
     first = Holder("test-restarted-holder", seed=4)
@@ -303,11 +342,31 @@ def test_bench_transfer_over_nixl_reads_every_length_and_checks_its_bytes(tmp_pa
     assert figures["idle_cpu_per_s"] >= 0
 
 
+@needs_nixl
+def test_bench_transfer_across_hosts_reads_over_the_link(tmp_path: Path) -> None:
+    """``--across-hosts``: the holder on a host of its own (a network namespace), UCX over
+    TCP: every byte read crossed the holder's link, and was checked."""
+    if os.geteuid() != 0:
+        pytest.skip("--across-hosts makes network namespaces: root only")
+    out = tmp_path / "hosts.json"
+    args = ["--nixl-prompt-tokens", "256", "--nixl-kv-layout", "2x2x32:bfloat16"]
+    args += ["--across-hosts", "--num-prompts", "1", "--json", str(out)]
+    main(["bench", "transfer", "--transport", "nixl", *args])
+    figures = json.loads(out.read_text())
+    assert (figures["across_hosts"], figures["ucx_tls"]) == (True, "tcp")
+    num_bytes = 16 * 2 * 2 * 2 * 2 * 16 * 32  # 16 blocks of 16 tokens, bf16 K and V
+    # The connect read, then the prompt read twice (one run, then scattered).
+    assert figures["link_bytes"] >= 2 * num_bytes
+    assert figures["nixl_gbps"] > 0
+    assert os.environ.get("UCX_TLS") is None or os.environ["UCX_TLS"] != "tcp"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--transport", "grpc"], "--transport must be nixl, or empty for the workers'"),
-        (["--nixl-prompt-tokens", "1024"], "--nixl-prompt-tokens and --nixl-kv-layout are for"),
+        (["--nixl-prompt-tokens", "1024"], "--nixl-prompt-tokens, --nixl-kv-layout and --across"),
+        (["--across-hosts"], "--nixl-prompt-tokens, --nixl-kv-layout and --across-hosts are for"),
         (["--transport", "nixl", "--prompt-tokens", "64"], "--prompt-tokens and --seed are for"),
         (["--transport", "nixl", "--nixl-prompt-tokens", "100"], "multiples of 16, not '100'"),
         (["--transport", "nixl", "--nixl-kv-layout", "16x8:bf16"], "must read LAYERSxKV_HEADS"),

@@ -278,6 +278,139 @@ def test_a_holder_stopped_or_killed_before_the_read_costs_a_recompute(
             holder.wait(timeout=30)
 
 
+def test_the_decode_worker_steps_on_while_a_nixl_read_runs(
+    index_url: str, decode_worker: BackgroundWorker, alone: BackgroundWorker
+) -> None:
+    """The decode worker's engine core posts the read and goes on: while a read from a stopped
+    prefill worker waits out its 5 s, the core answers other calls (a snapshot of its cache)
+    and a request running there streams on (a read waited for inside the step loop would stall
+    both until it ended); the pulled request then computes its prompt."""
+    holder, address = start_server_process(
+        ["worker", "--port", "0", "--kv-cache-bytes", str(256 * BLOCK_BYTES), "--index", index_url]
+    )
+    streamed: list[int] = []
+    running = decode_worker.stub.Generate(
+        worker_pb2.WorkerGenerateRequest(
+            request_id="streaming",
+            prompt_token_ids=[256, 7, 8, 9],
+            sampling=common_pb2.SamplingParams(max_tokens=8000, temperature=0.0),
+        ),
+        timeout=300,
+    )
+    reader = threading.Thread(target=stream_into, args=(running, streamed), daemon=True)
+    try:
+        in_fleet(index_url, address)
+        prompt = prompt_of(59)
+        first = held_first_token(address, prompt, "beside")
+        reader.start()
+        assert wait_for(lambda: len(streamed) > 0, 30)
+        checks = num_integrity_checks(decode_worker)
+        core = engine_core_pid(holder.pid)
+        signal_before_read(decode_worker, core, signal.SIGSTOP)
+        window = streamed_during_reads(decode_worker, streamed)
+        request = decode_request(
+            address, prompt, first, "beside", transport="nixl", timeout_ms=5000
+        )
+        decoded: Future = Future()
+        threading.Thread(target=lambda: decoded.set_result(decode(decode_worker, request))).start()
+        assert wait_for(lambda: len(window) == 1, 30)  # the read is asked for
+        cached(decode_worker)  # a snapshot: the core answers it
+        num_streamed = len(streamed)
+        assert wait_for(lambda: len(streamed) > num_streamed + 1 or bool(window[0]), 30)
+        assert not window[0], "the core answered nothing else, or streamed nothing, while it read"
+        tokens, final = decoded.result(timeout=60)
+        assert [first, *tokens] == expected_tokens(alone, prompt)
+        assert final.stats.num_transferred_blocks == 0
+        assert reader.is_alive(), "the running request ended before the read did"
+        os.kill(core, signal.SIGCONT)
+        running.cancel()
+        reader.join(30)
+        settled(decode_worker, checks)
+    finally:
+        running.cancel()
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+def test_blocks_a_nixl_read_writes_stay_held_when_their_request_leaves(
+    index_url: str, decode_worker: BackgroundWorker
+) -> None:
+    """The client leaves while the read into its request's blocks runs (from a stopped prefill
+    worker): the request is gone at once, but the blocks the read writes stay out of the free
+    queue until it ends (its time runs out), so that no other request takes them under it;
+    then every block is free and the cache clean."""
+    holder, address = start_server_process(
+        ["worker", "--port", "0", "--kv-cache-bytes", str(256 * BLOCK_BYTES), "--index", index_url]
+    )
+    try:
+        in_fleet(index_url, address)
+        prompt = prompt_of(60)
+        first = held_first_token(address, prompt, "left")
+        checks = num_integrity_checks(decode_worker)
+        core = engine_core_pid(holder.pid)
+        signal_before_read(decode_worker, core, signal.SIGSTOP)
+        window = streamed_during_reads(decode_worker, [])
+        total = decode_worker.load().num_total_blocks
+        request = decode_request(address, prompt, first, "left", transport="nixl", timeout_ms=8000)
+        call = decode_worker.stub.Generate(request, timeout=60)
+        assert wait_for(lambda: len(window) == 1, 30)  # the read is asked for
+        call.cancel()
+        assert wait_for(
+            lambda: decode_worker.load().num_waiting_requests == 0, 30
+        )  # the request left
+        assert decode_worker.load().num_free_blocks == total - NUM_PULLED
+        assert wait_for(lambda: decode_worker.load().num_free_blocks == total, 30)  # 8 s ran out
+        os.kill(core, signal.SIGCONT)
+        settled(decode_worker, checks)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+def stream_into(call: Iterator[worker_pb2.WorkerGenerateResponse], tokens: list[int]) -> None:
+    """Append the streamed tokens to ``tokens`` until the call ends or is cancelled."""
+    try:
+        for response in call:
+            if response.HasField("chunk"):
+                tokens.extend(response.chunk.token_ids)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.CANCELLED:
+            raise
+
+
+def held_first_token(address: str, prompt: list[int], request_id: str) -> int:
+    """Prefill ``prompt`` on the worker at ``address``, its blocks held a minute; the first
+    token."""
+    with grpc.insecure_channel(address) as channel:
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+            hold_blocks_ms=60_000,
+        )
+        responses = list(worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60))
+    return responses[0].chunk.token_ids[0]
+
+
+def streamed_during_reads(worker: BackgroundWorker, streamed: list[int]) -> list[list[int]]:
+    """For each NIXL read ``worker``'s engine core is asked for from now: ``len(streamed)``
+    when it was asked, and again when it answered (an empty list until then)."""
+    windows: list[list[int]] = []
+    engine = worker.server.engine
+    original: Callable[..., Future] = engine.write_blocks_nixl
+
+    def watched(*args, **kwargs) -> Future:
+        window: list[int] = []
+        before = len(streamed)
+        future = original(*args, **kwargs)
+        future.add_done_callback(lambda _: window.extend((before, len(streamed))))
+        windows.append(window)
+        return future
+
+    engine.write_blocks_nixl = watched
+    return windows
+
+
 def engine_core_pid(worker_pid: int) -> int:
     """The pid of a worker's engine core: the child its serving process spawned (the other
     is multiprocessing's resource tracker)."""

@@ -132,3 +132,43 @@ def test_an_aborted_request_waiting_for_kv_frees_its_blocks() -> None:
     assert scheduler.num_waiting == 0
     assert scheduler.kv_landed("r") == 0
     manager.check_integrity()
+
+
+def test_blocks_a_transfer_is_writing_stay_held_past_their_request_and_land_once() -> None:
+    """A transfer that writes while steps go on (a NIXL read) holds its blocks from
+    ``begin_landing`` to ``end_landing``: no other transfer targets them meanwhile; written,
+    they are filled and land; and if their request is aborted meanwhile they leave the free
+    queue only when the transfer ends, and fill nothing."""
+    scheduler, manager, request = awaiting()
+    targets = manager.pull_targets(request.block_hashes)
+    manager.begin_landing("read-1", targets, request.block_hashes)
+    assert manager.pull_targets(request.block_hashes) == {}  # not twice
+    assert [manager.pool.blocks[i].ref_cnt for i in range(5)] == [2, 2, 2, 2, 1]
+    manager.check_integrity()
+    assert manager.end_landing("read-1", written=True) == 4
+    assert scheduler.kv_landed("r") == 4
+    assert manager.pool.cached_block_hashes() == request.block_hashes[:4]
+    manager.check_integrity()
+
+    scheduler, manager, request = awaiting()
+    manager.begin_landing(
+        "read-2", manager.pull_targets(request.block_hashes), request.block_hashes
+    )
+    scheduler.remove(request)  # aborted while the read runs
+    assert manager.pool.free_queue.block_ids() == [5, 6, 7, 8, 9, 4]  # the tail's only
+    manager.check_integrity()
+    assert manager.end_landing("read-2", written=True) == 0  # its request is gone
+    assert manager.pool.free_queue.block_ids() == [5, 6, 7, 8, 9, 4, 3, 2, 1, 0]
+    assert not manager.pool.cached_block_hashes()
+    assert manager.num_landing == 0
+    manager.check_integrity()
+
+
+def test_a_failed_transfer_lands_nothing_and_its_request_computes() -> None:
+    scheduler, manager, request = awaiting()
+    manager.begin_landing("read", manager.pull_targets(request.block_hashes), request.block_hashes)
+    assert manager.end_landing("read", written=False) == 0
+    assert scheduler.kv_landed("r") == 0
+    assert not manager.pool.cached_block_hashes()
+    assert manager.get_block_ids("r") == [0, 1, 2, 3, 4]
+    manager.check_integrity()
