@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import queue
 import signal
@@ -126,7 +125,8 @@ class EngineCore:
             if lease_end_s is not None:
                 # NOTE: woken when the first lease runs out, so that a peer that never came for
                 # the blocks frees them on time even on an idle worker.
-                timeout = min(max(lease_end_s - time.monotonic(), 0.0), timeout or math.inf)
+                lease_wait_s = max(lease_end_s - time.monotonic(), 0.0)
+                timeout = lease_wait_s if timeout is None else min(lease_wait_s, timeout)
             if engine.num_nixl_writes:
                 timeout = min(timeout, _NIXL_POLL_S) if timeout is not None else _NIXL_POLL_S
             commands = self._take_commands(timeout)

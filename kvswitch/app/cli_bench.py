@@ -171,6 +171,17 @@ TRANSFER_HELP = {
     "wired to this one through a bridge; root), UCX over TCP, as between two machines",
 }
 
+HOLDER_HELP = {
+    "transports": "comma-separated: the phases after the first (streams alone), each with pulls "
+    "over one of grpc, shm, mapped, nixl",
+    "num_streams": "decode streams on the holder, each sending short prompts one after another",
+    "output_tokens": "tokens each of the streams' requests generates",
+    "num_prompts": "prompts the holder computes and the other worker pulls, round and round",
+    "prompt_tokens": "tokens per pulled prompt (16 a block, 32 KiB each)",
+    "duration_s": "seconds of each phase",
+    "seed": "random seed of the prompts",
+}
+
 PD_HELP = {
     "num_workers": "workers per cluster: all of role both, then one prefill worker and the rest "
     "decode workers",
@@ -280,6 +291,7 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
     from kvswitch.benchmarks import admission as admission_bench
     from kvswitch.benchmarks import engine as engine_bench
     from kvswitch.benchmarks import hashing as hash_bench
+    from kvswitch.benchmarks import holder as holder_bench
     from kvswitch.benchmarks import http_front as http_bench
     from kvswitch.benchmarks import index as index_bench
     from kvswitch.benchmarks import kernels as kernel_bench
@@ -381,6 +393,14 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             TRANSFER_HELP,
             "cached KV blocks pulled from one worker process into another, GB/s over gRPC and "
             "through shared memory, or read over NIXL (--transport nixl)",
+        ),
+        (
+            "holder",
+            holder_bench.run,
+            holder_bench.HolderBenchConfig,
+            HOLDER_HELP,
+            "what serving pulls of its cached KV costs a worker's own decodes, per transport: "
+            "their ITL while another worker pulls",
         ),
         (
             "pd",

@@ -9,6 +9,8 @@ from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.request import Request, SamplingParams
+from kvswitch.worker.server import WorkerConfig
+from tests.worker.background import BackgroundWorker
 from tests.worker.driver import admit
 
 B = 4
@@ -57,3 +59,20 @@ def test_a_mapped_fetch_names_the_blocks_its_lease_holds_for_the_asked_time() ->
     assert engine.release_lease("r")
     assert pool.num_free_blocks == pool.num_blocks
     engine.close()
+
+
+def test_requests_run_on_while_a_lease_is_held() -> None:
+    """A worker holding a finished request's blocks for a peer (a minute) runs its other
+    requests step after step, not one step per command that happens to arrive: they finish
+    while the lease is still held. (The core's loop once waited for the lease's end between
+    steps whenever requests were running.)"""
+    worker = BackgroundWorker(WorkerConfig(port=0, kv_cache_bytes=256 * (32 << 10)))
+    try:
+        worker.generate([256, *range(40)], request_id="held", max_tokens=1, hold_blocks_ms=60_000)
+        for i in range(3):  # one after another: no command arrives while one runs
+            tokens, _, _ = worker.generate([256, i, *range(30)], max_tokens=64, timeout=30)
+            assert len(tokens) == 64
+        load = worker.load()
+        assert load.num_free_blocks < load.num_total_blocks  # the lease still holds its blocks
+    finally:
+        worker.close()
