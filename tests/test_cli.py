@@ -46,6 +46,7 @@ COMMANDS = [
     ["bench", "step"],
     ["bench", "admission"],
     ["bench", "transfer"],
+    ["bench", "holder"],
     ["bench", "pd"],
     ["bench", "overload"],
     ["bench", "routing"],
@@ -334,6 +335,27 @@ def test_bench_transfer_moves_every_block_between_worker_processes(tmp_path: Pat
     assert figures["grpc_gbps"] > 0 and figures["blocks_per_s"] > 0
     assert figures["shm_gbps"] > 0 and figures["shm_blocks_per_s"] > 0
     assert figures["copy_gbps"] > max(figures["grpc_gbps"], figures["shm_gbps"])
+
+
+def test_bench_holder_times_the_holders_decodes_with_and_without_pulls(tmp_path: Path) -> None:
+    """Each phase's streams decode on the holder; a pulling phase moves every block of a
+    prompt each pull (the taker holds one prompt), over the transport it names."""
+    out = tmp_path / "holder.json"
+    args = ["--transports", "grpc,mapped", "--num-streams", "1", "--output-tokens", "8"]
+    args += ["--num-prompts", "2", "--prompt-tokens", "64", "--duration-s", "1"]
+    main(["bench", "holder", *args, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert sorted(figures["phases"]) == ["grpc", "mapped", "none"]  # JSON sorts its keys
+    assert figures["prompt_bytes"] == 4 * (32 << 10)
+    for phase in figures["phases"].values():
+        assert 0 < phase["itl_ms"]["p50"] <= phase["itl_ms"]["p99"]
+        assert phase["decode_tokens_per_s"] > 0
+    for transport in ("grpc", "mapped"):
+        assert figures["phases"][transport]["num_pulls"] >= 1
+        assert figures["phases"][transport]["pull_gbps"] > 0
+    assert "num_pulls" not in figures["phases"]["none"]
+    with pytest.raises(SystemExit):
+        main(["bench", "holder", "--transports", "grpc,carrier-pigeon"])
 
 
 def test_bench_admission_times_the_gaps_between_the_cores_steps(tmp_path: Path) -> None:
