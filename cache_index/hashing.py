@@ -37,6 +37,7 @@ ROOT_DOMAIN = b"kvswitch/v1\x00"
 TAG_LORA = 0x01
 TAG_CACHE_SALT = 0x02
 TAG_MM_ITEM = 0x03
+TAG_ENGINE_EXTRA = 0x04  # what another engine hashed into a block besides tokens and adapter
 
 _FIELD_HEADER = struct.Struct("<BI")  # tag: u8, payload length: u32
 _U32 = struct.Struct("<I")
@@ -213,6 +214,13 @@ def _check_token_array(tokens: np.ndarray) -> None:
 
 def _field(tag: int, payload: bytes) -> bytes:
     return _FIELD_HEADER.pack(tag, len(payload)) + payload
+
+
+def engine_extra_field(payload: bytes) -> bytes:
+    """The extra-key bytes for what another engine (vLLM) hashed into a block besides its
+    tokens and LoRA adapter, ``payload`` encoding it: a block with it never shares a name with
+    one without."""
+    return _field(TAG_ENGINE_EXTRA, payload)
 
 
 @dataclass(frozen=True, slots=True)
