@@ -114,6 +114,7 @@ class EngineEventFeed:
     async def run(self) -> None:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)
         sub.setsockopt(zmq.SUBSCRIBE, self.engine.topic.encode())
         sub.connect(self.engine.events)
         # NOTE: told of every connection made: one made again may lead to a restarted engine.
@@ -197,6 +198,7 @@ class EngineEventFeed:
         status.num_replays += 1
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
         dealer.connect(self.engine.replay)
         first = True
         try:

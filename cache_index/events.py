@@ -16,10 +16,16 @@ class BlockStored:
     """These hashes became cached: consecutive blocks of one chain, in chain order.
 
     The hashes are all an index reads. Each one already names its block's whole prefix, tokens,
-    adapter and extra keys (docs/HASHING.md), so none of those travel with it.
+    adapter and extra keys (docs/HASHING.md), so none of those travel to it. A worker that also
+    publishes its events in vLLM's format (``--kv-events-config``) records what that format
+    carries: the blocks' tokens, concatenated, the hash before the first (None at a chain's
+    root) and the LoRA adapter; empty otherwise, and for blocks pulled from a peer.
     """
 
     block_hashes: tuple[bytes, ...]
+    token_ids: tuple[int, ...] = ()
+    parent_block_hash: bytes | None = None
+    lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

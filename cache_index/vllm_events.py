@@ -344,3 +344,36 @@ class EngineBlockNames:
         if name is not None:
             self._holders[name] -= 1
         return name
+
+
+def engine_hash_of(name: bytes) -> int:
+    """What a kvswitch worker calls a block in vLLM-format events: the first 64 bits of its
+    name, as vLLM's own default names are 64-bit ints."""
+    return int.from_bytes(name[:8], "big")
+
+
+def to_engine_events(events: Sequence[CacheEvent], block_size: int) -> list[EngineEvent]:
+    """A kvswitch worker's cache events in vLLM's format, its blocks in the engine's one tier
+    ("GPU", as vLLM calls the device's cache, whatever the device). A stored event without its
+    tokens (blocks pulled from a peer) is left out: a consumer could not name its blocks."""
+    out: list[EngineEvent] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            if not event.token_ids:
+                continue
+            parent = event.parent_block_hash
+            out.append(
+                EngineBlockStored(
+                    tuple(map(engine_hash_of, event.block_hashes)),
+                    None if parent is None else engine_hash_of(parent),
+                    event.token_ids,
+                    block_size,
+                    lora_name=event.lora,
+                    medium=GPU,
+                )
+            )
+        elif isinstance(event, BlockRemoved):
+            out.append(EngineBlockRemoved(tuple(map(engine_hash_of, event.block_hashes)), GPU))
+        else:
+            out.append(EngineAllBlocksCleared())
+    return out

@@ -15,21 +15,86 @@ queues.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import zmq
 
 from kvswitch.cache_index.vllm_events import EngineEvent, EngineEventBatch, encode_batch
+from kvswitch.security import is_loopback
 
 logger = logging.getLogger(__name__)
 
 END_SEQ_BYTES = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``--kv-events-config``: vLLM's field names and defaults (one JSON object). Publishing is
+    on with ``enable_kv_cache_events``; ``publisher`` is "zmq" then, "null" otherwise."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = DEFAULT_BUFFER_STEPS
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: publisher is zmq or null, not {self.publisher!r}")
+        if self.buffer_steps <= 0 or self.hwm < 0:
+            raise ValueError("kv_events_config: buffer_steps must be positive and hwm >= 0")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """ValueError naming what is wrong: not a JSON object, or a field vLLM does not have."""
+        if not text:
+            return cls()
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_events_config is not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(
+                "kv_events_config is a JSON object, e.g. "
+                '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}'
+            )
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown fields {', '.join(unknown)}")
+        return cls(**fields)
+
+    def exposed_endpoints(self) -> list[str]:
+        """The endpoints it binds beyond this machine (events carry prompts' tokens, in the
+        clear, to whoever connects); none when it does not publish."""
+        if not self.publishes:
+            return []
+        endpoints = [
+            e for e in (self.endpoint, self.replay_endpoint or "") if e.startswith("tcp://")
+        ]
+        exposed = []
+        for endpoint in endpoints:
+            host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+            if (endpoint == self.replay_endpoint or binds(endpoint)) and not is_loopback(host):
+                exposed.append(endpoint)
+        return exposed
 
 
 def offset_port(endpoint: str, rank: int) -> str:
@@ -76,6 +141,7 @@ class KVEventPublisher:
         self._context = context
         self._pub = context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.IPV6, 1)  # NOTE: tcp://[::1]:PORT, loopback only
         self._pub.set_hwm(hwm)
         endpoint = offset_port(endpoint, data_parallel_rank)
         if binds(endpoint):
@@ -89,6 +155,7 @@ class KVEventPublisher:
         if replay_endpoint:
             self._replay = context.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.IPV6, 1)
             self._replay.bind(offset_port(replay_endpoint, data_parallel_rank))
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._serve, name="kv-event-publisher", daemon=True)

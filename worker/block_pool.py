@@ -193,10 +193,19 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def cache_full_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes]) -> None:
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVBlock],
+        block_hashes: Sequence[bytes],
+        tokens: Sequence[int] | None = None,
+        parent: bytes | None = None,
+        lora: str | None = None,
+    ) -> None:
         """Cache consecutive full blocks of one chain, ``blocks[i]`` named ``block_hashes[i]``.
         A hash that is already cached in another block is recorded as a duplicate and emits no
-        event; each run of new hashes is one ``BlockStored``."""
+        event; each run of new hashes is one ``BlockStored``. With ``tokens`` (the blocks'
+        tokens, concatenated), ``parent`` (the hash before ``block_hashes[0]``) and ``lora``,
+        each event says them too (``BlockStored.token_ids``)."""
         if not self.enable_caching:
             return
         runs: list[list[int]] = []  # [start, end) of each run of newly cached hashes
@@ -214,8 +223,20 @@ class BlockPool:
                 runs[-1][1] = i + 1
             else:
                 runs.append([i, i + 1])
+        if tokens is None:
+            for start, end in runs:
+                self._events.append(BlockStored(tuple(block_hashes[start:end])))
+            return
+        size = len(tokens) // len(blocks)
         for start, end in runs:
-            self._events.append(BlockStored(tuple(block_hashes[start:end])))
+            self._events.append(
+                BlockStored(
+                    tuple(block_hashes[start:end]),
+                    tuple(int(t) for t in tokens[start * size : end * size]),
+                    block_hashes[start - 1] if start else parent,
+                    lora,
+                )
+            )
 
     def uncache_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Forget the hashes of ``blocks`` (their KV is not what the hash names), keeping the

@@ -202,14 +202,24 @@ _EVENT_TAGS = {BlockStored: 0, BlockRemoved: 1, AllBlocksCleared: 2}
 
 
 def events_to_wire(events: list[CacheEvent]) -> list[list[Any]]:
-    return [[_EVENT_TAGS[type(e)], list(getattr(e, "block_hashes", ()))] for e in events]
+    wired = []
+    for e in events:
+        fields = [_EVENT_TAGS[type(e)], list(getattr(e, "block_hashes", ()))]
+        if isinstance(e, BlockStored) and e.token_ids:
+            fields += [list(e.token_ids), e.parent_block_hash, e.lora]
+        wired.append(fields)
+    return wired
 
 
 def events_from_wire(fields: list[list[Any]]) -> list[CacheEvent]:
     events: list[CacheEvent] = []
-    for tag, hashes in fields:
+    for tag, hashes, *told in fields:
         if tag == 0:
-            events.append(BlockStored(tuple(hashes)))
+            if told:
+                tokens, parent, lora = told
+                events.append(BlockStored(tuple(hashes), tuple(tokens), parent, lora))
+            else:
+                events.append(BlockStored(tuple(hashes)))
         elif tag == 1:
             events.append(BlockRemoved(tuple(hashes)))
         else:

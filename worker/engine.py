@@ -133,6 +133,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
+        self.kv_cache.record_tokens = config.record_block_tokens
         self.kv_cache_file = new_cache_file() if config.kv_cache_shm else None
         reserved_before = torch.cuda.memory_reserved(config.device) if config.cuda_graphs else 0
         self.runner = ModelRunner(

@@ -178,6 +178,7 @@ class EngineClient:
         self._ended: EngineStopped | None = None  # set once the core has stopped or died
         self._on_death: list[Callable[[str], None]] = []
         self._on_events: list[Callable[[], None]] = []
+        self._on_event_batch: list[Callable[[list[CacheEvent]], None]] = []
 
         self._events_lock = threading.Lock()
         self._event_batches: deque[EventBatch] = deque()
@@ -286,6 +287,11 @@ class EngineClient:
             self._outbox.close()
         self._context.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    def on_event_batch(self, callback: Callable[[list[CacheEvent]], None]) -> None:
+        """Call ``callback(events)`` with each batch of cache events as it arrives (on the
+        receiver thread: it must not block)."""
+        self._on_event_batch.append(callback)
 
     def on_events(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (on the receiver thread) whenever an event batch is buffered."""
@@ -573,6 +579,11 @@ class EngineClient:
                 )
                 self.num_dropped_event_batches += 1
             self._event_batches.append(EventBatch(self._event_seq, events))
+        for listener in self._on_event_batch:
+            try:
+                listener(events)
+            except Exception:
+                logger.exception("a cache-event listener failed")
         for callback in self._on_events:
             try:
                 callback()

@@ -39,6 +39,8 @@ class EngineConfig:
     check_integrity: bool = False
     # How the engine names its blocks (with the key, for blake2b-keyed); the routers' must match.
     block_naming: BlockNaming = XXH3_NAMING
+    # Stored cache events carry their blocks' tokens (what vLLM-format events need).
+    record_block_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):

@@ -80,6 +80,8 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Whether stored events carry their blocks' tokens (for vLLM-format events).
+        self.record_tokens = False
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.stats = PrefixCacheStats()
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
@@ -315,7 +317,14 @@ class KVCacheManager:
                     break
                 num_landed += 1
             self._forget_pull(request_id)
-            self.pool.cache_full_blocks(pull.blocks[:num_landed], pull.hashes[:num_landed])
+            landed, hashes = pull.blocks[:num_landed], pull.hashes[:num_landed]
+            if self.record_tokens and landed:
+                size, first = self.block_size, pull.first
+                tokens = request.token_ids[first * size : (first + num_landed) * size]
+                parent = request.block_hashes[first - 1] if first else None
+                self.pool.cache_full_blocks(landed, hashes, tokens, parent, request.hasher.lora)
+            else:
+                self.pool.cache_full_blocks(landed, hashes)
             self._req_to_num_cached_blocks[request_id] = pull.first + num_landed
         num_cached = self._req_to_num_cached_blocks[request_id]
         # NOTE: counted here, not on admission: the request holds its blocks already then.
@@ -509,6 +518,16 @@ class KVCacheManager:
             return
         new_full = blocks[num_cached:num_full]
         new_hashes = request.block_hashes[num_cached:num_full]
-        self.pool.cache_full_blocks(new_full, new_hashes)
+        if self.record_tokens:
+            size = self.block_size
+            self.pool.cache_full_blocks(
+                new_full,
+                new_hashes,
+                request.token_ids[num_cached * size : num_full * size],
+                request.block_hashes[num_cached - 1] if num_cached else None,
+                request.hasher.lora,
+            )
+        else:
+            self.pool.cache_full_blocks(new_full, new_hashes)
         self._uncommitted.extend(zip(new_full, new_hashes, strict=True))
         self._req_to_num_cached_blocks[request_id] = num_full

@@ -15,10 +15,14 @@ import time
 from collections.abc import Callable
 
 import grpc
+import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.index import WorkerInfo
+from kvswitch.cache_index.vllm_events import to_engine_events
+from kvswitch.cache_index.vllm_publisher import KVEventPublisher
 from kvswitch.checkpoint import check_model_dir
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
@@ -80,6 +84,7 @@ class WorkerServer:
     publisher: EventPublisher | None = None
     metrics_server: MetricsServer | None = None
     transfers: BlockTransfers | None = None  # blocks to and from peer workers
+    kv_events: KVEventPublisher | None = None  # vLLM-format events (--kv-events-config)
     engine_core_start_s: float = 0.0  # from starting the engine core to its model being loaded
     # Set, with the reason, once the engine core has died: the worker can serve nothing more.
     engine_died: asyncio.Future[str] = dataclasses.field(
@@ -102,6 +107,8 @@ class WorkerServer:
         if self.transfers is not None:
             await self.transfers.close()
         await asyncio.to_thread(self.engine.stop)
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
 
@@ -159,6 +166,38 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
     return worker
 
 
+def _publish_kv_events(config: WorkerConfig, engine: EngineClient) -> KVEventPublisher | None:
+    """The worker's cache events published as a vLLM engine publishes them, where
+    ``kv_events_config`` says so; ``WorkerStartError`` if its endpoints cannot be bound."""
+    settings = config.kv_events()
+    if not settings.publishes:
+        return None
+    try:
+        publisher = KVEventPublisher(
+            settings.endpoint,
+            settings.replay_endpoint or "",
+            topic=settings.topic,
+            buffer_steps=settings.buffer_steps,
+            hwm=settings.hwm,
+        )
+    except zmq.ZMQError as e:
+        raise WorkerStartError(f"cannot publish KV events on {settings.endpoint}: {e}") from e
+    block_size = config.block_size
+
+    def publish(events: list[CacheEvent]) -> None:
+        engine_events = to_engine_events(events, block_size)
+        if engine_events:
+            publisher.publish(engine_events)
+
+    engine.on_event_batch(publish)
+    logger.info(
+        "publishing KV events as vLLM does on %s%s",
+        publisher.endpoint,
+        f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "",
+    )
+    return publisher
+
+
 def _log_startup(imports_s: float | None, engine_core_s: float) -> None:
     """How long this process took to serve, and on what (``worker/startup.py``)."""
     total_s = process_age_s() if imports_s is not None else None
@@ -206,6 +245,7 @@ async def _serve_engine(
             raise WorkerStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
+    kv_events = _publish_kv_events(config, engine)
     transfers = BlockTransfers(engine, config.security())
     servicer = WorkerServicer(
         engine,
@@ -256,6 +296,7 @@ async def _serve_engine(
         publisher=publisher,
         metrics_server=metrics_server,
         transfers=transfers,
+        kv_events=kv_events,
     )
     loop = asyncio.get_running_loop()
     engine.on_death(

@@ -8,6 +8,7 @@ import dataclasses
 from kvswitch.cache_index.connect import DEFAULT_PREFIX
 from kvswitch.cache_index.hashing import BlockNaming
 from kvswitch.cache_index.index import ROLES
+from kvswitch.cache_index.vllm_publisher import KVEventsConfig
 from kvswitch.security import FLEET_WAYS_OUT, FleetSecurity, check_exposure, is_loopback
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.scheduler import SchedulerConfig
@@ -75,6 +76,9 @@ class WorkerConfig:
     # How blocks are named (cache_index/hashing.py): xxh3, blake2b-keyed (keyed by a key derived
     # from fleet_token), or "" = blake2b-keyed when there is a fleet token, else xxh3.
     block_hash: str = ""
+    # Publish cache events as a vLLM engine does, for routers that read vLLM's (JSON, vLLM's
+    # --kv-events-config fields; "" = none).
+    kv_events_config: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -108,6 +112,14 @@ class WorkerConfig:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        exposed = self.kv_events().exposed_endpoints()
+        if exposed and not self.insecure:
+            raise ValueError(
+                f"kv_events_config binds {', '.join(exposed)} beyond this machine, and its "
+                "events carry prompts' tokens, in the clear, to whoever connects: on one "
+                "machine publish on ipc:// or tcp://[::1]:PORT; across machines, behind a "
+                "network policy, pass --insecure"
+            )
         # The engine's own configs check the rest, with their messages.
         self.engine_config()
         self.security()
@@ -122,12 +134,21 @@ class WorkerConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's config: every ``EngineConfig`` field but ``block_naming`` (made from
-        ``fleet_token`` and ``block_hash``) has a field of the same name here."""
+        ``fleet_token`` and ``block_hash``) and ``record_block_tokens`` (on when vLLM-format
+        events are published) has a field of the same name here."""
         values = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(EngineConfig)
-            if f.name != "block_naming"
+            if f.name not in ("block_naming", "record_block_tokens")
         }
         return EngineConfig(
-            **{**values, "model": self.model or None, "block_naming": self.block_naming()}
+            **{
+                **values,
+                "model": self.model or None,
+                "block_naming": self.block_naming(),
+                "record_block_tokens": self.kv_events().publishes,
+            }
         )
+
+    def kv_events(self) -> KVEventsConfig:
+        return KVEventsConfig.from_json(self.kv_events_config)

@@ -99,6 +99,12 @@ WORKER_HELP = {
     "with --insecure); off, it answers PERMISSION_DENIED",
     **SECURITY_HELP,
     "block_hash": BLOCK_HASH_HELP,
+    "kv_events_config": "publish the cache's events as a vLLM engine does, for routers that "
+    "read vLLM's KV events (llm-d, Dynamo): vLLM's JSON and rules (a tcp endpoint binds with * "
+    'or ::, else connects), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+    '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; binding beyond loopback needs '
+    "--insecure (events carry prompts' tokens in the clear): on one machine use ipc:// or "
+    "tcp://[::1]:PORT",
 }
 
 DEMO_HELP = {
