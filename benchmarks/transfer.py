@@ -34,7 +34,8 @@ descriptor per tensor), then scattered (every other block of the holder's: a des
 block and tensor). ``UCX_TLS`` as the environment sets it (unset: UCX's own choice).
 ``--across-hosts``: the holder runs on a host of its own, a network namespace wired to this
 process's through a bridge (veth pairs, 1500-byte frames; root), and UCX is told to use TCP, as
-it would between two machines without RDMA. Figures:
+it would between two machines without RDMA (run it as its own process: UCX keeps the routes it
+saw at its first use in a process, and the namespace's link is made by the benchmark). Figures:
 
 - ``nixl_gbps``, ``nixl_blocks_per_s``: bytes and blocks over all consecutive reads / their
   summed time (each read timed from the call to its return: descriptors, post, wait);

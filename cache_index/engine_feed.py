@@ -10,7 +10,8 @@ as the engine's own entries, the engine registered there as a worker of the flee
     seq >  next -> a batch was lost: replay from next
     seq <  next, a later ts -> the engine restarted: its entries cleared, then apply
     the subscription made again (the engine went away and came back)
-                -> replay from 0: a batch numbered below next but newer says it restarted
+                -> replay from 0: a batch under a number seen, with another ts, says it
+                   restarted (its entries cleared, built again from the replay)
     seq <  next, otherwise  -> a batch seen already (replayed, then live): skipped
     replay cannot give next (its buffer rolled over, or there is none)
                 -> the engine's entries cleared, then built again from what arrives, the feed
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = -1  # a replay's last message
 REPLAY_TIMEOUT_S = 5.0
+SEEN_WINDOW = 10_000  # batches whose ts is remembered: vLLM's replay buffer
 DEFAULT_TTL_S = 30.0
 
 
@@ -94,6 +96,9 @@ class EngineEventFeed:
         self._ttl_s = ttl_s
         self._replay_timeout_s = replay_timeout_s
         self._index_seq = 0  # what the index numbers this feed's batches by
+        # The ts of each batch applied lately, by number: a replayed batch under a number seen
+        # but with another ts comes from a restarted engine.
+        self._seen_ts: dict[int, float] = {}
         self._subscribed = asyncio.Event()
 
     @property
@@ -188,8 +193,10 @@ class EngineEventFeed:
         """Every batch the engine's replay buffer holds from ``start`` on, applied; the entries
         cleared, the feed degraded, where it cannot give the next batch (or there is no
         buffer). ``after_reconnect``: the subscription was cut and made again, and the engine
-        may have restarted meanwhile with as many batches as this feed saw: a batch numbered
-        below the next one, but newer, says it did."""
+        may have restarted meanwhile, its numbers caught up with this feed's (live batches of
+        the new process may even have been taken for the old one's): a replayed batch whose ts
+        differs from the one applied under its number says it did, and everything is built
+        again from the replay."""
         status = self.status
         if not self.engine.replay:
             if start > 0:
@@ -222,9 +229,12 @@ class EngineEventFeed:
                         "engine %s: replayed batch %d unread: %s", self.engine.name, seq, e
                     )
                     continue
-                newer = status.next_seq is not None and seq < status.next_seq
-                if first and after_reconnect and newer and batch.ts > status.last_ts:
+                seen_ts = self._seen_ts.get(seq)
+                if after_reconnect and seen_ts is not None and seen_ts != batch.ts:
+                    # NOTE: another batch under a number seen: another process numbered it.
                     await self._restarted(seq)
+                    await self._catch_up(0)
+                    return
                 wanted = start if status.next_seq is None else status.next_seq
                 if first and seq > wanted:
                     await self._clear(
@@ -244,6 +254,7 @@ class EngineEventFeed:
         )
         await self._clear("")
         self.status.next_seq = 0
+        self._seen_ts.clear()
 
     async def _apply(self, seq: int, batch: EngineEventBatch) -> None:
         status = self.status
@@ -256,6 +267,8 @@ class EngineEventFeed:
             return
         status.next_seq = seq + 1
         status.last_ts = max(status.last_ts, batch.ts)
+        self._seen_ts[seq] = batch.ts
+        self._seen_ts.pop(seq - SEEN_WINDOW, None)
         status.num_batches += 1
         if any(isinstance(event, EngineAllBlocksCleared) for event in batch.events):
             status.degraded = ""  # the engine holds nothing it did not tell since

@@ -13,7 +13,9 @@ the machine, gone with ``close``), for a process that talks to the hosts itself 
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,10 +32,30 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _connects_over(device: str, address: str) -> bool:
+    """Whether a TCP connection to ``address``, both ends bound to ``device``, is made: what a
+    transport that binds its sockets to an interface (UCX's) does first, to this host itself."""
+    with socket.socket() as server, socket.socket() as client:
+        try:
+            for sock in (server, client):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, device.encode())
+            server.bind((address, 0))
+            server.listen(1)
+            client.settimeout(1.0)
+            client.connect(server.getsockname())
+        except OSError:
+            return False
+    return True
+
+
+_instances = itertools.count()
+
+
 class NetnsHosts:
     def __init__(self, subnet: str = SUBNET) -> None:
         self.subnet = subnet  # the hosts' addresses: SUBNET.last_octet
-        self.prefix = f"kvs{os.getpid() % 100000}"
+        # NOTE: a name of its own each time: a namespace deleted goes away in the background.
+        self.prefix = f"kv{os.getpid() % 100000}{next(_instances) % 10}"
         self.switch = f"{self.prefix}-sw"
         self.hosts: dict[str, str] = {}  # name -> address
         try:
@@ -48,7 +70,7 @@ class NetnsHosts:
         return f"{self.prefix}-{name}"
 
     def _switch_port(self, name: str) -> str:
-        return f"{self.prefix}{name}s"  # at most 15 characters
+        return f"{self.prefix}{name}s"  # at most 15 characters: names of 6 at most
 
     def add(self, name: str, last_octet: int) -> str:
         """A new host; its address."""
@@ -82,7 +104,7 @@ class NetnsHosts:
         # its interfaces before then finds this one without a carrier (UCX: "no route").
         state = Path(f"/sys/class/net/{here}/operstate")
         deadline = time.monotonic() + LINK_UP_TIMEOUT_S
-        while state.read_text().strip() != "up":
+        while state.read_text().strip() != "up" or not _connects_over(here, address):
             if time.monotonic() > deadline:
                 raise NetnsUnavailable(f"{here} did not come up in {LINK_UP_TIMEOUT_S:g} s")
             time.sleep(0.01)

@@ -51,7 +51,7 @@ from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 from kvswitch.worker.engine_client import EngineClient
 from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, KVLayout
-from kvswitch.worker.nixl_kv import nixl_installed
+from kvswitch.worker.nixl_kv import MAX_READ_S, nixl_installed
 from kvswitch.worker.shared_memory import ShmFiles, ShmRefused, sweep
 from kvswitch.worker.shared_memory import host_id as this_host_id
 
@@ -64,8 +64,10 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 SHM_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 32 << 20
 TRANSPORTS = ("", "auto", "nixl", "mapped", "shm", "grpc")
-# How long a mapped fetch's blocks stay held if the asker never says it copied them.
+# How long a mapped fetch's blocks stay held if the asker never says it copied them; a NIXL
+# read is over, or cancelled, before then (nixl_kv.MAX_READ_S).
 MAPPED_HOLD_S = 10.0
+assert MAPPED_HOLD_S > MAX_READ_S
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 20)),
     *KEEPALIVE_CHANNEL_OPTIONS,

@@ -351,21 +351,20 @@ class LLMEngine:
         When every block goes into a block that a pull awaits (the request flow), the read is
         posted and None returned: steps go on while it runs, and ``poll_nixl_writes`` says,
         under ``tag``, when it is over. Otherwise the read is waited for, and how many blocks
-        were written returned. ValueError if the read fails (the holder gone, a timeout, by
-        default ``nixl_kv``'s): nothing it was to fill is cached."""
+        were written returned. ValueError if the read fails (the holder gone, a timeout, at most
+        ``nixl_kv.MAX_READ_S``): nothing it was to fill is cached."""
         if len(peer_block_ids) != len(block_hashes):
             raise ValueError(f"{len(peer_block_ids)} block ids for {len(block_hashes)} hashes")
         if tag in self._nixl_writes:
             raise ValueError(f"a NIXL write tagged {tag!r} is running already")
-        from kvswitch.worker.nixl_kv import DEFAULT_TIMEOUT_S, NixlPeerInfo, NixlTransferError
+        from kvswitch.worker.nixl_kv import MAX_READ_S, NixlPeerInfo, NixlTransferError
 
         agent, peer = self._nixl(), NixlPeerInfo.from_bytes(peer_info)
-        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        # NOTE: over before the holder's lease on the blocks can be (nixl_kv.MAX_READ_S).
+        timeout_s = MAX_READ_S if timeout_s is None else min(timeout_s, MAX_READ_S)
         targets = self.kv_cache.pull_targets(block_hashes)
         try:
             if len(targets) < len(block_hashes):
-                # NOTE: the read runs on this engine's loop, which waits: never past the default.
-                timeout_s = min(timeout_s, DEFAULT_TIMEOUT_S)
 
                 def copy(positions: list[int], block_ids: list[int]) -> None:
                     peer_ids = [peer_block_ids[i] for i in positions]

@@ -52,6 +52,10 @@ INSTALL_HINT = "pip install 'kvswitch[nixl]' (the nixl-cu12 wheel)"
 # The modules NIXL's Python API comes as: the CUDA 12 wheel's, then the one other wheels install.
 _MODULES = ("nixl_cu12._api", "nixl._api")
 DEFAULT_TIMEOUT_S = 10.0
+# The longest a worker's read may run: the holder holds the blocks ``block_transfer``'s
+# MAPPED_HOLD_S (10 s) from its answer, and a read must be over, or cancelled, before the holder
+# may reuse them.
+MAX_READ_S = 9.0
 INFO_FORMAT = "kvswitch-nixl-kv"
 INFO_VERSION = 1
 # A transfer still running is polled at first at once, then less and less often, up to this.

@@ -111,6 +111,8 @@ def test_a_restarted_engine_is_cleared_and_a_lost_batch_replayed(make_index: Mak
                 engine.publisher.close()
                 engine.start()  # the same ports, batches from 0 again
                 engine.publisher.publish([stored(4, 100)])  # the engine's names mean new blocks
+                for _ in range(4):  # numbered past what the feed saw of the old process
+                    engine.publisher.publish([EngineBlockRemoved((999,), "GPU")])
                 # NOTE: the batches published before the feed reconnects are lost on the way;
                 # the first that arrives shows the restart, and the rest come from the replay.
                 deadline = time.monotonic() + 30

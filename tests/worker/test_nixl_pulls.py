@@ -187,29 +187,7 @@ def test_a_decode_request_cancelled_before_its_holder_answers_lets_the_lease_go(
         checks = num_integrity_checks(decode_worker)
         prompt = prompt_of(58)
         first = prefill(holder, prompt, "cancelled")  # held for 60 s
-        engine = holder.server.engine
-        original = engine.hold_blocks
-        holding, gate = threading.Event(), threading.Event()
-
-        def held_late(*args, **kwargs) -> Future:
-            """The hold goes to the engine core at once; its answer comes once ``gate`` opens."""
-            inner = original(*args, **kwargs)
-            holding.set()
-            result: Future = Future()
-
-            def later() -> None:
-                gate.wait()
-                error = inner.exception()
-                if result.set_running_or_notify_cancel():  # else its reader went away
-                    if error is None:
-                        result.set_result(inner.result())
-                    else:
-                        result.set_exception(error)
-
-            threading.Thread(target=later, daemon=True).start()
-            return result
-
-        engine.hold_blocks = held_late
+        holding, gate = answers_held(holder)
         request = decode_request(
             holder.server.address, prompt, first, "cancelled", transport="nixl"
         )
@@ -276,6 +254,71 @@ def test_a_holder_stopped_or_killed_before_the_read_costs_a_recompute(
         if holder.poll() is None:
             holder.kill()
             holder.wait(timeout=30)
+
+
+def test_a_decode_worker_killed_while_it_waits_for_its_holder_lets_the_lease_go(
+    index_url: str,
+) -> None:
+    """The decode worker's processes are SIGKILLed while it waits for the prefill worker's
+    answer to its NIXL fetch: once the prefill worker answers, it finds the asker gone and lets
+    the blocks go at once (not after the prefill's minute), and serves on."""
+    holder = BackgroundWorker(dataclasses.replace(CONFIG, index=index_url))
+    args = ["worker", "--port", "0", "--kv-cache-bytes", str(128 * BLOCK_BYTES)]
+    decoder, decoder_address = start_server_process([*args, "--index", index_url])
+    try:
+        in_fleet(index_url, holder.server.address)
+        in_fleet(index_url, decoder_address)
+        prompt = prompt_of(61)
+        first = prefill(holder, prompt, "orphaned")  # held for 60 s
+        holding, gate = answers_held(holder)
+        request = decode_request(holder.server.address, prompt, first, "orphaned", transport="nixl")
+        channel = grpc.insecure_channel(decoder_address)
+        call = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=60)
+        assert holding.wait(30)
+        core = engine_core_pid(decoder.pid)
+        os.kill(decoder.pid, signal.SIGKILL)
+        os.kill(core, signal.SIGKILL)
+        decoder.wait(timeout=30)
+        gate.set()
+        with pytest.raises(grpc.RpcError):
+            next(call)
+        channel.close()
+        assert wait_for(lambda: holder.load().num_free_blocks == 256, 8)
+        tokens, _, _ = holder.generate(prompt_of(62), max_tokens=2)
+        assert len(tokens) == 2
+    finally:
+        if decoder.poll() is None:
+            decoder.kill()
+            decoder.wait(timeout=30)
+        holder.close()
+
+
+def answers_held(holder: BackgroundWorker) -> tuple[threading.Event, threading.Event]:
+    """(holding, gate): ``holding`` is set once a fetch asks the holder's engine core to hold
+    blocks; the core holds them at once, but its answer is passed on only once ``gate`` is set."""
+    engine = holder.server.engine
+    original = engine.hold_blocks
+    holding, gate = threading.Event(), threading.Event()
+
+    def held_late(*args, **kwargs) -> Future:
+        inner = original(*args, **kwargs)
+        holding.set()
+        result: Future = Future()
+
+        def later() -> None:
+            gate.wait()
+            error = inner.exception()
+            if result.set_running_or_notify_cancel():  # else its reader went away
+                if error is None:
+                    result.set_result(inner.result())
+                else:
+                    result.set_exception(error)
+
+        threading.Thread(target=later, daemon=True).start()
+        return result
+
+    engine.hold_blocks = held_late
+    return holding, gate
 
 
 def test_the_decode_worker_steps_on_while_a_nixl_read_runs(

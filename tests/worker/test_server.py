@@ -76,6 +76,9 @@ def test_config_defaults_match_the_engine() -> None:
     # Made from fleet_token and block_hash, which the worker has instead.
     del engine_defaults["block_naming"]
     assert WorkerConfig().engine_config().block_naming == EngineConfig().block_naming
+    # Made from kv_events_config: on when the worker publishes vLLM-format events.
+    del engine_defaults["record_block_tokens"]
+    assert not WorkerConfig().engine_config().record_block_tokens
     worker_defaults = dataclasses.asdict(WorkerConfig())
     missing = set(engine_defaults) - set(worker_defaults)
     assert not missing, f"add {missing} to WorkerConfig (and their help to the CLI)"
