@@ -1,4 +1,5 @@
-"""A worker's Prometheus metrics (``kvswitch_worker_*``; docs/OBSERVABILITY.md lists them).
+"""A worker's Prometheus metrics (``kvswitch_worker_*``, and its load under vLLM's ``vllm:``
+names; docs/OBSERVABILITY.md lists them).
 
 ``WorkerMetrics`` owns its registry. The servicer reports each request once, when it ends; the
 load gauges are read from the engine core's latest ``LoadReport`` when Prometheus scrapes.
@@ -39,15 +40,29 @@ _LOAD_GAUGES = (
 
 
 class _LoadCollector:
-    """The load gauges, as of the engine's latest step at the time of the scrape."""
+    """The load gauges, as of the engine's latest step at the time of the scrape; and the same
+    load under vLLM's names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+    ``vllm:kv_cache_usage_perc``, labelled ``model_name``), for routers that read a vLLM fleet's
+    load from ``/metrics``."""
 
-    def __init__(self, load: Callable[[], LoadReport]) -> None:
+    def __init__(self, load: Callable[[], LoadReport], model: str) -> None:
         self._load = load
+        self._model = model
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         load = self._load()
         for name, documentation, field in _LOAD_GAUGES:
             yield GaugeMetricFamily(name, documentation, value=getattr(load, field))
+        total = load.num_total_blocks
+        usage = 1.0 - load.num_free_blocks / total if total else 0.0
+        for name, documentation, value in (
+            ("vllm:num_requests_running", "Requests being computed", load.num_running_requests),
+            ("vllm:num_requests_waiting", "Requests waiting to start", load.num_waiting_requests),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", usage),
+        ):
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric([self._model], value)
+            yield gauge
 
 
 class WorkerMetrics:
@@ -86,7 +101,7 @@ class WorkerMetrics:
         )
         for reason in KV_PULL_FAILURES:
             self._kv_pull_failures.labels(reason)
-        self.registry.register(_LoadCollector(load))
+        self.registry.register(_LoadCollector(load, model))
         self.registry.register(ReadCounters(counters))
 
     def kv_pull_failed(self, reason: str) -> None:

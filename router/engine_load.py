@@ -1,0 +1,49 @@
+"""An OpenAI-API engine's load as its Prometheus ``/metrics`` tells it: vLLM's gauges
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, and the KV cache's usage as
+``vllm:kv_cache_usage_perc``, or ``vllm:gpu_cache_usage_perc`` from older servers: a fraction
+from 0 to 1, whatever the name says). A kvswitch worker exports the same gauges.
+
+A server with several engines (data-parallel ranks) labels each: their requests add up, and the
+usage is the fullest one's (the one a new request might wait on)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+class EngineMetricsError(ValueError):
+    """The text is not Prometheus's, or holds none of vLLM's load gauges."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_cache_usage: float  # 0 to 1; 0 when the engine does not say
+
+
+def parse_engine_load(text: str) -> EngineLoad:
+    values: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values.setdefault(sample.name, []).append(sample.value)
+    except ValueError as e:
+        raise EngineMetricsError(f"not Prometheus text: {e}") from None
+    if RUNNING not in values and WAITING not in values:
+        raise EngineMetricsError(
+            f"no {RUNNING} or {WAITING} gauge: not a vLLM server's (or a kvswitch worker's) "
+            "/metrics"
+        )
+    usage = next((values[name] for name in USAGE if name in values), [0.0])
+    return EngineLoad(
+        round(sum(values.get(RUNNING, [0.0]))),
+        round(sum(values.get(WAITING, [0.0]))),
+        max(usage),
+    )

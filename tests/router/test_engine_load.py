@@ -1,0 +1,68 @@
+"""An engine's load from its Prometheus text: vLLM's own (as its servers export it) and a
+kvswitch worker's, which exports the same gauges."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from kvswitch.router.engine_load import EngineLoad, EngineMetricsError, parse_engine_load
+from kvswitch.worker.server import WorkerConfig
+from tests.worker.background import BackgroundWorker
+
+# What a vLLM server with two data-parallel engines exports (older versions name the KV usage
+# gpu_cache_usage_perc), beside metrics of other kinds.
+VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-0.6B"} 3.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-0.6B"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-0.6B"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-0.6B"} 0.25
+vllm:gpu_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.5
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
+"""
+
+
+def test_a_vllm_servers_engines_add_up_and_the_fullest_cache_counts() -> None:
+    assert parse_engine_load(VLLM_TEXT) == EngineLoad(5, 1, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("process_cpu_seconds_total 3.5\n", "no vllm:num_requests_running"),
+        ("vllm:num_requests_running{engine=0} 3\n", "not Prometheus text"),
+    ],
+)
+def test_text_without_vllms_gauges_is_refused(text: str, message: str) -> None:
+    with pytest.raises(EngineMetricsError, match=message):
+        parse_engine_load(text)
+
+
+def test_a_kvswitch_worker_exports_its_load_under_vllms_names() -> None:
+    worker = BackgroundWorker(WorkerConfig(port=0, kv_cache_bytes=64 * (32 << 10), metrics_port=0))
+    try:
+
+        def scraped() -> EngineLoad:
+            url = f"http://{worker.server.metrics_address}/metrics"
+            with urllib.request.urlopen(url, timeout=30) as response:
+                return parse_engine_load(response.read().decode())
+
+        assert scraped() == EngineLoad(0, 0, 0.0)
+        # A finished request's blocks held for a peer: in use, as a vLLM server counts them.
+        worker.generate([256, *range(100)], request_id="held", max_tokens=1, hold_blocks_ms=60_000)
+        load = worker.load()
+        assert load.num_free_blocks < load.num_total_blocks
+        used = 1 - load.num_free_blocks / load.num_total_blocks
+        assert scraped() == EngineLoad(0, 0, pytest.approx(used))
+    finally:
+        worker.close()
