@@ -120,6 +120,10 @@ def test_a_restarted_engine_is_cleared_and_a_lost_batch_replayed(make_index: Mak
                     assert time.monotonic() < deadline, f"no restart seen: {feed.status}"
                     engine.publisher.publish([EngineBlockRemoved((999,), "GPU")])
                     await asyncio.sleep(0.05)
+                # NOTE: seen, the restart is then rebuilt from the new process's replay.
+                while await matched(index, 4) != 3:
+                    assert time.monotonic() < deadline, f"not rebuilt: {feed.status}"
+                    await asyncio.sleep(0.01)
                 assert [await matched(index, tag) for tag in (1, 2, 3, 4)] == [0, 0, 0, 3]
                 assert not feed.status.degraded
                 assert len(feed.names) == 3

@@ -235,7 +235,9 @@ def test_a_read_from_a_stopped_holder_times_out_and_one_waiting_as_it_is_killed_
         doomed.kill()
     [failure] = failures
     assert isinstance(failure, NixlTransferError)
-    assert "reading 8 blocks from test-killed-holder" in str(failure)
+    # NOTE: the timed-out read dropped the peer, so this one adds it again: the kill may come
+    # before that (the peer cannot be added) or after (the read fails).
+    assert "test-killed-holder" in str(failure)
     # The dead peer is dropped (its restart would be added afresh); other peers read on.
     assert agent.peer_names == []
     agent.read_blocks(holder.info, [2, 3], [2, 3])
