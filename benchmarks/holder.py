@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvswitch.benchmarks.timing import machine_info
+from kvswitch.benchmarks.timing import machine_info, percentile
 from kvswitch.serving import start_server_process
 
 BLOCK_SIZE = 16
@@ -235,8 +235,8 @@ def _phase(
     figures: dict[str, Any] = {
         "itl_ms": {
             "mean": statistics.fmean(itls_ms),
-            "p50": _percentile(itls_ms, 0.5),
-            "p99": _percentile(itls_ms, 0.99),
+            "p50": percentile(itls_ms, 0.5),
+            "p99": percentile(itls_ms, 0.99),
         },
         "decode_tokens_per_s": sum(n for chunks in streams for _, n in chunks) / elapsed_s,
     }
@@ -245,8 +245,3 @@ def _phase(
         figures["num_pulls"] = len(pulls)
         figures["pull_gbps"] = num_bytes / seconds / 1e9 if seconds else 0.0
     return figures
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvswitch.benchmarks.timing import machine_info
+from kvswitch.benchmarks.timing import machine_info, percentile
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,6 @@ def _run_load(address: str, config: PDBenchConfig) -> list[_Request]:
     return done
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
-
 def _figures(requests: list[_Request]) -> dict[str, Any]:
     shorts = [r for r in requests if r.kind == "short" and r.chunk_times_s]
     longs = [r for r in requests if r.kind == "long" and r.chunk_times_s]
@@ -148,8 +143,8 @@ def _figures(requests: list[_Request]) -> dict[str, Any]:
         values = [(r.chunk_times_s[0][0] - r.sent_s) * 1e3 for r in rs]
         return {
             "mean": statistics.fmean(values),
-            "p50": _percentile(values, 0.5),
-            "p99": _percentile(values, 0.99),
+            "p50": percentile(values, 0.5),
+            "p99": percentile(values, 0.99),
         }
 
     return {
@@ -158,8 +153,8 @@ def _figures(requests: list[_Request]) -> dict[str, Any]:
         "num_long_disaggregated": sum(r.prefill_worker_id != r.decode_worker_id for r in longs),
         "itl_ms": {
             "mean": statistics.fmean(itls_ms),
-            "p50": _percentile(itls_ms, 0.5),
-            "p99": _percentile(itls_ms, 0.99),
+            "p50": percentile(itls_ms, 0.5),
+            "p99": percentile(itls_ms, 0.99),
         },
         "tpot_ms_mean": statistics.fmean(tpots_ms),
         "short_ttft_ms": ttft_ms(shorts),

@@ -55,3 +55,9 @@ def machine_info() -> dict[str, str | int]:
 
 class BenchmarkUnavailable(RuntimeError):
     """This machine cannot run the benchmark (e.g. it needs a GPU)."""
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The value at fraction ``q`` of ``values`` sorted (nearest rank, no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
