@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import uvicorn
 
-from kvswitch.router.openai_http import FrontConfig, OpenAIFront
+from kvswitch.router.openai_http import FrontConfig, OpenAIFront, RouterModels
 from kvswitch.router.router import Router
 from kvswitch.serving import host_port
 from kvswitch.v1 import router_pb2_grpc
@@ -69,25 +69,42 @@ async def start_http_front(
 ) -> HttpFront:
     """Serve the HTTP API on ``config.host``:``config.http_port`` in front of the router at
     ``router_address`` (this process's); OSError if the port cannot be bound."""
-    sock = _bind(config.host, config.http_port)
     # NOTE: the router's TLS and certificate, never its fleet token: the Router service
     # checks the HTTP client's own token.
     security = dataclasses.replace(config.security, fleet_token="")
-    host, _, port = router_address.rpartition(":")
-    target = host_port("localhost" if host in _WILDCARD_HOSTS else host.strip("[]"), int(port))
-    channel = security.channel(target)
-    front = OpenAIFront(config, router, router_pb2_grpc.RouterStub(channel), front_key)
+    channel = security.channel(loopback_target(router_address))
+    front = OpenAIFront(
+        config, RouterModels(router), router_pb2_grpc.RouterStub(channel), front_key
+    )
+    return await serve_http(front.app, config, channel)
+
+
+def loopback_target(address: str) -> str:
+    """host:port to call this process's own server listening on ``address`` (host:port)."""
+    host, _, port = address.rpartition(":")
+    return host_port("localhost" if host in _WILDCARD_HOSTS else host.strip("[]"), int(port))
+
+
+async def serve_http(app: Any, config: FrontConfig, channel: grpc.aio.Channel) -> HttpFront:
+    """Serve ``app`` (calling on ``channel``) on ``config.host``:``config.http_port``, over TLS
+    where ``config.security`` says so; OSError if the port cannot be bound (``channel`` closed)."""
+    try:
+        sock = _bind(config.host, config.http_port)
+    except OSError:
+        await channel.close()
+        raise
+    security = config.security
     tls: dict[str, Any] = {}
     if security.tls:
         tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
         if security.tls_client_auth:
             tls.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     uvicorn_config = uvicorn.Config(
-        front.app,
+        app,
         lifespan="off",
         log_config=None,  # the process's logging stays as kvswitch set it
         log_level="warning",
-        access_log=False,  # one line a request: the router logs requests at DEBUG only
+        access_log=False,  # one line a request: requests are logged at DEBUG only
         **tls,
     )
     server = _Server(uvicorn_config)

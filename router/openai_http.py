@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
@@ -60,6 +60,7 @@ from kvswitch.router.router import NoTokenizerError, Router
 from kvswitch.router.servicer import WORKER_ID_KEY
 from kvswitch.router.stop_strings import StopStrings
 from kvswitch.security import FleetSecurity
+from kvswitch.tokenizer import Tokenizer
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -100,23 +101,61 @@ class FrontConfig:
         )
 
 
+class ServedModels(Protocol):
+    """What a front serves: the model names a request may give, and their tokenizer."""
+
+    tokenizer: Tokenizer | None
+
+    def tokenize(self, text: str) -> list[int]:
+        """The token ids of ``text``; NoTokenizerError without a tokenizer."""
+        ...
+
+    def names(self) -> list[str]:
+        """The models served now."""
+        ...
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Return when the models served may have changed, or after ``timeout_s``."""
+        ...
+
+
+class RouterModels:
+    """A router's models: the one it was told, else what its live workers serve."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self.tokenizer = router.tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._router.tokenize(text)
+
+    def names(self) -> list[str]:
+        if self._router.namespace:
+            return [self._router.namespace]
+        return sorted({h.info.namespace for h in self._router.directory.handles()})
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        await self._router.directory.wait_for_change(timeout_s)
+
+
 class OpenAIFront:
-    """The ASGI app (``app``) and what its endpoints share: the loopback stub, the template."""
+    """The ASGI app (``app``) and what its endpoints share: the stub its calls go to (a router's,
+    on loopback, or a worker's seen as one), the template."""
 
     def __init__(
         self,
         config: FrontConfig,
-        router: Router,
+        models: ServedModels,
         stub: router_pb2_grpc.RouterStub,
         front_key: str,
     ) -> None:
         self._config = config
-        self._router = router
+        self._models = models
         self._stub = stub
         self._front_key = front_key
         self._max_body_bytes = config.max_body_bytes
         self._template, self._no_template_reason = load_chat_template(
-            config.model, router.tokenizer
+            config.model, models.tokenizer
         )
         if self._template is None:
             logger.warning("chat requests will be refused: %s", self._no_template_reason)
@@ -144,7 +183,7 @@ class OpenAIFront:
         prompt = body.prompt
         if isinstance(prompt, str):
             call.text = prompt
-            count_prompt = self._counter(lambda: len(self._router.tokenize(prompt)), len(prompt))
+            count_prompt = self._counter(lambda: len(self._models.tokenize(prompt)), len(prompt))
         else:
             call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(prompt, np.uint32))
             count_prompt = self._counter(lambda: len(prompt), 0)
@@ -317,10 +356,7 @@ class OpenAIFront:
             raise error_from_validation(e) from None
 
     def _served_models(self) -> list[str]:
-        """The model this router routes for: the one it was told, else what live workers serve."""
-        if self._router.namespace:
-            return [self._router.namespace]
-        return sorted({h.info.namespace for h in self._router.directory.handles()})
+        return self._models.names()
 
     def _check_model(self, name: str) -> None:
         """404 unless ``name`` is a model served here."""
@@ -329,7 +365,7 @@ class OpenAIFront:
             raise OpenAIError(
                 404,
                 f"the model {name!r} is not served here; "
-                + (f"this router serves {', '.join(map(repr, served))}" if served else "none is"),
+                + (f"served here: {', '.join(map(repr, served))}" if served else "none is"),
                 param="model",
                 code="model_not_found",
             )
@@ -338,10 +374,9 @@ class OpenAIFront:
         """``_check_model`` for a request: with no worker live yet, first wait for one as the
         router would (``wait_for_worker_s``), so that the request is not served by whatever
         model comes first; 503 if none comes."""
-        directory = self._router.directory
         deadline_s = time.monotonic() + self._config.wait_for_worker_s
         while not self._served_models() and (left_s := deadline_s - time.monotonic()) > 0:
-            await directory.wait_for_change(left_s)
+            await self._models.wait_for_change(left_s)
         if not self._served_models():
             raise OpenAIError(
                 503,

@@ -13,6 +13,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import zmq
@@ -52,6 +53,9 @@ from kvswitch.worker.servicer import WorkerServicer
 from kvswitch.worker.startup import process_age_s
 from kvswitch.worker.worker_config import MAX_REQUEST_BYTES, WorkerConfig
 
+if TYPE_CHECKING:
+    from kvswitch.router.http_server import HttpFront
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -85,11 +89,17 @@ class WorkerServer:
     metrics_server: MetricsServer | None = None
     transfers: BlockTransfers | None = None  # blocks to and from peer workers
     kv_events: KVEventPublisher | None = None  # vLLM-format events (--kv-events-config)
+    http: HttpFront | None = None  # the OpenAI-compatible API (--http-port)
     engine_core_start_s: float = 0.0  # from starting the engine core to its model being loaded
     # Set, with the reason, once the engine core has died: the worker can serve nothing more.
     engine_died: asyncio.Future[str] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI API's base URL (…/v1); None when it is not served."""
+        return self.http.url if self.http is not None else None
 
     @property
     def metrics_address(self) -> str | None:
@@ -103,6 +113,8 @@ class WorkerServer:
             await self.publisher.stop()
             await self.publisher.index.close()
         await self.health_servicer.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop(grace_s)
         await self.server.stop(grace_s)
         if self.transfers is not None:
             await self.transfers.close()
@@ -302,6 +314,14 @@ async def _serve_engine(
     engine.on_death(
         lambda message: asyncio.run_coroutine_threadsafe(worker._engine_has_died(message), loop)
     )
+    if config.http_port >= 0:
+        try:
+            worker.http = await _serve_http(config, worker, tokenizer)
+        except OSError as e:
+            await worker.stop(0)
+            raise WorkerStartError(
+                f"cannot serve HTTP on {host_port(config.host, config.http_port)}: {e}"
+            ) from e
     logger.info(
         "worker %s listening on %s: model %s, %d KV blocks of %d tokens, block names %s, "
         "engine core %s",
@@ -316,6 +336,45 @@ async def _serve_engine(
     if metrics_server is not None:
         logger.info("metrics on http://%s/metrics", metrics_server.address)
     return worker
+
+
+async def _serve_http(
+    config: WorkerConfig, worker: WorkerServer, tokenizer: Tokenizer | None
+) -> HttpFront:
+    """The worker's own OpenAI API (``worker/openai_api.py``)."""
+    # NOTE: imported only when served: FastAPI and uvicorn take about a second to import.
+    from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES
+    from kvswitch.router.openai_http import FrontConfig
+    from kvswitch.worker.openai_api import WorkerFront, start_worker_http
+
+    front = FrontConfig(
+        host=config.host,
+        http_port=config.http_port,
+        model=config.model,
+        token=config.fleet_token,
+        max_message_bytes=MAX_REQUEST_BYTES,
+        max_body_bytes=DEFAULT_MAX_BODY_BYTES,
+        max_output_tokens=0,  # the worker cuts an answer at its context
+        wait_for_worker_s=0.0,
+        security=config.security(),
+        keys=config.http_keys(),
+    )
+
+    def healthy() -> str:
+        died = worker.engine_died
+        return died.result() if died.done() else ""
+
+    return await start_worker_http(
+        WorkerFront(
+            front,
+            worker.worker_id,
+            worker.address,
+            worker.engine.namespace,
+            tokenizer,
+            worker.metrics.registry,
+            healthy,
+        )
+    )
 
 
 async def serve(config: WorkerConfig, *, imports_s: float | None = None) -> None:

@@ -9,7 +9,14 @@ from kvswitch.cache_index.connect import DEFAULT_PREFIX
 from kvswitch.cache_index.hashing import BlockNaming
 from kvswitch.cache_index.index import ROLES
 from kvswitch.cache_index.vllm_publisher import KVEventsConfig
-from kvswitch.security import FLEET_WAYS_OUT, FleetSecurity, check_exposure, is_loopback
+from kvswitch.security import (
+    API_KEYS_ENV,
+    FLEET_WAYS_OUT,
+    FleetSecurity,
+    check_exposure,
+    is_loopback,
+    parse_api_keys,
+)
 from kvswitch.worker.engine_config import EngineConfig
 from kvswitch.worker.scheduler import SchedulerConfig
 
@@ -20,6 +27,11 @@ MAX_REQUEST_BYTES = 64 << 20
 # A worker at its queue limit asks callers to wait this long before trying it again (trailing
 # metadata of its RESOURCE_EXHAUSTED).
 RETRY_AFTER_MS = 100
+# How the worker's HTTP API is guarded beyond loopback.
+HTTP_WAYS_OUT = (
+    f"API keys (--api-key or {API_KEYS_ENV}; or the fleet token)",
+    FLEET_WAYS_OUT[1],
+)
 # 64K hashes of 16 bytes make a 1 MiB message, well under gRPC's default 4 MiB limit.
 MAX_HASHES_PER_CHUNK = 65536
 
@@ -79,6 +91,11 @@ class WorkerConfig:
     # Publish cache events as a vLLM engine does, for routers that read vLLM's (JSON, vLLM's
     # --kv-events-config fields; "" = none).
     kv_events_config: str = ""
+    # The worker's own OpenAI-compatible HTTP API, as a vLLM server's (worker/openai_api.py):
+    # -1 = none, 0 = a free port. api_key: what its clients must send (comma-separated keys);
+    # "" = the fleet token, if any.
+    http_port: int = -1
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,6 +108,19 @@ class WorkerConfig:
             guarded=self.security().authenticates_callers,
             insecure=self.insecure,
         )
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be -1 or in [0, 65535], got {self.http_port}")
+        if parse_api_keys(self.api_key) and self.http_port < 0:
+            raise ValueError("api_key is for the HTTP API: serve it with --http-port too")
+        if self.http_port >= 0:
+            check_exposure(
+                "the worker's HTTP API",
+                self.host,
+                self.http_port,
+                API_KEYS_ENV,
+                guarded=bool(self.http_keys()) or self.security().tls_client_auth,
+                insecure=self.insecure,
+            )
         if self.allow_pull_blocks and not (is_loopback(self.host) or self.insecure):
             raise ValueError(
                 "allow_pull_blocks lets a caller name any peer to pull from: it is for "
@@ -127,6 +157,10 @@ class WorkerConfig:
 
     def security(self) -> FleetSecurity:
         return FleetSecurity.of(self)
+
+    def http_keys(self) -> tuple[str, ...]:
+        """What an HTTP client may present: the API keys, else the fleet token; () = none."""
+        return parse_api_keys(self.api_key) or ((self.fleet_token,) if self.fleet_token else ())
 
     def block_naming(self) -> BlockNaming:
         """How this worker names blocks; the routers must name them alike."""

@@ -105,6 +105,13 @@ WORKER_HELP = {
     '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; binding beyond loopback needs '
     "--insecure (events carry prompts' tokens in the clear): on one machine use ipc:// or "
     "tcp://[::1]:PORT",
+    "http_port": "TCP port for the worker's own OpenAI-compatible HTTP API, as a vLLM server's: "
+    "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics at "
+    "http://HOST:PORT; 0 picks a free one, -1 = none. Needs no router nor index "
+    "(docs/ENGINES.md)",
+    "api_key": "HTTP API: keys clients must send as 'Authorization: Bearer KEY', "
+    "comma-separated; or set KVSWITCH_API_KEYS; empty = the fleet token, if any; beyond "
+    "loopback, refused without a key or mutual TLS unless --insecure",
 }
 
 DEMO_HELP = {

@@ -272,7 +272,7 @@ def test_a_request_before_any_worker_waits_for_one_then_checks_its_model() -> No
         cluster.add_worker("w0")
         with pytest.raises(openai.NotFoundError) as missing:
             wrong.result(timeout=30)
-        assert "this router serves 'kvswitch-tiny'" in str(missing.value)
+        assert "served here: 'kvswitch-tiny'" in str(missing.value)
         completion = right.result(timeout=30)
         assert completion.usage is not None and completion.usage.completion_tokens == 2
     with BackgroundCluster(0, ROUTER, WORKER) as cluster, openai_client(cluster) as client:
