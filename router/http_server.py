@@ -16,7 +16,7 @@ import math
 import socket
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import uvicorn
@@ -25,6 +25,9 @@ from kvswitch.router.openai_http import FrontConfig, OpenAIFront, RouterModels
 from kvswitch.router.router import Router
 from kvswitch.serving import host_port
 from kvswitch.v1 import router_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvswitch.router.engine_forward import EngineForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +68,21 @@ class HttpFront:
 
 
 async def start_http_front(
-    config: FrontConfig, router: Router, router_address: str, front_key: str
+    config: FrontConfig,
+    router: Router,
+    router_address: str,
+    front_key: str,
+    engines: EngineForwarder | None = None,
 ) -> HttpFront:
     """Serve the HTTP API on ``config.host``:``config.http_port`` in front of the router at
-    ``router_address`` (this process's); OSError if the port cannot be bound."""
+    ``router_address`` (this process's), and of its OpenAI-API ``engines`` if it has any;
+    OSError if the port cannot be bound."""
     # NOTE: the router's TLS and certificate, never its fleet token: the Router service
     # checks the HTTP client's own token.
     security = dataclasses.replace(config.security, fleet_token="")
     channel = security.channel(loopback_target(router_address))
     front = OpenAIFront(
-        config, RouterModels(router), router_pb2_grpc.RouterStub(channel), front_key
+        config, RouterModels(router), router_pb2_grpc.RouterStub(channel), front_key, engines
     )
     return await serve_http(front.app, config, channel)
 

@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
@@ -48,6 +48,7 @@ from kvswitch.cache_index.hashing import tokens_to_bytes
 from kvswitch.checkpoint import is_random
 from kvswitch.router.chat_template import ChatTemplateError, load_chat_template
 from kvswitch.router.forwarded import FORWARDED_CLIENT_HEADER, FRONT_KEY_HEADER, http_client
+from kvswitch.router.limits import MAX_UNKNOWN_OUTPUT_TOKENS, check_prompt_length, check_request
 from kvswitch.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,11 +57,14 @@ from kvswitch.router.openai_protocol import (
     error_from_validation,
 )
 from kvswitch.router.openai_stream import RouterOutput, events, until_disconnected
-from kvswitch.router.router import NoTokenizerError, Router
+from kvswitch.router.router import FleetFullError, NoTokenizerError, NoWorkerError, Router
 from kvswitch.router.servicer import WORKER_ID_KEY
 from kvswitch.router.stop_strings import StopStrings
 from kvswitch.security import FleetSecurity
 from kvswitch.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvswitch.router.engine_forward import EngineForwarder
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -148,9 +152,11 @@ class OpenAIFront:
         models: ServedModels,
         stub: router_pb2_grpc.RouterStub,
         front_key: str,
+        engines: EngineForwarder | None = None,
     ) -> None:
         self._config = config
         self._models = models
+        self._engines = engines  # where the fleet has OpenAI-API engines
         self._stub = stub
         self._front_key = front_key
         self._max_body_bytes = config.max_body_bytes
@@ -175,11 +181,20 @@ class OpenAIFront:
 
     async def completions(self, request: Request) -> Response:
         self._check_key(request)
-        body = await self._parse(request, CompletionRequest)
+        body, raw = await self._parse(request, CompletionRequest)
         await self._check_model_soon(body.model)
-        call = self._grpc_request(
-            body, f"cmpl-{uuid.uuid4().hex}", body.max_tokens or COMPLETION_MAX_TOKENS
-        )
+        max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
+        if self._engines is not None:
+            prompt_ids = body.prompt
+            if isinstance(prompt_ids, str):
+                text = prompt_ids
+                prompt_ids = await self._off_loop_if_long(
+                    lambda: self._models.tokenize(text), len(text)
+                )
+            answer = await self._to_engine(request, body, raw, prompt_ids, max_tokens, "prompt")
+            if answer is not None:
+                return answer
+        call = self._grpc_request(body, f"cmpl-{uuid.uuid4().hex}", max_tokens)
         prompt = body.prompt
         if isinstance(prompt, str):
             call.text = prompt
@@ -192,7 +207,7 @@ class OpenAIFront:
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_key(request)
-        body = await self._parse(request, ChatCompletionRequest)
+        body, raw = await self._parse(request, ChatCompletionRequest)
         await self._check_model_soon(body.model)
         template = self._template
         if template is None:
@@ -208,6 +223,10 @@ class OpenAIFront:
         except ChatTemplateError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         max_tokens, headers = self._chat_output_limit(body)
+        if self._engines is not None:
+            answer = await self._to_engine(request, body, raw, token_ids, max_tokens, "messages")
+            if answer is not None:
+                return answer
         call = self._grpc_request(body, f"chatcmpl-{uuid.uuid4().hex}", max_tokens)
         call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(token_ids, np.uint32))
         reply = Reply(call.request_id, int(time.time()), body.model, chat=True)
@@ -276,6 +295,45 @@ class OpenAIFront:
             background=BackgroundTask(cancel),
         )
 
+    async def _to_engine(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        raw: bytes,
+        token_ids: list[int],
+        max_tokens: int,
+        prompt_param: str,
+    ) -> Response | None:
+        """The answer of the engine the router sends the request to (``router/engine_forward.py``);
+        None where it sends it to a worker."""
+        engines = self._engines
+        assert engines is not None
+        policy, weights = "", None
+        if body.routing is not None:
+            policy, weights = body.routing.policy, dict(body.routing.weights)
+        try:
+            # NOTE: the limits the router's servicer holds a worker's request to.
+            check_request(self._grpc_request(body, "", max_tokens), engines.limits)
+            check_prompt_length(len(token_ids), prompt_param, engines.limits)
+            plan = engines.plan(token_ids, body.lora, body.cache_salt)
+            return await engines.forward(
+                request,
+                plan,
+                raw,
+                num_output_tokens=min(max_tokens, MAX_UNKNOWN_OUTPUT_TOKENS),
+                stream=bool(body.stream),
+                policy=policy,
+                weights=weights,
+            )
+        except FleetFullError as e:
+            raise OpenAIError(
+                429, str(e), code="overloaded", headers={"retry-after": "1"}
+            ) from None
+        except NoWorkerError as e:
+            raise OpenAIError(503, str(e), code="unavailable") from None
+        except ValueError as e:  # a bad prompt, or routing
+            raise OpenAIError(400, str(e), param=prompt_param) from None
+
     def _chat_output_limit(self, body: ChatCompletionRequest) -> tuple[int, dict[str, str]]:
         """The most tokens a chat request may generate, and the headers that say so when the
         router chose it."""
@@ -334,7 +392,8 @@ class OpenAIFront:
 
     # -- checks --------------------------------------------------------------------------------
 
-    async def _parse(self, request: Request, model: type[T]) -> T:
+    async def _parse(self, request: Request, model: type[T]) -> tuple[T, bytes]:
+        """The body as ``model`` and as read."""
         _check_json_content_type(request)
         length = request.headers.get("content-length", "")
         too_large = OpenAIError(
@@ -351,7 +410,7 @@ class OpenAIFront:
             if len(body) > self._max_body_bytes:
                 raise too_large
         try:
-            return model.model_validate_json(bytes(body))  # type: ignore[attr-defined]
+            return model.model_validate_json(bytes(body)), bytes(body)  # type: ignore[attr-defined]
         except ValidationError as e:
             raise error_from_validation(e) from None
 

@@ -179,11 +179,14 @@ class Router:
         weights: Mapping[str, float] | None = None,
         exclude: set[str] | frozenset[str] = frozenset(),
         disagg: DisaggConfig | None = None,
+        engines: bool = False,
     ) -> Route:
         """``choose``, and with ``disagg``, whether a prefill worker computes the prompt first
-        (``router/disagg.py``). One index lookup serves both choices."""
+        (``router/disagg.py``). One index lookup serves both choices. With ``engines``, the
+        OpenAI-API engines are candidates too (``router/engines.py``), and no worker takes a
+        prefix from a peer: an engine neither gives one nor takes one."""
         chosen_policy = self._policy(policy, weights)
-        handles = self._serving(plan, self.directory.routable(exclude))
+        handles = self._serving(plan, self.directory.routable(exclude, engines=engines))
         if not handles:
             raise NoWorkerError(
                 f"no live worker serves {plan.namespace!r}"
@@ -227,7 +230,7 @@ class Router:
                     matches.get(worker_id, 0),
                     num_shared_prefill_tokens=plan.block_size
                     * max(matches.get(worker_id, 0) - index_matches.get(worker_id, 0), 0),
-                    num_fetchable_blocks=index_matches.get(worker_id, 0),
+                    num_fetchable_blocks=0 if engines else index_matches.get(worker_id, 0),
                 )
                 for worker_id, h in candidates.items()
             ]

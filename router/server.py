@@ -22,12 +22,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index import grpc_index
 from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index, redacted
+from kvswitch.cache_index.engine_feed import EngineEndpoints
 from kvswitch.cache_index.hashing import BlockNaming
 from kvswitch.cache_index.index import BlockIndex, reclaim_forever
 from kvswitch.checkpoint import RANDOM_PREFIX, check_model_dir
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.disagg import DisaggConfig
+from kvswitch.router.engines import EngineFeeds, parse_engines
 from kvswitch.router.forwarded import new_front_key
 from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
@@ -48,6 +50,7 @@ from kvswitch.tokenizer import Tokenizer, TokenizerFileError, load_tokenizer
 from kvswitch.v1 import router_pb2_grpc
 
 if TYPE_CHECKING:
+    from kvswitch.router.engine_forward import EngineForwarder
     from kvswitch.router.http_server import HttpFront
 
 logger = logging.getLogger(__name__)
@@ -122,6 +125,13 @@ class RouterConfig:
     api_key: str = ""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # the HTTP API's largest request body (413)
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
+    # OpenAI-API engines (stock vLLM servers; router/engines.py): NAME=URL each, their KV events
+    # NAME=tcp://HOST:5557 and replay NAME=tcp://HOST:5558, and the blocks they hash in.
+    engine: tuple[str, ...] = ()
+    engine_events: tuple[str, ...] = ()
+    engine_replay: tuple[str, ...] = ()
+    engine_topic: str = ""
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -154,6 +164,20 @@ class RouterConfig:
             raise ValueError("api_key is for the HTTP API: serve it with --http-port too")
         self.check_exposure()
         self.block_naming()
+        self.engines()
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.engine and not self.namespace:
+            raise ValueError(
+                "engine: give --namespace too, the model name the engines serve (vLLM's "
+                "--served-model-name): requests name it, and blocks are named in it"
+            )
+        if self.engine and self.http_port < 0:
+            raise ValueError("engine: engines take requests over HTTP: serve --http-port too")
+
+    def engines(self) -> list[EngineEndpoints]:
+        """The OpenAI-API engines named (``router/engines.py``); ValueError for a wrong one."""
+        return parse_engines(self.engine, self.engine_events, self.engine_replay, self.engine_topic)
 
     def security(self) -> FleetSecurity:
         return FleetSecurity.of(self)
@@ -253,6 +277,8 @@ class RouterServer:
     metrics: RouterMetrics
     metrics_server: MetricsServer | None = None
     http_front: HttpFront | None = None
+    engine_feeds: EngineFeeds | None = None  # the engines' KV events, followed into the index
+    engine_forwarder: EngineForwarder | None = None
 
     @property
     def metrics_address(self) -> str | None:
@@ -275,6 +301,10 @@ class RouterServer:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.engine_feeds is not None:
+            await self.engine_feeds.stop()
+        if self.engine_forwarder is not None:
+            await self.engine_forwarder.close()
         await self.router.directory.stop()
         await self.index.close()
         if self.metrics_server is not None:
@@ -337,6 +367,20 @@ async def start_router(config: RouterConfig) -> RouterServer:
         namespace=config.namespace,
         pending=PendingBlocks(config.pending_ttl_s),
     )
+    metrics = RouterMetrics(
+        worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)
+    )
+    engine_feeds = forwarder = None
+    if config.engine:
+        # NOTE: imported only when used: httpx and the front's modules.
+        from kvswitch.router.engine_forward import EngineForwarder, EngineMetrics
+
+        engine_feeds = EngineFeeds.of(
+            config.engines(), index, config.namespace, config.block_size, naming
+        )
+        forwarder = EngineForwarder(
+            router, EngineMetrics(metrics.registry), config.limits(), config.max_failovers
+        )
     front_key, http_front = "", None
     if config.http_port >= 0:
         # NOTE: imported only when served: FastAPI and uvicorn take about a second to import.
@@ -345,15 +389,14 @@ async def start_router(config: RouterConfig) -> RouterServer:
 
         front_key = new_front_key()
         try:
-            http_front = await start_http_front(FrontConfig.of(config), router, address, front_key)
+            http_front = await start_http_front(
+                FrontConfig.of(config), router, address, front_key, forwarder
+            )
         except OSError as e:
             await index.close()
             raise RouterStartError(
                 f"cannot serve HTTP on {host_port(config.host, config.http_port)}: {e}"
             ) from e
-    metrics = RouterMetrics(
-        worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)
-    )
     metrics_server = None
     if config.metrics_port >= 0:
         try:
@@ -384,6 +427,8 @@ async def start_router(config: RouterConfig) -> RouterServer:
         await health_servicer.set(grpc_index.SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     await directory.start()
+    if engine_feeds is not None:
+        engine_feeds.start()
     loop = asyncio.get_running_loop()
     tasks = [
         loop.create_task(reclaim_forever(index, RECLAIM_INTERVAL_S)),
@@ -407,6 +452,8 @@ async def start_router(config: RouterConfig) -> RouterServer:
         metrics,
         metrics_server,
         http_front,
+        engine_feeds,
+        forwarder,
     )
 
 
@@ -432,7 +479,7 @@ async def _report_health(
     """SERVING while some worker is routable, NOT_SERVING while none is."""
     serving: bool | None = None
     while True:
-        now_serving = bool(directory.routable())
+        now_serving = bool(directory.routable(engines=True))
         if now_serving != serving:
             serving = now_serving
             status = (

@@ -38,10 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import httpx2
 
 from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
+from kvswitch.router.engines import EngineDown, is_engine, poll_engine
 from kvswitch.router.policy import WorkerState
 from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS, end_if_cancelled
@@ -60,8 +62,9 @@ class WorkerHandle:
     """One worker as this router knows it."""
 
     info: WorkerInfo
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.WorkerStub
+    # None for an OpenAI-API engine (router/engines.py): reached over HTTP by the front alone.
+    channel: grpc.aio.Channel | None
+    stub: worker_pb2_grpc.WorkerStub | None
     load: worker_pb2.WorkerLoad | None = None  # the last report, if any came
     num_in_flight: int = 0  # requests this router sent here and has not seen finish
     num_prefill_tokens: int = 0  # uncached prompt tokens of those not yet past their first token
@@ -80,6 +83,10 @@ class WorkerHandle:
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def is_engine(self) -> bool:
+        return self.channel is None
 
     def num_prefill_tokens_queued(self, num_shared_prefill_tokens: int = 0) -> int:
         """Prompt tokens queued here to prefill. ``num_shared_prefill_tokens``: prompt tokens
@@ -179,6 +186,7 @@ class WorkerDirectory:
         self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
         self.num_loop_errors = 0  # unexpected errors in the background loops
         self._refresh_warning = Throttled(logger)
+        self._http: httpx2.AsyncClient | None = None  # engines' polls, once one joins
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -202,8 +210,12 @@ class WorkerDirectory:
         self._tasks = []
         self._pollers.clear()
         for handle in self._handles.values():
-            await handle.channel.close()
+            if handle.channel is not None:
+                await handle.channel.close()
         self._handles.clear()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -211,14 +223,18 @@ class WorkerDirectory:
         self,
         exclude: set[str] | frozenset[str] = frozenset(),
         roles: tuple[str, ...] = DECODE_ROLES,
+        *,
+        engines: bool = False,
     ) -> list[WorkerHandle]:
         """Live workers of one of ``roles`` (by default: those that take whole requests), not
-        failing lately, not in ``exclude``."""
+        failing lately, not in ``exclude``; with ``engines``, the OpenAI-API engines among them
+        (only the HTTP front can send them a request)."""
         now = self._clock()
         return [
             h
             for h in self._handles.values()
             if not h.removed
+            and (engines or not h.is_engine)
             and h.info.role in roles
             and h.down_until_s <= now
             and not h.unreachable
@@ -267,6 +283,8 @@ class WorkerDirectory:
     def _close_later(self, handle: WorkerHandle) -> None:
         """Close a gone worker's channel in the background: closing one whose connection died
         without a word waits for that connection to time out, and nothing should wait on it."""
+        if handle.channel is None:
+            return
         task = asyncio.get_running_loop().create_task(handle.channel.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -302,8 +320,11 @@ class WorkerDirectory:
             if handle is None:
                 changed = True
                 logger.info("worker %s joined at %s (%s)", worker_id, info.address, info.role)
-                channel = self._security.channel(info.address, self._channel_options)
-                handle = WorkerHandle(info, channel, worker_pb2_grpc.WorkerStub(channel))
+                if is_engine(info):
+                    handle = WorkerHandle(info, None, None)
+                else:
+                    channel = self._security.channel(info.address, self._channel_options)
+                    handle = WorkerHandle(info, channel, worker_pb2_grpc.WorkerStub(channel))
                 self._handles[worker_id] = handle
                 if self._polling:
                     self._start_polling(handle)
@@ -344,7 +365,7 @@ class WorkerDirectory:
         """Poll ``handle``'s load every ``load_poll_s`` in a task of its own, until it leaves."""
         # NOTE: a task per worker, not one round for all: a round waits for its slowest answer,
         # and one black-holed worker would hold every worker's report up to rpc_timeout_s.
-        poll = functools.partial(self._poll, handle)
+        poll = functools.partial(self._poll_engine if handle.is_engine else self._poll, handle)
         self._pollers[handle.worker_id] = asyncio.get_running_loop().create_task(
             self._every(self.config.load_poll_s, poll, f"the load poll of {handle.worker_id}"),
             name=f"load-{handle.worker_id}",
@@ -358,9 +379,26 @@ class WorkerDirectory:
     async def poll_loads(self) -> None:
         """Poll every worker's load once, all at once (the background tasks poll each on its own
         timer)."""
-        await asyncio.gather(*(self._poll(h) for h in self.handles()))
+        await asyncio.gather(
+            *((self._poll_engine if h.is_engine else self._poll)(h) for h in self.handles())
+        )
+
+    async def _poll_engine(self, handle: WorkerHandle) -> None:
+        if self._http is None:
+            self._http = httpx2.AsyncClient()
+        try:
+            load = await poll_engine(self._http, handle.info, self.config.rpc_timeout_s)
+        except EngineDown as e:
+            logger.debug("polling engine %s failed: %s", handle.worker_id, e)
+            if not handle.unreachable:
+                await self.refresh()
+            if not handle.removed:
+                self._poll_failed(handle, str(e))
+        else:
+            self._polled(handle, load)
 
     async def _poll(self, handle: WorkerHandle) -> None:
+        assert handle.stub is not None
         try:
             load = await handle.stub.GetLoad(
                 worker_pb2.GetLoadRequest(), timeout=self.config.rpc_timeout_s
@@ -380,28 +418,31 @@ class WorkerDirectory:
                     # not failing (refresh stops this poller then).
                     await self.refresh()
                 if not handle.removed:
-                    self._poll_failed(handle, e.code())
+                    self._poll_failed(handle, e.code().name)
         else:
-            handle.load = load
-            if handle.unreachable:
-                logger.info("worker %s answers its load polls again", handle.worker_id)
-            handle.unreachable = False
-            handle.num_failed_polls = 0
-            handle.full = False
-            if handle.lost.is_set():
-                handle.lost = asyncio.Event()
+            self._polled(handle, load)
 
-    def _poll_failed(self, handle: WorkerHandle, code: grpc.StatusCode) -> None:
-        """A load poll went unanswered (UNAVAILABLE or DEADLINE_EXCEEDED). The worker takes no
-        new request until a poll answers again; it is lost, and its streams fail over, once
-        ``lost_after_failed_polls`` polls failed in a row or its channel says the connection is
-        dead."""
+    def _polled(self, handle: WorkerHandle, load: worker_pb2.WorkerLoad) -> None:
+        handle.load = load
+        if handle.unreachable:
+            logger.info("worker %s answers its load polls again", handle.worker_id)
+        handle.unreachable = False
+        handle.num_failed_polls = 0
+        handle.full = False
+        if handle.lost.is_set():
+            handle.lost = asyncio.Event()
+
+    def _poll_failed(self, handle: WorkerHandle, why: str) -> None:
+        """A load poll went unanswered (UNAVAILABLE or DEADLINE_EXCEEDED; an engine's, or its
+        health said it does not serve). The worker takes no new request until a poll answers
+        again; it is lost, and its streams fail over, once ``lost_after_failed_polls`` polls
+        failed in a row or its channel says the connection is dead."""
         handle.num_failed_polls += 1
         if not handle.unreachable:
             logger.warning(
                 "worker %s stopped answering its load polls (%s): left out",
                 handle.worker_id,
-                code.name,
+                why,
             )
         handle.unreachable = True
         if handle.lost.is_set():
@@ -410,6 +451,10 @@ class WorkerDirectory:
         # prefill): failing its streams over would compute each again elsewhere, and under
         # overload push the overload onto the next worker. A worker cut off without a word is
         # also found by the connection's keepalive pings, which end its calls within ~2 s.
+        if handle.channel is None:  # an engine: no connection to ask
+            if handle.num_failed_polls >= self.config.lost_after_failed_polls:
+                handle.lost.set()
+            return
         state = handle.channel.get_state()
         dead = state in (
             grpc.ChannelConnectivity.TRANSIENT_FAILURE,

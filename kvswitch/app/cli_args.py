@@ -27,7 +27,8 @@ def add_config_args(
     """One ``--field-name`` option per field of ``config_cls``, default taken from the field.
 
     A ``bool`` field becomes a pair, ``--field-name`` / ``--no-field-name``; a ``bool | None``
-    one too, left None when neither is given (its help says what None does). Every field needs a
+    one too, left None when neither is given (its help says what None does). A
+    ``tuple[str, ...]`` field takes its option as many times as it is given. Every field needs a
     help text in ``helps``: an option nobody explained is no help to a newcomer.
     """
     for field in dataclasses.fields(config_cls):
@@ -43,6 +44,9 @@ def add_config_args(
                 default=field.default,
                 help=help_text,
             )
+        elif type_name == "tuple[str, ...]":
+            # NOTE: default None, not the field's (), which argparse's append cannot extend.
+            parser.add_argument(option, action="append", default=None, help=helps[field.name])
         elif type_name in _PARSERS:
             parser.add_argument(
                 option, type=_PARSERS[type_name], default=field.default, help=help_text
@@ -58,6 +62,9 @@ class ConfigError(ValueError):
 def config_from_args(config_cls: type[T], args: argparse.Namespace) -> T:
     """The config built from the options that ``add_config_args`` added."""
     values: dict[str, Any] = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+    for field in dataclasses.fields(config_cls):
+        if field.type in ("tuple[str, ...]", tuple[str, ...]):
+            values[field.name] = tuple(values[field.name] or ())
     try:
         return config_cls(**values)
     except ValueError as e:

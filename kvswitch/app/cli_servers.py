@@ -212,6 +212,16 @@ ROUTER_HELP = {
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
     **SECURITY_HELP,
     "block_hash": BLOCK_HASH_HELP,
+    "engine": "an OpenAI-API engine to route to, NAME=http://HOST:8000 (a vLLM server, or a "
+    "kvswitch worker with --http-port); repeat for each. Needs --engine-events for it, "
+    "--namespace (the model name it serves) and --http-port (docs/ENGINES.md)",
+    "engine_events": "an engine's KV events, NAME=tcp://HOST:5557: the endpoint of its "
+    "--kv-events-config; repeat for each engine",
+    "engine_replay": "an engine's replay socket, NAME=tcp://HOST:5558 (its replay_endpoint), to "
+    "ask again for lost events; without it a lost event clears the engine's entries",
+    "engine_topic": "the topic the engines publish their KV events under (vLLM's topic)",
+    "block_size": "tokens per KV block of the engines (vLLM's --block-size); kvswitch workers "
+    "say their own",
 }
 
 UP_HELP = {

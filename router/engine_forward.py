@@ -1,0 +1,253 @@
+"""Requests the HTTP front routes to OpenAI-API engines: forwarded as they came, answered as the
+engine answers.
+
+The front has the request's token ids (``--model``'s tokenizer and chat template, as the engine
+will tokenize it) and its plan; ``EngineForwarder.forward`` routes it among the workers and the
+engines (``Router.route(..., engines=True)``)::
+
+    a worker wins   -> None: the front sends it the gRPC way (the router routes it again, among
+                       its workers only)
+    an engine wins  -> POST the body, unchanged, to the engine's same path
+        cannot connect (refused, unreachable)  -> the engine is marked down, the next is tried
+        an error status                        -> passed through, with its body
+        200, whole                             -> its body
+        200, a stream                          -> its server-sent events as they arrive
+
+The answer names the engine (``x-kvswitch-worker``) and why (``x-kvswitch-route-reason``). The
+engine's ``usage`` is read on the way through: its ``prompt_tokens`` against the router's count,
+its ``prompt_tokens_details.cached_tokens`` against the router's predicted hit (``EngineMetrics``),
+so that a tokenizer or template that differs from the engine's shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
+from starlette.background import BackgroundTask
+
+from kvswitch.router.limits import RequestLimits
+from kvswitch.router.openai_protocol import OpenAIError
+from kvswitch.router.openai_stream import until_disconnected
+from kvswitch.router.router import Route, RoutePlan, Router
+from kvswitch.router.workers import InFlight
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0
+# What the router passes on of a client's request headers (its key, if any, is the router's).
+_PASSED_HEADERS = ("content-type", "accept")
+
+
+class EngineMetrics:
+    """The router's view of its engines' answers (``kvswitch_router_engine_*``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvswitch_router_engine_requests",
+            "Requests forwarded to an OpenAI-API engine, by engine and HTTP status",
+            ["engine", "status"],
+            registry=registry,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvswitch_router_engine_predicted_cached_tokens",
+            "Prompt tokens the router predicted cached on the engine it chose, of answers that "
+            "report their cached tokens",
+            ["engine"],
+            registry=registry,
+        )
+        self.cached_tokens = Counter(
+            "kvswitch_router_engine_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            ["engine"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvswitch_router_engine_prompt_tokens",
+            "Prompt tokens of the answers that report them, as the router counted them and as "
+            "the engine did (counted_by): apart, the router tokenizes otherwise than the engine",
+            ["engine", "counted_by"],
+            registry=registry,
+        )
+        self.prompt_mismatches = Counter(
+            "kvswitch_router_engine_prompt_token_mismatches",
+            "Answers whose prompt_tokens differ from the router's count of the prompt",
+            ["engine"],
+            registry=registry,
+        )
+
+    def usage(self, engine: str, plan: RoutePlan, predicted: int, usage: dict[str, Any]) -> None:
+        prompt_tokens = usage.get("prompt_tokens")
+        if isinstance(prompt_tokens, int):
+            self.prompt_tokens.labels(engine, "router").inc(len(plan.token_ids))
+            self.prompt_tokens.labels(engine, "engine").inc(prompt_tokens)
+            if prompt_tokens != len(plan.token_ids):
+                self.prompt_mismatches.labels(engine).inc()
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int):
+            self.predicted_cached_tokens.labels(engine).inc(predicted)
+            self.cached_tokens.labels(engine).inc(cached)
+
+
+@dataclass
+class _Forward:
+    """One request on its way to an engine, and what it counts against the engine."""
+
+    plan: RoutePlan
+    route: Route
+    flight: InFlight
+    predicted: int  # prompt tokens the router predicted cached there
+
+
+class EngineForwarder:
+    """Sends the front's requests to engines over one pooled HTTP client (``close`` it)."""
+
+    def __init__(
+        self, router: Router, metrics: EngineMetrics, limits: RequestLimits, max_failovers: int
+    ) -> None:
+        self.limits = limits  # what the front holds a request to, as the servicer would
+        self._router = router
+        self._metrics = metrics
+        self._max_failovers = max_failovers
+        # NOTE: no read timeout: a long prompt's first token, or a long answer, takes its time;
+        # a client that gives up cancels the forward, and that closes the engine's stream.
+        self._client = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def plan(self, token_ids: Sequence[int], lora: str | None, cache_salt: str | None) -> RoutePlan:
+        return self._router.plan(token_ids=token_ids, lora=lora, cache_salt=cache_salt)
+
+    async def forward(
+        self,
+        request: Request,
+        plan: RoutePlan,
+        body: bytes,
+        *,
+        num_output_tokens: int,
+        stream: bool,
+        policy: str = "",
+        weights: Mapping[str, float] | None = None,
+    ) -> Response | None:
+        """The engine's answer to ``request`` (its ``body`` as read), where the router sends
+        ``plan`` to an engine; None where it sends it to a worker. ``NoWorkerError`` and
+        ``FleetFullError`` as ``Router.route`` raises them."""
+        router = self._router
+        directory = router.directory
+        exclude: set[str] = set()
+        while True:
+            route = await router.route(
+                plan, policy=policy, weights=weights, exclude=exclude, engines=True
+            )
+            handle = route.handle
+            if not handle.is_engine:
+                return None
+            decision = route.decision
+            router.routed(plan, decision)
+            predicted = min(decision.num_matched_blocks * plan.block_size, len(plan.token_ids))
+            flight = directory.begin(
+                handle, router.num_uncached_tokens(plan, decision), num_output_tokens
+            )
+            forward = _Forward(plan, route, flight, predicted)
+            headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+            upstream = self._client.build_request(
+                "POST", handle.info.address + request.url.path, content=body, headers=headers
+            )
+            try:
+                response = await until_disconnected(
+                    request, self._client.send(upstream, stream=True)
+                )
+            except (httpx2.ConnectError, httpx2.ConnectTimeout) as e:
+                # NOTE: nothing reached the engine: the request can go to another at no cost.
+                self._withdraw(forward)
+                directory.mark_down(handle)
+                exclude.add(handle.worker_id)
+                logger.warning(
+                    "engine %s cannot be reached (%s): trying another", handle.worker_id, e
+                )
+                if len(exclude) > self._max_failovers:
+                    raise OpenAIError(
+                        502,
+                        f"no engine could be reached: {', '.join(sorted(exclude))} tried",
+                        code="bad_gateway",
+                    ) from None
+                continue
+            except BaseException:
+                self._withdraw(forward)
+                raise
+            return await self._answer(request, forward, response, stream)
+
+    async def _answer(
+        self, request: Request, forward: _Forward, response: httpx2.Response, stream: bool
+    ) -> Response:
+        engine = forward.flight.handle.worker_id
+        self._metrics.requests.labels(engine, str(response.status_code)).inc()
+        headers = {
+            "x-kvswitch-worker": engine,
+            "x-kvswitch-route-reason": forward.route.decision.reason,
+        }
+        media_type = response.headers.get("content-type")
+        if response.status_code != 200 or not stream:
+            try:
+                content = await until_disconnected(request, response.aread())
+            finally:
+                await response.aclose()
+                self._router.directory.finish(forward.flight)
+            if response.status_code != 200:
+                self._withdraw(forward)
+                return Response(content, response.status_code, media_type=media_type)
+            self._read_usage(forward, content)
+            return Response(content, 200, headers=headers, media_type=media_type)
+        headers["cache-control"] = "no-cache"
+
+        async def close() -> None:  # a stream whose client left before it began
+            await response.aclose()
+            self._router.directory.finish(forward.flight)
+
+        return StreamingResponse(
+            self._relay(forward, response),
+            200,
+            headers=headers,
+            media_type=media_type or "text/event-stream",
+            background=BackgroundTask(close),
+        )
+
+    async def _relay(self, forward: _Forward, response: httpx2.Response) -> AsyncIterator[bytes]:
+        """The engine's events as they come, their usage read on the way."""
+        pending = b""
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data: {") and b'"prompt_tokens"' in line:
+                        self._read_usage(forward, line[len(b"data: ") :])
+        finally:
+            await response.aclose()
+            self._router.directory.finish(forward.flight)
+
+    def _read_usage(self, forward: _Forward, content: bytes) -> None:
+        try:
+            usage = json.loads(content).get("usage")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(usage, dict):
+            engine = forward.flight.handle.worker_id
+            self._metrics.usage(engine, forward.plan, forward.predicted, usage)
+
+    def _withdraw(self, forward: _Forward) -> None:
+        self._router.directory.finish(forward.flight)
+        self._router.withdrawn(forward.plan, forward.route.decision)

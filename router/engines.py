@@ -1,0 +1,175 @@
+"""OpenAI-API engines in a router's fleet: stock vLLM servers (or kvswitch workers serving
+``--http-port`` and ``--kv-events-config``), routed by the KV events they publish.
+
+An engine is named on the router's command line (``--engine NAME=URL``, ``--engine-events
+NAME=ENDPOINT``, ``--engine-replay NAME=ENDPOINT``). The router follows each engine's events into
+its index (``EngineFeeds``: one ``EngineEventFeed`` each), which registers the engine there as a
+worker whose address is its URL; every router sharing the index sees it. The directory polls an
+engine's load from its ``/metrics`` and its health from ``/health`` (``poll_engine``), and the HTTP
+front forwards the requests routed to it (``router/engine_forward.py``); a gRPC client's request
+never goes to one (an engine has no ``Worker`` service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx2
+
+from kvswitch.cache_index.engine_feed import EngineEndpoints, EngineEventFeed, status_line
+from kvswitch.cache_index.hashing import BlockNaming
+from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.vllm_events import EngineBlockNames
+from kvswitch.router.engine_load import EngineMetricsError, parse_engine_load
+from kvswitch.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+ENGINE_SCHEMES = ("http://", "https://")
+_FREE_SCALE = 1_000_000  # an engine's free share of its cache, as a block count to compare
+
+
+def is_engine(info: WorkerInfo) -> bool:
+    """Whether ``info`` registers an OpenAI-API engine (its address a URL), not a worker."""
+    return info.address.startswith(ENGINE_SCHEMES)
+
+
+def parse_engines(
+    engines: Sequence[str], events: Sequence[str], replays: Sequence[str], topic: str = ""
+) -> list[EngineEndpoints]:
+    """The engines ``--engine NAME=URL``, ``--engine-events NAME=ENDPOINT`` and
+    ``--engine-replay NAME=ENDPOINT`` name; ValueError, saying which option is wrong."""
+    urls = _named(engines, "engine", "NAME=http://HOST:8000")
+    publishers = _named(events, "engine_events", "NAME=tcp://HOST:5557")
+    replay = _named(replays, "engine_replay", "NAME=tcp://HOST:5558")
+    for option, names in (("engine_events", publishers), ("engine_replay", replay)):
+        unknown = sorted(set(names) - set(urls))
+        if unknown:
+            raise ValueError(f"{option} names {', '.join(unknown)}, which no --engine names")
+    missing = sorted(set(urls) - set(publishers))
+    if missing:
+        raise ValueError(
+            f"engine_events: give each engine's KV events endpoint (vLLM's --kv-events-config "
+            f"endpoint); none for {', '.join(missing)}: the router would route it blind"
+        )
+    endpoints = []
+    for name, url in urls.items():
+        if not url.startswith(ENGINE_SCHEMES):
+            raise ValueError(f"engine {name}: {url!r} is no http:// or https:// URL")
+        base = url.rstrip("/").removesuffix("/v1")
+        endpoints.append(EngineEndpoints(name, base, publishers[name], replay.get(name, ""), topic))
+    return endpoints
+
+
+def _named(values: Sequence[str], option: str, form: str) -> dict[str, str]:
+    named: dict[str, str] = {}
+    for value in values:
+        name, sep, target = value.partition("=")
+        if not sep or not name or not target:
+            raise ValueError(f"{option} takes {form}, not {value!r}")
+        if name in named:
+            raise ValueError(f"{option} names {name} twice")
+        named[name] = target
+    return named
+
+
+@dataclass
+class EngineFeeds:
+    """The feeds of a router's engines, each in a task of its own (``start``, ``stop``)."""
+
+    feeds: list[EngineEventFeed]
+
+    @classmethod
+    def of(
+        cls,
+        endpoints: Sequence[EngineEndpoints],
+        index: BlockIndex,
+        namespace: str,
+        block_size: int,
+        naming: BlockNaming,
+    ) -> EngineFeeds:
+        return cls(
+            [
+                EngineEventFeed(e, index, EngineBlockNames(namespace, block_size, naming))
+                for e in endpoints
+            ]
+        )
+
+    def __post_init__(self) -> None:
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._follow(feed), name=f"feed-{feed.engine.name}")
+            for feed in self.feeds
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    async def _follow(self, feed: EngineEventFeed) -> None:
+        logger.info(
+            "following engine %s at %s: events %s%s",
+            feed.engine.name,
+            feed.engine.address,
+            feed.engine.events,
+            f", replay {feed.engine.replay}" if feed.engine.replay else "",
+        )
+        try:
+            await feed.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("engine %s: its feed stopped", feed.engine.name)
+            return
+        if feed.status.failed:
+            # NOTE: loudly, and for good: its blocks would be named wrong, and routed on wrong.
+            logger.error("engine %s refused: %s", feed.engine.name, feed.status.failed)
+
+    def status_lines(self) -> list[str]:
+        return [status_line(feed) for feed in self.feeds]
+
+
+async def poll_engine(
+    client: httpx2.AsyncClient, info: WorkerInfo, timeout_s: float
+) -> worker_pb2.WorkerLoad:
+    """An engine's load from its ``/metrics``, if its ``/health`` says it serves; ``EngineDown``
+    when either does not answer as a serving engine does."""
+    try:
+        health, metrics = await asyncio.gather(
+            client.get(f"{info.address}/health", timeout=timeout_s),
+            client.get(f"{info.address}/metrics", timeout=timeout_s),
+        )
+    except httpx2.TimeoutException as e:
+        raise EngineDown(f"no answer in {timeout_s:g} s ({type(e).__name__})") from None
+    except httpx2.HTTPError as e:
+        raise EngineDown(f"{type(e).__name__}: {e}") from None
+    if health.status_code != 200:
+        raise EngineDown(f"/health answers {health.status_code}")
+    if metrics.status_code != 200:
+        raise EngineDown(f"/metrics answers {metrics.status_code}")
+    try:
+        load = parse_engine_load(metrics.text)
+    except EngineMetricsError as e:
+        raise EngineDown(f"/metrics: {e}") from None
+    return worker_pb2.WorkerLoad(
+        worker_id=info.worker_id,
+        num_running_requests=load.num_running_requests,
+        num_waiting_requests=load.num_waiting_requests,
+        num_free_blocks=round((1 - min(max(load.kv_cache_usage, 0.0), 1.0)) * _FREE_SCALE),
+        block_size=info.block_size,
+    )
+
+
+class EngineDown(Exception):
+    """An engine's health or load poll did not answer as a serving engine's does."""
