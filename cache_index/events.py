@@ -19,13 +19,15 @@ class BlockStored:
     adapter and extra keys (docs/HASHING.md), so none of those travel to it. A worker that also
     publishes its events in vLLM's format (``--kv-events-config``) records what that format
     carries: the blocks' tokens, concatenated, the hash before the first (None at a chain's
-    root) and the LoRA adapter; empty otherwise, and for blocks pulled from a peer.
+    root), the LoRA adapter and the cache salt; empty otherwise, and for blocks pulled from a
+    peer.
     """
 
     block_hashes: tuple[bytes, ...]
     token_ids: tuple[int, ...] = ()
     parent_block_hash: bytes | None = None
     lora: str | None = None
+    cache_salt: str | None = None  # hashed into a chain's first block only
 
 
 @dataclass(frozen=True, slots=True)

@@ -300,15 +300,23 @@ class EngineBlockNames:
         self.stats.num_stored += len(names)
         return names
 
-    @staticmethod
-    def _engine_extra(event: EngineBlockStored, i: int) -> bytes:
-        """What besides the LoRA adapter the engine hashed into block ``i`` (multimodal items,
-        a cache salt, ...), folded into kvswitch's name: such blocks never match a plain
+    def _engine_extra(self, event: EngineBlockStored, i: int) -> bytes:
+        """What besides the LoRA adapter the engine hashed into block ``i``. A chain's first
+        block with one string besides is a cache salt (vLLM puts a request's ``cache_salt`` in
+        its first block's keys): named as the router names a salted prompt. Anything else
+        (multimodal items, ...) is folded into kvswitch's name: such blocks never match a plain
         prompt."""
         if not event.extra_keys or i >= len(event.extra_keys) or not event.extra_keys[i]:
             return b""
         keys = [key for key in event.extra_keys[i] if key != event.lora_name]
-        return engine_extra_field(msgpack.packb(keys, default=repr)) if keys else b""
+        if not keys:
+            return b""
+        if i == 0 and event.parent_block_hash is None and len(keys) == 1:
+            (salt,) = keys
+            if isinstance(salt, str) and salt:
+                salted = BlockHasher(self.namespace, self.block_size, cache_salt=salt)
+                return salted.block_extra(0)
+        return engine_extra_field(msgpack.packb(keys, default=repr))
 
     def _stored_elsewhere(self, engine_hashes: Sequence[EngineHash], medium: str) -> list[bytes]:
         """Blocks a tier stored without their tokens: known by the engine's name, or orphans."""
@@ -370,6 +378,7 @@ def to_engine_events(events: Sequence[CacheEvent], block_size: int) -> list[Engi
                     block_size,
                     lora_name=event.lora,
                     medium=GPU,
+                    extra_keys=_extra_keys(event),
                 )
             )
         elif isinstance(event, BlockRemoved):
@@ -377,3 +386,13 @@ def to_engine_events(events: Sequence[CacheEvent], block_size: int) -> list[Engi
         else:
             out.append(EngineAllBlocksCleared())
     return out
+
+
+def _extra_keys(event: BlockStored) -> tuple[tuple[Any, ...] | None, ...] | None:
+    """vLLM's per-block extra keys of a kvswitch event: the adapter's name in each block, and a
+    cache salt in a chain's first one; None where there are none."""
+    if event.cache_salt is None or event.parent_block_hash is not None:
+        return None  # the adapter alone travels as lora_name
+    lora = (event.lora,) if event.lora else ()
+    rest: tuple[Any, ...] | None = lora or None
+    return ((*lora, event.cache_salt),) + (rest,) * (len(event.block_hashes) - 1)

@@ -285,7 +285,9 @@ class _SimDirectory(WorkerDirectory):
         super().__init__(index)
         self._sim_handles = handles
 
-    def routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerHandle]:
+    def routable(
+        self, exclude: set[str] | frozenset[str] = frozenset(), *, engines: bool = False
+    ) -> list[WorkerHandle]:
         return [h for h in self._sim_handles if h.worker_id not in exclude]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from starlette.background import BackgroundTask
 from kvswitch.router.limits import RequestLimits
 from kvswitch.router.openai_protocol import OpenAIError
 from kvswitch.router.openai_stream import until_disconnected
-from kvswitch.router.router import Route, RoutePlan, Router
+from kvswitch.router.router import NoWorkerError, Route, RoutePlan, Router
 from kvswitch.router.workers import InFlight
 
 logger = logging.getLogger(__name__)
@@ -111,9 +112,16 @@ class EngineForwarder:
     """Sends the front's requests to engines over one pooled HTTP client (``close`` it)."""
 
     def __init__(
-        self, router: Router, metrics: EngineMetrics, limits: RequestLimits, max_failovers: int
+        self,
+        router: Router,
+        metrics: EngineMetrics,
+        limits: RequestLimits,
+        *,
+        max_failovers: int,
+        wait_for_worker_s: float,
     ) -> None:
         self.limits = limits  # what the front holds a request to, as the servicer would
+        self._wait_for_worker_s = wait_for_worker_s  # a request finding none waits this long
         self._router = router
         self._metrics = metrics
         self._max_failovers = max_failovers
@@ -127,30 +135,41 @@ class EngineForwarder:
     async def close(self) -> None:
         await self._client.aclose()
 
-    def plan(self, token_ids: Sequence[int], lora: str | None, cache_salt: str | None) -> RoutePlan:
-        return self._router.plan(token_ids=token_ids, lora=lora, cache_salt=cache_salt)
-
     async def forward(
         self,
         request: Request,
-        plan: RoutePlan,
+        token_ids: Sequence[int],
         body: bytes,
         *,
+        lora: str | None,
+        cache_salt: str | None,
         num_output_tokens: int,
         stream: bool,
         policy: str = "",
         weights: Mapping[str, float] | None = None,
     ) -> Response | None:
-        """The engine's answer to ``request`` (its ``body`` as read), where the router sends
-        ``plan`` to an engine; None where it sends it to a worker. ``NoWorkerError`` and
-        ``FleetFullError`` as ``Router.route`` raises them."""
+        """The engine's answer to ``request`` (its ``body`` as read, its prompt ``token_ids``),
+        where the router sends it to an engine; None where it sends it to a worker.
+        ``NoWorkerError`` and ``FleetFullError`` as ``Router.route`` raises them, ValueError
+        for a prompt the router refuses."""
         router = self._router
         directory = router.directory
         exclude: set[str] = set()
+        deadline_s = time.monotonic() + self._wait_for_worker_s
         while True:
-            route = await router.route(
-                plan, policy=policy, weights=weights, exclude=exclude, engines=True
-            )
+            try:
+                plan = router.plan(token_ids=token_ids, lora=lora, cache_salt=cache_salt)
+                route = await router.route(
+                    plan, policy=policy, weights=weights, exclude=exclude, engines=True
+                )
+            except NoWorkerError:
+                # NOTE: as the servicer does: none yet (the router just started, an engine
+                # restarts), or every one tried; waits for one to join or come back.
+                left_s = deadline_s - time.monotonic()
+                if left_s <= 0:
+                    raise
+                await until_disconnected(request, directory.wait_for_change(min(left_s, 0.1)))
+                continue
             handle = route.handle
             if not handle.is_engine:
                 return None

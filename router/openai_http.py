@@ -315,11 +315,12 @@ class OpenAIFront:
             # NOTE: the limits the router's servicer holds a worker's request to.
             check_request(self._grpc_request(body, "", max_tokens), engines.limits)
             check_prompt_length(len(token_ids), prompt_param, engines.limits)
-            plan = engines.plan(token_ids, body.lora, body.cache_salt)
             return await engines.forward(
                 request,
-                plan,
+                token_ids,
                 raw,
+                lora=body.lora,
+                cache_salt=body.cache_salt,
                 num_output_tokens=min(max_tokens, MAX_UNKNOWN_OUTPUT_TOKENS),
                 stream=bool(body.stream),
                 policy=policy,

@@ -379,7 +379,11 @@ async def start_router(config: RouterConfig) -> RouterServer:
             config.engines(), index, config.namespace, config.block_size, naming
         )
         forwarder = EngineForwarder(
-            router, EngineMetrics(metrics.registry), config.limits(), config.max_failovers
+            router,
+            EngineMetrics(metrics.registry),
+            config.limits(),
+            max_failovers=config.max_failovers,
+            wait_for_worker_s=config.wait_for_worker_s,
         )
     front_key, http_front = "", None
     if config.http_port >= 0:

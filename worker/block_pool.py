@@ -200,12 +200,13 @@ class BlockPool:
         tokens: Sequence[int] | None = None,
         parent: bytes | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Cache consecutive full blocks of one chain, ``blocks[i]`` named ``block_hashes[i]``.
         A hash that is already cached in another block is recorded as a duplicate and emits no
         event; each run of new hashes is one ``BlockStored``. With ``tokens`` (the blocks'
-        tokens, concatenated), ``parent`` (the hash before ``block_hashes[0]``) and ``lora``,
-        each event says them too (``BlockStored.token_ids``)."""
+        tokens, concatenated), ``parent`` (the hash before ``block_hashes[0]``), ``lora`` and
+        ``cache_salt``, each event says them too (``BlockStored.token_ids``)."""
         if not self.enable_caching:
             return
         runs: list[list[int]] = []  # [start, end) of each run of newly cached hashes
@@ -235,6 +236,7 @@ class BlockPool:
                     tuple(int(t) for t in tokens[start * size : end * size]),
                     block_hashes[start - 1] if start else parent,
                     lora,
+                    cache_salt,
                 )
             )
 

@@ -206,7 +206,7 @@ def events_to_wire(events: list[CacheEvent]) -> list[list[Any]]:
     for e in events:
         fields = [_EVENT_TAGS[type(e)], list(getattr(e, "block_hashes", ()))]
         if isinstance(e, BlockStored) and e.token_ids:
-            fields += [list(e.token_ids), e.parent_block_hash, e.lora]
+            fields += [list(e.token_ids), e.parent_block_hash, e.lora, e.cache_salt]
         wired.append(fields)
     return wired
 
@@ -216,8 +216,8 @@ def events_from_wire(fields: list[list[Any]]) -> list[CacheEvent]:
     for tag, hashes, *told in fields:
         if tag == 0:
             if told:
-                tokens, parent, lora = told
-                events.append(BlockStored(tuple(hashes), tuple(tokens), parent, lora))
+                tokens, parent, lora, salt = told
+                events.append(BlockStored(tuple(hashes), tuple(tokens), parent, lora, salt))
             else:
                 events.append(BlockStored(tuple(hashes)))
         elif tag == 1:

@@ -322,7 +322,10 @@ class KVCacheManager:
                 size, first = self.block_size, pull.first
                 tokens = request.token_ids[first * size : (first + num_landed) * size]
                 parent = request.block_hashes[first - 1] if first else None
-                self.pool.cache_full_blocks(landed, hashes, tokens, parent, request.hasher.lora)
+                hasher = request.hasher
+                self.pool.cache_full_blocks(
+                    landed, hashes, tokens, parent, hasher.lora, hasher.cache_salt
+                )
             else:
                 self.pool.cache_full_blocks(landed, hashes)
             self._req_to_num_cached_blocks[request_id] = pull.first + num_landed
@@ -526,6 +529,7 @@ class KVCacheManager:
                 request.token_ids[num_cached * size : num_full * size],
                 request.block_hashes[num_cached - 1] if num_cached else None,
                 request.hasher.lora,
+                request.hasher.cache_salt,
             )
         else:
             self.pool.cache_full_blocks(new_full, new_hashes)

@@ -102,6 +102,34 @@ def test_blocks_get_the_names_the_router_gives_the_same_prompt() -> None:
     assert engine.stats.num_stored == 6 and len(engine) == 6
 
 
+def test_a_cache_salt_in_the_first_blocks_keys_names_the_chain_as_a_salted_prompt() -> None:
+    """vLLM appends a request's cache_salt to its first block's extra keys (after the adapter's
+    name): the chain gets the names the router gives the prompt with that salt."""
+    salted = names().apply(
+        [stored([1, 2, 3], None, PROMPT, extra_keys=(("tenant-7",), None, None))]
+    )
+    assert salted == [
+        BlockStored(tuple(hash_prompt_blocks(PROMPT, B, MODEL, cache_salt="tenant-7")))
+    ]
+    both = names().apply(
+        [
+            stored(
+                [1, 2, 3],
+                None,
+                PROMPT,
+                lora_name="sql",
+                extra_keys=(("sql", "tenant-7"), ("sql",), ("sql",)),
+            )
+        ]
+    )
+    expected = hash_prompt_blocks(PROMPT, B, MODEL, lora="sql", cache_salt="tenant-7")
+    assert both == [BlockStored(tuple(expected))]
+    # A string in a later block's keys is no salt (vLLM salts the first block only).
+    [later] = names().apply([stored([1, 2, 3], None, PROMPT, extra_keys=(None, ("x",), None))])
+    assert later.block_hashes[0] == hash_prompt_blocks(PROMPT, B, MODEL)[0]
+    assert later.block_hashes[1] != hash_prompt_blocks(PROMPT, B, MODEL)[1]
+
+
 def test_blocks_with_other_extra_keys_never_take_a_plain_prompts_names() -> None:
     engine = names()
     [event] = engine.apply(

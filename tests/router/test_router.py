@@ -35,7 +35,7 @@ class _Fleet(WorkerDirectory):
         super().__init__(index)
         self._fleet = handles
 
-    def routable(self, exclude=frozenset()):
+    def routable(self, exclude=frozenset(), *, engines=False):
         return [h for h in self._fleet if h.worker_id not in exclude]
 
 

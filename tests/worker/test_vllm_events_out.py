@@ -42,6 +42,7 @@ def test_a_workers_vllm_events_name_its_blocks_as_it_does() -> None:
         ["worker", "--port", "0", "--kv-events-config", json.dumps(config)]
     )
     prompts = [[256, *b"The first document, block after block. " * 3], [256, *b"Another " * 9]]
+    salts = [None, "tenant-7"]  # a salted prompt is named salted: only the same salt matches it
 
     async def main() -> None:
         stub = worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(address))
@@ -58,6 +59,7 @@ def test_a_workers_vllm_events_name_its_blocks_as_it_does() -> None:
                     request_id=f"r{i}",
                     prompt_token_ids=prompt,
                     sampling=common_pb2.SamplingParams(max_tokens=20, temperature=0.0),
+                    cache_salt=salts[i] or "",
                 )
                 async for _ in stub.Generate(request, timeout=60):
                     pass
@@ -68,9 +70,11 @@ def test_a_workers_vllm_events_name_its_blocks_as_it_does() -> None:
             while feed.names.block_names() != held:
                 assert time.monotonic() < deadline, (len(feed.names), len(held), feed.status)
                 await asyncio.sleep(0.01)
-            for prompt in prompts:
-                chain = hash_prompt_blocks(prompt, B, namespace)
+            for prompt, salt in zip(prompts, salts, strict=True):
+                chain = hash_prompt_blocks(prompt, B, namespace, cache_salt=salt)
                 assert (await index.match(namespace, chain))["kvswitch-0"] == len(chain)
+            unsalted = hash_prompt_blocks(prompts[1], B, namespace)
+            assert (await index.match(namespace, unsalted)).get("kvswitch-0", 0) == 0
             assert feed.names.stats.num_orphans == 0 and not feed.status.degraded
         finally:
             task.cancel()
@@ -87,11 +91,13 @@ def test_a_workers_vllm_events_name_its_blocks_as_it_does() -> None:
 def test_stored_events_carry_tokens_parent_and_adapter_when_asked_and_cross_the_pipe() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=4)
     manager.record_tokens = True
-    hasher = BlockHasher("m", block_size=4, lora="sql")
+    hasher = BlockHasher("m", block_size=4, lora="sql", cache_salt="t1")
     request = Request("r", list(range(10, 19)), hasher)  # two full blocks and a token
     admit(manager, request)
     [event] = manager.take_events()
-    assert event == BlockStored(tuple(request.block_hashes), tuple(range(10, 18)), None, "sql")
+    assert event == BlockStored(
+        tuple(request.block_hashes), tuple(range(10, 18)), None, "sql", "t1"
+    )
     assert wire.events_from_wire(wire.events_to_wire([event])) == [event]
     plain = KVCacheManager(num_blocks=8, block_size=4)
     admit(plain, Request("r", list(range(10, 19)), hasher))

@@ -1,0 +1,253 @@
+"""The router in engine mode on real processes: kvswitch workers standing in for vLLM servers
+(``--http-port`` and ``--kv-events-config``), routed by the KV events they publish, their
+requests forwarded over HTTP (``router/engines.py``, ``router/engine_forward.py``).
+
+Shown: the follow-up questions about a document go to the engine that holds it, and its cached
+tokens are the ones the router predicted; streams and errors come through as the engine sends
+them; an engine killed is routed around; one restarted (its sequence back to 0) is cleared in the
+index and rebuilt from what it holds then."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+
+from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.serving import start_server_process
+
+MODEL = "kvswitch-tiny"  # the built-in model's name
+B = 16
+DOCUMENTS = [
+    f"Document {d}: the {kind} station logs, row after row of readings and remarks. " * 6
+    for d, kind in enumerate(["weather", "river", "seismic", "traffic"])
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(process: subprocess.Popen, sig: signal.Signals = signal.SIGTERM) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(sig)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@dataclass
+class Engine:
+    name: str
+    http_port: int
+    events: str
+    replay: str
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self) -> None:
+        config = {
+            "enable_kv_cache_events": True,
+            "endpoint": self.events,
+            "replay_endpoint": self.replay,
+        }
+        self.process, _ = start_server_process(
+            [
+                "worker",
+                "--port",
+                "0",
+                "--http-port",
+                str(self.http_port),
+                "--kv-events-config",
+                json.dumps(config),
+            ]
+        )
+
+
+@dataclass
+class Fleet:
+    engines: list[Engine]
+    router: subprocess.Popen
+    router_address: str
+    http_port: int
+    metrics_port: int
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key="none", max_retries=0
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx2.get(f"http://127.0.0.1:{self.metrics_port}/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                series, _, value = line.rpartition(" ")
+                found = series[len(name) :].strip("{}").split(",")
+                if all(part in found for part in want.split(",") if part):
+                    total += float(value)
+        return total
+
+    async def engines_holding(self, prompt_ids: list[int]) -> dict[str, int]:
+        index = await connect_index(f"grpc://{self.router_address}")
+        try:
+            return await index.match(MODEL, hash_prompt_blocks(prompt_ids, B, MODEL))
+        finally:
+            await index.close()
+
+    async def live(self) -> set[str]:
+        index = await connect_index(f"grpc://{self.router_address}")
+        try:
+            return {w.worker_id for w in await index.live_workers()}
+        finally:
+            await index.close()
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture()
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    engines = [
+        Engine(
+            f"e{i}",
+            free_port(),
+            f"ipc://{tmp_path}/e{i}-events",
+            f"ipc://{tmp_path}/e{i}-replay",
+        )
+        for i in range(2)
+    ]
+    for engine in engines:
+        engine.start()
+    http_port, metrics_port = free_port(), free_port()
+    args = ["router", "--port", "0", "--http-port", str(http_port)]
+    args += ["--metrics-port", str(metrics_port), "--namespace", MODEL, "--block-size", str(B)]
+    for engine in engines:
+        args += ["--engine", f"{engine.name}={engine.url}"]
+        args += ["--engine-events", f"{engine.name}={engine.events}"]
+        args += ["--engine-replay", f"{engine.name}={engine.replay}"]
+    router, address = start_server_process(args)
+    fleet = Fleet(engines, router, address, http_port, metrics_port)
+    try:
+        wait_until(lambda: asyncio.run(fleet.live()) == {"e0", "e1"}, "both engines registered")
+        yield fleet
+    finally:
+        stop(router)
+        for engine in engines:
+            if engine.process is not None:
+                stop(engine.process)
+
+
+def ask(api: openai.OpenAI, document: str, question: int) -> tuple[str, openai.types.Completion]:
+    raw = api.completions.with_raw_response.create(
+        model=MODEL, prompt=f"{document}Question {question}: why?", max_tokens=3, temperature=0
+    )
+    return raw.headers["x-kvswitch-worker"], raw.parse()
+
+
+def test_questions_about_a_document_go_where_it_is_cached(fleet: Fleet) -> None:
+    api = fleet.client()
+    first = {d: ask(api, doc, 0)[0] for d, doc in enumerate(DOCUMENTS)}
+    # The load spreads the first questions over both engines.
+    assert set(first.values()) == {"e0", "e1"}
+    num_cached = num_prompt = 0
+    for question in (1, 2):
+        for d, doc in enumerate(DOCUMENTS):
+            engine, completion = ask(api, doc, question)
+            assert engine == first[d], (d, question)
+            usage = completion.usage
+            num_prompt += usage.prompt_tokens
+            num_cached += usage.prompt_tokens_details.cached_tokens
+    # Every full block of the document was cached where the follow-ups went.
+    assert num_cached / num_prompt > 0.9
+    # The router's count of each prompt is the engine's; its predicted hit, the engine's.
+    for engine in ("e0", "e1"):
+        assert fleet.metric(
+            "kvswitch_router_engine_prompt_tokens_total", engine=engine, counted_by="router"
+        ) == fleet.metric(
+            "kvswitch_router_engine_prompt_tokens_total", engine=engine, counted_by="engine"
+        )
+        assert fleet.metric(
+            "kvswitch_router_engine_predicted_cached_tokens_total", engine=engine
+        ) == fleet.metric("kvswitch_router_engine_cached_tokens_total", engine=engine)
+    assert fleet.metric("kvswitch_router_engine_prompt_token_mismatches_total") == 0
+
+
+def test_streams_and_errors_come_through_as_the_engine_sends_them(fleet: Fleet) -> None:
+    api = fleet.client()
+    raw = api.chat.completions.with_streaming_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello! 你好 🌍"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    with raw as response:
+        assert response.headers["x-kvswitch-worker"] in ("e0", "e1")
+        chunks = list(response.parse())
+    assert chunks[-1].usage.completion_tokens == 4
+    # The engine refuses a prompt past its context: its status and message come through.
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        api.completions.create(model=MODEL, prompt=[5] * 100_000, max_tokens=1)
+    assert fleet.metric("kvswitch_router_engine_requests_total", status="400") == 1
+
+
+def test_an_engine_killed_is_routed_around(fleet: Fleet) -> None:
+    api = fleet.client()
+    holder, _ = ask(api, DOCUMENTS[0], 0)
+    victim = next(e for e in fleet.engines if e.name == holder)
+    assert victim.process is not None
+    stop(victim.process, signal.SIGKILL)
+    # Its entries stay in the index until it lapses; the request that goes there finds it gone
+    # and goes to the other engine.
+    engine, completion = ask(api, DOCUMENTS[0], 1)
+    assert engine != holder and completion.choices[0].finish_reason == "length"
+
+
+def test_an_engine_restarted_is_cleared_and_rebuilt(fleet: Fleet) -> None:
+    api = fleet.client()
+    holder, _ = ask(api, DOCUMENTS[0], 0)
+    ids = [256, *f"{DOCUMENTS[0]}Question 0: why?".encode()]
+    wait_until(
+        lambda: asyncio.run(fleet.engines_holding(ids)).get(holder, 0) > 0, "the document indexed"
+    )
+    engine = next(e for e in fleet.engines if e.name == holder)
+    assert engine.process is not None
+    stop(engine.process)
+    engine.start()  # the same endpoints, its cache empty, its events numbered from 0 again
+    # It caches another document (asked straight, not through the router)...
+    fresh = [256, *f"{DOCUMENTS[2]}Question 0: why?".encode()]
+    direct = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="none", max_retries=0)
+    direct.completions.create(model=MODEL, prompt=fresh, max_tokens=1)
+    # ...which the index learns from its events, numbered from 0 again: the restart seen, the
+    # blocks it held before are gone from the index, and those it holds now are there.
+    wait_until(
+        lambda: asyncio.run(fleet.engines_holding(fresh)).get(holder, 0) > 0,
+        "the restarted engine's blocks indexed",
+    )
+    assert asyncio.run(fleet.engines_holding(ids)).get(holder, 0) == 0
