@@ -21,6 +21,7 @@ from typing import Any
 from kvswitch.client import AsyncClient
 from kvswitch.loadtest.arrivals import open_loop_times
 from kvswitch.loadtest.figures import SLOs, figures
+from kvswitch.loadtest.openai_target import OpenAITarget
 from kvswitch.loadtest.runner import PhasePlan, run_phase
 from kvswitch.loadtest.workloads import Session, TraceReplay, make_workload
 from kvswitch.router.policy import POLICIES
@@ -32,6 +33,7 @@ CONNECT_TIMEOUT_S = 10.0  # how long a router may take to accept the connection
 @dataclass(frozen=True)
 class LoadTestConfig:
     target: str = "127.0.0.1:50051"  # a router, or several (comma-separated) serving one fleet
+    model: str = ""  # an HTTP target's model; empty = the first its /v1/models lists
     workload: str = "shared_prefix"
     workload_args: str = ""  # "key=value,..." over the workload's defaults
     policies: str = "cost,round_robin"  # comma-separated, "all", or "default"
@@ -82,6 +84,13 @@ class LoadTestConfig:
         return list(dict.fromkeys(names))
 
 
+def _client(target: str, model: str) -> AsyncClient | OpenAITarget:
+    """The gRPC client of a router at HOST:PORT, or its HTTP API at http(s)://HOST:PORT."""
+    if target.startswith(("http://", "https://")):
+        return OpenAITarget(target, model)
+    return AsyncClient(target, max_retries=0)
+
+
 def run(config: LoadTestConfig) -> dict[str, Any]:
     """Run every phase; returns the report (see the module docstring)."""
     workload = make_workload(config.workload, config.workload_args)
@@ -112,7 +121,7 @@ async def _run(config: LoadTestConfig, workload: Any, sessions: list[Session]) -
     all_records, origins = {}, {}
     async with contextlib.AsyncExitStack() as stack:
         clients = [
-            await stack.enter_async_context(AsyncClient(target, max_retries=0))
+            await stack.enter_async_context(_client(target, config.model))
             for target in config.targets()
         ]
         # NOTE: a router that is not there is one error, not a report of requests all failed.

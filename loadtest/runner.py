@@ -21,6 +21,7 @@ import numpy as np
 
 from kvswitch.client import AsyncClient, KvswitchError
 from kvswitch.loadtest.figures import RequestRecord
+from kvswitch.loadtest.openai_target import OpenAITarget, TargetError
 from kvswitch.loadtest.workloads import Session
 
 
@@ -54,7 +55,7 @@ class _Budget:
 
 
 async def run_phase(
-    clients: Sequence[AsyncClient],
+    clients: Sequence[AsyncClient | OpenAITarget],
     sessions: Sequence[Session],
     plan: PhasePlan,
     on_request_done: Callable[[RequestRecord], None] = lambda record: None,
@@ -108,7 +109,7 @@ async def run_phase(
 
 
 async def _send(
-    client: AsyncClient, plan: PhasePlan, prompt: np.ndarray, max_tokens: int
+    client: AsyncClient | OpenAITarget, plan: PhasePlan, prompt: np.ndarray, max_tokens: int
 ) -> tuple[RequestRecord, list[int]]:
     """Send one request and stream it to the end: what it saw, and its output tokens."""
     record = RequestRecord(0, 0, False, time.monotonic(), len(prompt))
@@ -135,4 +136,7 @@ async def _send(
     except KvswitchError as e:
         record.end_s = time.monotonic()
         record.error = e.code.name
+    except TargetError as e:
+        record.end_s = time.monotonic()
+        record.error = e.reason
     return record, output

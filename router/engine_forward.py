@@ -7,7 +7,8 @@ engines (``Router.route(..., engines=True)``)::
 
     a worker wins   -> None: the front sends it the gRPC way (the router routes it again, among
                        its workers only)
-    an engine wins  -> POST the body, unchanged, to the engine's same path
+    an engine wins  -> POST the body to the engine's same path, unchanged but for kvswitch's
+                       ``routing`` options (the router's to use, not the engine's)
         cannot connect (refused, unreachable)  -> the engine is marked down, the next is tried
         an error status                        -> passed through, with its body
         200, whole                             -> its body
@@ -45,6 +46,17 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 # What the router passes on of a client's request headers (its key, if any, is the router's).
 _PASSED_HEADERS = ("content-type", "accept")
+
+
+def _without_routing(body: bytes) -> bytes:
+    """``body`` without kvswitch's ``routing`` options: the router's, not the engine's (a
+    kvswitch worker refuses them; vLLM would warn of a field it does not know)."""
+    if b'"routing"' not in body:
+        return body
+    fields = json.loads(body)
+    if not isinstance(fields, dict) or fields.pop("routing", None) is None:
+        return body
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class EngineMetrics:
@@ -154,6 +166,7 @@ class EngineForwarder:
         for a prompt the router refuses."""
         router = self._router
         directory = router.directory
+        body = _without_routing(body)
         exclude: set[str] = set()
         deadline_s = time.monotonic() + self._wait_for_worker_s
         while True:
@@ -244,7 +257,11 @@ class EngineForwarder:
         )
 
     async def _relay(self, forward: _Forward, response: httpx2.Response) -> AsyncIterator[bytes]:
-        """The engine's events as they come, their usage read on the way."""
+        """The engine's events as they come, their usage read on the way, and what they say of
+        the request's progress counted against the engine's load as a worker's stream is: the
+        prompt off its queue at the first event, an output token off it at each later one."""
+        directory = self._router.directory
+        flight = forward.flight
         pending = b""
         try:
             async for chunk in response.aiter_raw():
@@ -252,7 +269,13 @@ class EngineForwarder:
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    if line.startswith(b"data: {") and b'"prompt_tokens"' in line:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    if not flight.prefilled:
+                        directory.first_token(flight)
+                    else:
+                        directory.produced(flight, 1)
+                    if b'"prompt_tokens"' in line:
                         self._read_usage(forward, line[len(b"data: ") :])
         finally:
             await response.aclose()

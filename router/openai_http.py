@@ -202,7 +202,7 @@ class OpenAIFront:
         else:
             call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(prompt, np.uint32))
             count_prompt = self._counter(lambda: len(prompt), 0)
-        reply = Reply(call.request_id, int(time.time()), body.model, chat=False)
+        reply = Reply.of(call.request_id, body, chat=False)
         return await self._answer(request, body, call, reply, "prompt", count_prompt)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -229,7 +229,7 @@ class OpenAIFront:
                 return answer
         call = self._grpc_request(body, f"chatcmpl-{uuid.uuid4().hex}", max_tokens)
         call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(token_ids, np.uint32))
-        reply = Reply(call.request_id, int(time.time()), body.model, chat=True)
+        reply = Reply.of(call.request_id, body, chat=True)
         count_prompt = self._counter(lambda: len(token_ids), 0)
         return await self._answer(request, body, call, reply, "messages", count_prompt, headers)
 
@@ -274,7 +274,8 @@ class OpenAIFront:
                 text = await until_disconnected(request, output.read_all())
                 headers.update(_route_headers(output.final))
                 finish_reason, usage = await output.ending()
-                return JSONResponse(reply.whole(text, finish_reason, usage), headers=headers)
+                body_out = reply.whole(text, finish_reason, usage, output.token_ids)
+                return JSONResponse(body_out, headers=headers)
             first = await until_disconnected(request, output.first())
             # NOTE: the router names the worker before its first token, in the call's headers.
             worker_id = dict(await rpc.initial_metadata() or ()).get(WORKER_ID_KEY, "")

@@ -10,6 +10,7 @@ No I/O here.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -137,6 +138,8 @@ class _GenerateRequest(_Strict):
     cache_salt: str | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_UINT32_MAX)]] | None = None
     routing: RoutingOptions | None = None
+    # vLLM's: each choice (each chunk's, streaming) carries the output's token ids too.
+    return_token_ids: Annotated[bool, _null_is(False)] = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -345,6 +348,11 @@ class Reply:
     created: int  # Unix seconds
     model: str
     chat: bool
+    token_ids: bool = False  # each choice says its tokens (``return_token_ids``)
+
+    @classmethod
+    def of(cls, request_id: str, body: _GenerateRequest, *, chat: bool) -> Reply:
+        return cls(request_id, int(time.time()), body.model, chat, body.return_token_ids)
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -352,29 +360,44 @@ class Reply:
             kind += ".chunk"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str, finish_reason: str | None, *, delta: bool) -> dict[str, Any]:
+    def _choice(
+        self, text: str, finish_reason: str | None, token_ids: list[int], *, delta: bool
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        key = "delta" if delta else "message"
-        message = {"content": text} if delta else {"role": "assistant", "content": text}
-        if delta and not text and finish_reason is not None:
-            message = {}
-        return {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            key = "delta" if delta else "message"
+            message = {"content": text} if delta else {"role": "assistant", "content": text}
+            if delta and not text and finish_reason is not None:
+                message = {}
+            choice = {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
+        if self.token_ids:
+            choice["token_ids"] = token_ids
+        return choice
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def whole(
+        self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None = None
+    ) -> dict[str, Any]:
         """A response without streaming."""
         return {
             **self._envelope(chunk=False),
-            "choices": [self._choice(text, finish_reason, delta=False)],
+            "choices": [self._choice(text, finish_reason, token_ids or [], delta=False)],
             "usage": usage.body(),
         }
 
-    def chunk(self, text: str, finish_reason: str | None = None, *, usage: bool) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        *,
+        usage: bool,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
         """One streamed chunk; ``usage``: the stream ends with a usage chunk (then every chunk
         carries ``"usage": null``, as on OpenAI)."""
         body = {
             **self._envelope(chunk=True),
-            "choices": [self._choice(text, finish_reason, delta=True)],
+            "choices": [self._choice(text, finish_reason, token_ids or [], delta=True)],
         }
         if usage:
             body["usage"] = None

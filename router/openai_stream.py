@@ -38,6 +38,7 @@ class RouterOutput:
         self._prompt_param = prompt_param
         self._count_prompt = count_prompt
         self.num_output_tokens = 0
+        self.token_ids: list[int] = []  # of the messages read so far
         self.num_cached_tokens: int | None = None  # from the first chunk
         self.final: router_pb2.GenerateFinal | None = None
         self.done = False
@@ -46,16 +47,18 @@ class RouterOutput:
         """The text of the first message; raises ``OpenAIError`` if the call failed."""
         return await self._next()
 
-    async def rest(self) -> AsyncIterator[str]:
-        """The text of the messages after the first, until ``done``."""
+    async def rest(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """The text of the messages after the first, and the tokens it came with, until
+        ``done``."""
         while not self.done:
+            num_read = len(self.token_ids)
             text = await self._next()
-            if text:
-                yield text
+            if text or len(self.token_ids) > num_read:
+                yield text, self.token_ids[num_read:]
 
     async def read_all(self) -> str:
         pieces = [await self.first()]
-        pieces += [text async for text in self.rest()]
+        pieces += [text async for text, _ in self.rest()]
         return "".join(pieces)
 
     async def ending(self) -> tuple[str, Usage]:
@@ -97,6 +100,7 @@ class RouterOutput:
             self.final = message.final
             return ""
         self.num_output_tokens += len(message.chunk.token_ids)
+        self.token_ids += message.chunk.token_ids
         if message.chunk.HasField("num_cached_tokens"):
             self.num_cached_tokens = message.chunk.num_cached_tokens
         if self._stops is None:
@@ -115,10 +119,13 @@ async def events(
     try:
         if reply.chat:
             yield _event(reply.first_chat_chunk(usage=include_usage))
-        if first:
-            yield _event(reply.chunk(first, usage=include_usage))
-        async for text in output.rest():
-            yield _event(reply.chunk(text, usage=include_usage))
+        # NOTE: a chunk of tokens without text (a character still incomplete) goes out only
+        # where the client asked for the tokens.
+        if first or (reply.token_ids and output.token_ids):
+            yield _event(reply.chunk(first, usage=include_usage, token_ids=output.token_ids))
+        async for text, token_ids in output.rest():
+            if text or reply.token_ids:
+                yield _event(reply.chunk(text, usage=include_usage, token_ids=token_ids))
         finish_reason, usage = await output.ending()
         yield _event(reply.chunk("", finish_reason, usage=include_usage))
         if include_usage:

@@ -38,6 +38,7 @@ IMPORT_NAMES = {
     "fastapi": "fastapi",
     "uvicorn": "uvicorn",
     "jinja2": "jinja2",
+    "httpx2": "httpx2",
     "safetensors": "safetensors",
     "torch": "torch",
     "triton": "triton",

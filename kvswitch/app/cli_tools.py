@@ -68,7 +68,10 @@ SIM_HELP = {
 
 LOADTEST_HELP = {
     "target": "the router, HOST:PORT; several routers of one fleet comma-separated (session i "
-    "goes through router i mod their number)",
+    "goes through router i mod their number); http://HOST:PORT: its OpenAI-compatible HTTP "
+    "API instead, as a fleet of OpenAI-API engines is reached (docs/ENGINES.md)",
+    "model": "HTTP targets: the model name requests give; empty = the first the target's "
+    "/v1/models lists",
     "workload": "shared_prefix, long_document_qa, multi_turn_chat, no_sharing or trace",
     "workload_args": "the workload's parameters over its defaults, 'key=value,...' (e.g. "
     "'groups=4,users=8' or 'path=trace.jsonl,block_len=16'); a wrong key lists the known ones",

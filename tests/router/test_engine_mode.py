@@ -25,6 +25,8 @@ import pytest
 
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.loadtest.live import LoadTestConfig
+from kvswitch.loadtest.live import run as run_loadtest
 from kvswitch.serving import start_server_process
 
 MODEL = "kvswitch-tiny"  # the built-in model's name
@@ -251,3 +253,36 @@ def test_an_engine_restarted_is_cleared_and_rebuilt(fleet: Fleet) -> None:
         "the restarted engine's blocks indexed",
     )
     assert asyncio.run(fleet.engines_holding(ids)).get(holder, 0) == 0
+
+
+def test_a_load_test_reaches_the_engines_through_the_http_api(fleet: Fleet) -> None:
+    """``kvswitch loadtest --target http://...``: each policy its own phase (its own cache salt,
+    which the engines' events carry back), the output's tokens asked for (``return_token_ids``)
+    so that a session's next turn holds them."""
+    config = LoadTestConfig(
+        target=f"http://127.0.0.1:{fleet.http_port}",
+        workload="long_document_qa",
+        workload_args="documents=3,questions=3,document_len=256",
+        policies="cost,round_robin",
+        concurrency=1,
+        progress=False,
+    )
+    report = run_loadtest(config)
+    cost, round_robin = report["policies"]["cost"], report["policies"]["round_robin"]
+    assert cost["completed"] == round_robin["completed"] == 9 and cost["failed"] == 0
+    assert set(cost["per_worker"]) <= {"e0", "e1"}
+    # One request at a time: each follow-up goes where its document is, and finds it cached:
+    # two questions of three, their document's blocks (about 90% of each prompt).
+    assert cost["token_hit_rate"] > 0.55
+    assert cost["token_hit_rate"] >= round_robin["token_hit_rate"]
+    # A multi-turn session: the answer's tokens came back and were sent as the next prompt.
+    chat = LoadTestConfig(
+        target=config.target,
+        workload="multi_turn_chat",
+        workload_args="conversations=2,turns=3",
+        policies="cost",
+        concurrency=2,
+        progress=False,
+    )
+    turns = run_loadtest(chat)["policies"]["cost"]
+    assert turns["completed"] == 6 and turns["token_hit_rate"] > 0.5

@@ -69,6 +69,19 @@ def test_completions_and_chat_run_on_the_worker(worker: tuple[str, str]) -> None
     ids = api.completions.create(model=card.id, prompt=[256, *PROMPT.encode()], max_tokens=3)
     assert ids.usage.prompt_tokens == completion.usage.prompt_tokens
     assert ids.usage.prompt_tokens_details.cached_tokens >= 16 * (ids.usage.prompt_tokens // 16 - 1)
+    # vLLM's return_token_ids: the output's tokens with its text.
+    with_ids = api.completions.create(
+        model=card.id, prompt=[1, 2, 3], max_tokens=4, extra_body={"return_token_ids": True}
+    )
+    assert len(with_ids.choices[0].model_extra["token_ids"]) == 4
+    streamed = api.completions.create(
+        model=card.id,
+        prompt=[1, 2, 3],
+        max_tokens=4,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in streamed) == 4
     chunks = list(
         api.chat.completions.create(
             model=card.id,
