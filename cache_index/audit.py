@@ -122,6 +122,7 @@ async def stats_report(config: IndexToolConfig) -> dict:
                     "block_hash": w.describe_block_hash(),
                     "num_blocks": w.num_blocks,
                     "num_entries": len(await index.worker_block_hashes(w.worker_id)),
+                    **({"degraded": w.degraded} if w.degraded else {}),
                 }
                 for w in workers
             ],

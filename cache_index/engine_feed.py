@@ -110,6 +110,7 @@ class EngineEventFeed:
             block_size=self.names.block_size,
             block_hash=self.names.naming.mode,
             block_hash_key_id=self.names.naming.key_id,
+            degraded=self.status.degraded,
         )
 
     async def wait_subscribed(self) -> None:
@@ -167,6 +168,7 @@ class EngineEventFeed:
         if expected is None:
             if seq > 0:
                 status.degraded = f"it joined at batch {seq}: blocks stored before are not known"
+                await self._resync()  # registered degraded, for every reader of the index
             await self._apply(seq, batch)
         elif seq == expected:
             await self._apply(seq, batch)
@@ -270,8 +272,12 @@ class EngineEventFeed:
         self._seen_ts[seq] = batch.ts
         self._seen_ts.pop(seq - SEEN_WINDOW, None)
         status.num_batches += 1
-        if any(isinstance(event, EngineAllBlocksCleared) for event in batch.events):
-            status.degraded = ""  # the engine holds nothing it did not tell since
+        if status.degraded and any(isinstance(e, EngineAllBlocksCleared) for e in batch.events):
+            # NOTE: the engine holds nothing it did not tell since: registered whole again,
+            # its entries those named now (this batch's included).
+            status.degraded = ""
+            await self._resync()
+            return
         if not events:
             return
         self._index_seq += 1

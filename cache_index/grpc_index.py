@@ -289,6 +289,7 @@ def worker_info_to_proto(info: WorkerInfo) -> index_pb2.WorkerInfo:
         max_model_len=info.max_model_len,
         block_hash=info.block_hash,
         block_hash_key_id=info.block_hash_key_id,
+        degraded=info.degraded,
     )
 
 
@@ -306,6 +307,7 @@ def worker_info_from_proto(info: index_pb2.WorkerInfo) -> WorkerInfo:
         # NOTE: empty from a worker older than the field: it named blocks with xxh3.
         info.block_hash or XXH3,
         info.block_hash_key_id,
+        info.degraded,
     )
 
 

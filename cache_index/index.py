@@ -49,6 +49,9 @@ class WorkerInfo:
     # (empty for xxh3). A registration that says nothing (an older worker) means xxh3.
     block_hash: str = XXH3
     block_hash_key_id: str = ""
+    # Why the index holds less of its cache than it has ("" = it holds it all): an engine whose
+    # events were lost past replay (cache_index/engine_feed.py).
+    degraded: str = ""
 
     def __post_init__(self) -> None:
         if not self.worker_id:

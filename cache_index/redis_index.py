@@ -514,6 +514,7 @@ _INFO_FIELDS = (
     "max_model_len",
     "block_hash",
     "block_hash_key_id",
+    "degraded",
 )
 
 
@@ -535,4 +536,5 @@ def _info_from_fields(worker_id: str, meta: dict[bytes, bytes]) -> WorkerInfo:
         # NOTE: absent from a worker registered by an older kvswitch: it named blocks with xxh3.
         block_hash=fields.get("block_hash") or XXH3,
         block_hash_key_id=fields.get("block_hash_key_id", ""),
+        degraded=fields.get("degraded", ""),
     )

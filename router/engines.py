@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx2
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvswitch.cache_index.engine_feed import EngineEndpoints, EngineEventFeed, status_line
 from kvswitch.cache_index.hashing import BlockNaming
@@ -77,7 +78,7 @@ def _named(values: Sequence[str], option: str, form: str) -> dict[str, str]:
     return named
 
 
-@dataclass
+@dataclass(eq=False)  # a collector: registered by identity
 class EngineFeeds:
     """The feeds of a router's engines, each in a task of its own (``start``, ``stop``)."""
 
@@ -138,6 +139,67 @@ class EngineFeeds:
 
     def status_lines(self) -> list[str]:
         return [status_line(feed) for feed in self.feeds]
+
+    def collect(self) -> Iterator[Metric]:
+        """The feeds' state at a scrape (``kvswitch_router_engine_feed_*``): a Prometheus
+        collector, ``registry.register(feeds)``."""
+        for name, family, documentation, value in _FEED_METRICS:
+            metric = family(f"kvswitch_router_engine_feed_{name}", documentation, labels=["engine"])
+            for feed in self.feeds:
+                metric.add_metric([feed.engine.name], float(value(feed)))
+            yield metric
+
+
+_FEED_METRICS: list[tuple[str, type, str, Callable[[EngineEventFeed], float]]] = [
+    (
+        "degraded",
+        GaugeMetricFamily,
+        "1 while the index holds less of the engine's cache than it has",
+        lambda feed: bool(feed.status.degraded),
+    ),
+    (
+        "failed",
+        GaugeMetricFamily,
+        "1 once the engine's events are refused (a block size mismatch)",
+        lambda feed: bool(feed.status.failed),
+    ),
+    (
+        "blocks",
+        GaugeMetricFamily,
+        "The engine's blocks named in the index",
+        lambda feed: len(feed.names),
+    ),
+    (
+        "batches",
+        CounterMetricFamily,
+        "Event batches applied",
+        lambda feed: feed.status.num_batches,
+    ),
+    (
+        "replays",
+        CounterMetricFamily,
+        "Times lost batches were asked for again",
+        lambda feed: feed.status.num_replays,
+    ),
+    (
+        "restarts",
+        CounterMetricFamily,
+        "Times the engine was seen to restart",
+        lambda feed: feed.status.num_restarts,
+    ),
+    (
+        "cleared",
+        CounterMetricFamily,
+        "Times the engine's entries were dropped, to be built again",
+        lambda feed: feed.status.num_cleared,
+    ),
+    (
+        "orphan_blocks",
+        CounterMetricFamily,
+        "Stored blocks left unnamed: their parent was never seen",
+        lambda feed: feed.names.stats.num_orphans,
+    ),
+]
 
 
 async def poll_engine(

@@ -378,6 +378,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         engine_feeds = EngineFeeds.of(
             config.engines(), index, config.namespace, config.block_size, naming
         )
+        metrics.registry.register(engine_feeds)
         forwarder = EngineForwarder(
             router,
             EngineMetrics(metrics.registry),

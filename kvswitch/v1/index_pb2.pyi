@@ -21,7 +21,7 @@ APPLY_STATUS_NEEDS_RESYNC: ApplyStatus
 APPLY_STATUS_UNKNOWN_WORKER: ApplyStatus
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "namespace", "block_size", "role", "num_blocks", "max_model_len", "block_hash", "block_hash_key_id")
+    __slots__ = ("worker_id", "address", "namespace", "block_size", "role", "num_blocks", "max_model_len", "block_hash", "block_hash_key_id", "degraded")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     namespace: str
@@ -40,7 +41,8 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     block_hash: str
     block_hash_key_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., namespace: _Optional[str] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_hash: _Optional[str] = ..., block_hash_key_id: _Optional[str] = ...) -> None: ...
+    degraded: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., namespace: _Optional[str] = ..., block_size: _Optional[int] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_hash: _Optional[str] = ..., block_hash_key_id: _Optional[str] = ..., degraded: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker", "ttl_s")

@@ -176,11 +176,15 @@ def test_batches_older_than_the_replay_buffer_clear_the_engine_and_mark_it_degra
                 degraded = feed.status.degraded
                 assert "batches 1..2 are older than the engine's replay buffer" in degraded
                 assert "degraded" in status_line(feed)
+                # Registered so: every reader of the index (kvswitch index stats) sees it.
+                [info] = await index.live_workers()
+                assert info.degraded == degraded
                 assert [await matched(index, tag) for tag in (1, 2, 3, 4, 5)] == [0, 0, 0, 3, 3]
                 engine.publisher.publish([EngineAllBlocksCleared()])
                 engine.publisher.publish([stored(6, 600)])
                 await until(lambda: feed.status.num_batches == 5, feed)
                 assert not feed.status.degraded
+                assert not (await index.live_workers())[0].degraded
                 assert [await matched(index, tag) for tag in (5, 6)] == [0, 3]
         finally:
             engine.publisher.close()

@@ -7,6 +7,7 @@ backend; every test body runs in its own event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Awaitable, Callable
 
@@ -194,11 +195,15 @@ def test_lapsed_workers_leave_match_at_once_and_are_reclaimed(make_index: MakeIn
 def test_workers_by_namespace_and_stats(make_index: MakeIndex) -> None:
     async def body(index: BlockIndex) -> None:
         await index.register(worker("a"), TTL_S)
-        await index.register(worker("z", namespace="model-b"), TTL_S)
+        # An engine whose events were lost past replay is registered degraded, and read so.
+        degraded = dataclasses.replace(
+            worker("z", namespace="model-b"), degraded="batches 1..2 were lost"
+        )
+        await index.register(degraded, TTL_S)
         await index.apply("a", 1, [stored(CHAIN)])
         await index.apply("z", 1, [stored(OTHER)])
         assert [w.worker_id for w in await index.live_workers()] == ["a", "z"]
-        assert await index.live_workers("model-b") == [worker("z", namespace="model-b")]
+        assert await index.live_workers("model-b") == [degraded]
         assert await index.match("model-b", OTHER) == {"z": 8}
         assert await index.worker_block_hashes("z") == set(OTHER)
         assert await index.worker_block_hashes("nobody") == set()

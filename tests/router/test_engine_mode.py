@@ -198,6 +198,11 @@ def test_questions_about_a_document_go_where_it_is_cached(fleet: Fleet) -> None:
             "kvswitch_router_engine_predicted_cached_tokens_total", engine=engine
         ) == fleet.metric("kvswitch_router_engine_cached_tokens_total", engine=engine)
     assert fleet.metric("kvswitch_router_engine_prompt_token_mismatches_total") == 0
+    # What the router's feeds followed of each engine.
+    for engine in ("e0", "e1"):
+        assert fleet.metric("kvswitch_router_engine_feed_batches_total", engine=engine) > 0
+        assert fleet.metric("kvswitch_router_engine_feed_blocks", engine=engine) > 0
+        assert fleet.metric("kvswitch_router_engine_feed_degraded", engine=engine) == 0
 
 
 def test_streams_and_errors_come_through_as_the_engine_sends_them(fleet: Fleet) -> None:
@@ -253,6 +258,8 @@ def test_an_engine_restarted_is_cleared_and_rebuilt(fleet: Fleet) -> None:
         "the restarted engine's blocks indexed",
     )
     assert asyncio.run(fleet.engines_holding(ids)).get(holder, 0) == 0
+    assert fleet.metric("kvswitch_router_engine_feed_restarts_total", engine=holder) == 1
+    assert fleet.metric("kvswitch_router_engine_feed_degraded", engine=holder) == 0
 
 
 def test_a_load_test_reaches_the_engines_through_the_http_api(fleet: Fleet) -> None:
