@@ -239,7 +239,7 @@ class EngineForwarder:
                 self._router.directory.finish(forward.flight)
             if response.status_code != 200:
                 self._withdraw(forward)
-                return Response(content, response.status_code, media_type=media_type)
+                return Response(content, response.status_code, headers, media_type=media_type)
             self._read_usage(forward, content)
             return Response(content, 200, headers=headers, media_type=media_type)
         headers["cache-control"] = "no-cache"

@@ -29,6 +29,7 @@ limits, routing and failover as any gRPC client's::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -47,6 +48,7 @@ from starlette.exceptions import HTTPException
 from kvswitch.cache_index.hashing import tokens_to_bytes
 from kvswitch.checkpoint import is_random
 from kvswitch.router.chat_template import ChatTemplateError, load_chat_template
+from kvswitch.router.engine_request import EngineRequest
 from kvswitch.router.forwarded import FORWARDED_CLIENT_HEADER, FRONT_KEY_HEADER, http_client
 from kvswitch.router.limits import MAX_UNKNOWN_OUTPUT_TOKENS, check_prompt_length, check_request
 from kvswitch.router.openai_protocol import (
@@ -181,20 +183,16 @@ class OpenAIFront:
 
     async def completions(self, request: Request) -> Response:
         self._check_key(request)
-        body, raw = await self._parse(request, CompletionRequest)
-        await self._check_model_soon(body.model)
-        max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
+        raw = await self._read_body(request)
         if self._engines is not None:
-            prompt_ids = body.prompt
-            if isinstance(prompt_ids, str):
-                text = prompt_ids
-                prompt_ids = await self._off_loop_if_long(
-                    lambda: self._models.tokenize(text), len(text)
-                )
-            answer = await self._to_engine(request, body, raw, prompt_ids, max_tokens, "prompt")
+            answer = await self._to_engine(request, raw, chat=False)
             if answer is not None:
                 return answer
-        call = self._grpc_request(body, f"cmpl-{uuid.uuid4().hex}", max_tokens)
+        body = _validate(raw, CompletionRequest)
+        await self._check_model_soon(body.model)
+        call = self._grpc_request(
+            body, f"cmpl-{uuid.uuid4().hex}", body.max_tokens or COMPLETION_MAX_TOKENS
+        )
         prompt = body.prompt
         if isinstance(prompt, str):
             call.text = prompt
@@ -207,7 +205,12 @@ class OpenAIFront:
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_key(request)
-        body, raw = await self._parse(request, ChatCompletionRequest)
+        raw = await self._read_body(request)
+        if self._engines is not None:
+            answer = await self._to_engine(request, raw, chat=True)
+            if answer is not None:
+                return answer
+        body = _validate(raw, ChatCompletionRequest)
         await self._check_model_soon(body.model)
         template = self._template
         if template is None:
@@ -223,10 +226,6 @@ class OpenAIFront:
         except ChatTemplateError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         max_tokens, headers = self._chat_output_limit(body)
-        if self._engines is not None:
-            answer = await self._to_engine(request, body, raw, token_ids, max_tokens, "messages")
-            if answer is not None:
-                return answer
         call = self._grpc_request(body, f"chatcmpl-{uuid.uuid4().hex}", max_tokens)
         call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(token_ids, np.uint32))
         reply = Reply.of(call.request_id, body, chat=True)
@@ -296,34 +295,43 @@ class OpenAIFront:
             background=BackgroundTask(cancel),
         )
 
-    async def _to_engine(
-        self,
-        request: Request,
-        body: CompletionRequest | ChatCompletionRequest,
-        raw: bytes,
-        token_ids: list[int],
-        max_tokens: int,
-        prompt_param: str,
-    ) -> Response | None:
-        """The answer of the engine the router sends the request to (``router/engine_forward.py``);
-        None where it sends it to a worker."""
+    async def _to_engine(self, request: Request, raw: bytes, *, chat: bool) -> Response | None:
+        """The answer of the engine the router sends the request to (``router/engine_forward.py``),
+        read as an engine reads it (``EngineRequest``); None where it goes to a worker."""
         engines = self._engines
         assert engines is not None
-        policy, weights = "", None
-        if body.routing is not None:
-            policy, weights = body.routing.policy, dict(body.routing.weights)
+        view = _validate(raw, EngineRequest)
+        await self._check_model_soon(view.model)
+        param = "messages" if chat else "prompt"
         try:
-            # NOTE: the limits the router's servicer holds a worker's request to.
-            check_request(self._grpc_request(body, "", max_tokens), engines.limits)
-            check_prompt_length(len(token_ids), prompt_param, engines.limits)
+            token_ids = await self._engine_prompt(view, chat)
+            max_tokens = view.output_limit()
+            if max_tokens is None:
+                max_tokens = self._config.max_output_tokens or _UINT32_MAX
+                if not chat:
+                    max_tokens = COMPLETION_MAX_TOKENS
+            # NOTE: the limits the router's servicer holds a worker's request to, of what the
+            # router reads; the engine checks the rest.
+            check = router_pb2.GenerateRequest(
+                sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+                lora=view.lora or "",
+                cache_salt=view.cache_salt or "",
+            )
+            policy, weights = "", None
+            if view.routing is not None:
+                policy, weights = view.routing.policy, dict(view.routing.weights)
+                check.routing.policy = policy
+                check.routing.weights.update(weights)
+            check_request(check, engines.limits)
+            check_prompt_length(len(token_ids), param, engines.limits)
             return await engines.forward(
                 request,
                 token_ids,
                 raw,
-                lora=body.lora,
-                cache_salt=body.cache_salt,
+                lora=view.lora,
+                cache_salt=view.cache_salt,
                 num_output_tokens=min(max_tokens, MAX_UNKNOWN_OUTPUT_TOKENS),
-                stream=bool(body.stream),
+                stream=bool(view.stream),
                 policy=policy,
                 weights=weights,
             )
@@ -334,7 +342,29 @@ class OpenAIFront:
         except NoWorkerError as e:
             raise OpenAIError(503, str(e), code="unavailable") from None
         except ValueError as e:  # a bad prompt, or routing
-            raise OpenAIError(400, str(e), param=prompt_param) from None
+            raise OpenAIError(400, str(e), param=param) from None
+
+    async def _engine_prompt(self, view: EngineRequest, chat: bool) -> list[int]:
+        """The token ids the router routes ``view`` by: its prompt's, or its conversation as
+        the chat template renders it (its text alone where the template cannot)."""
+        if not chat:
+            prompt = view.routed_prompt()
+            if not isinstance(prompt, str):
+                return list(prompt)
+            return await self._off_loop_if_long(lambda: self._models.tokenize(prompt), len(prompt))
+        messages = view.chat_messages()
+        template = self._template
+        num_chars = sum(len(m["content"]) for m in messages)
+
+        def encode() -> list[int]:
+            if template is not None:
+                with contextlib.suppress(ChatTemplateError):
+                    return template.encode(template.render(messages))
+            # NOTE: roles or parts the template does not take: the engine's own template may;
+            # the text is what the router can route by.
+            return self._models.tokenize("\n".join(m["content"] for m in messages))
+
+        return await self._off_loop_if_long(encode, num_chars)
 
     def _chat_output_limit(self, body: ChatCompletionRequest) -> tuple[int, dict[str, str]]:
         """The most tokens a chat request may generate, and the headers that say so when the
@@ -394,8 +424,8 @@ class OpenAIFront:
 
     # -- checks --------------------------------------------------------------------------------
 
-    async def _parse(self, request: Request, model: type[T]) -> tuple[T, bytes]:
-        """The body as ``model`` and as read."""
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, up to ``max_body_bytes``; 415 unless it is JSON, 413 past the limit."""
         _check_json_content_type(request)
         length = request.headers.get("content-length", "")
         too_large = OpenAIError(
@@ -411,10 +441,7 @@ class OpenAIFront:
             body += part
             if len(body) > self._max_body_bytes:
                 raise too_large
-        try:
-            return model.model_validate_json(bytes(body)), bytes(body)  # type: ignore[attr-defined]
-        except ValidationError as e:
-            raise error_from_validation(e) from None
+        return bytes(body)
 
     def _served_models(self) -> list[str]:
         return self._models.names()
@@ -492,6 +519,14 @@ def _route_headers(final: router_pb2.GenerateFinal | None) -> dict[str, str]:
     if disaggregated or stats.num_transferred_blocks:
         headers["x-kvswitch-kv-blocks-moved"] = str(stats.num_transferred_blocks)
     return headers
+
+
+def _validate(raw: bytes, model: type[T]) -> T:
+    """``raw`` as ``model``; 400 naming the first bad parameter."""
+    try:
+        return model.model_validate_json(raw)  # type: ignore[attr-defined]
+    except ValidationError as e:
+        raise error_from_validation(e) from None
 
 
 def _check_json_content_type(request: Request) -> None:

@@ -222,6 +222,11 @@ def test_streams_and_errors_come_through_as_the_engine_sends_them(fleet: Fleet) 
     with pytest.raises(openai.BadRequestError, match="context length"):
         api.completions.create(model=MODEL, prompt=[5] * 100_000, max_tokens=1)
     assert fleet.metric("kvswitch_router_engine_requests_total", status="400") == 1
+    # A parameter the router does not read goes to the engine, which judges it (a vLLM server
+    # takes top_k; a kvswitch worker refuses it), and its answer names the engine.
+    with pytest.raises(openai.BadRequestError, match="top_k") as refused:
+        api.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"top_k": 5})
+    assert refused.value.response.headers["x-kvswitch-worker"] in ("e0", "e1")
 
 
 def test_an_engine_killed_is_routed_around(fleet: Fleet) -> None:
