@@ -4,7 +4,8 @@
 from 0 to 1, whatever the name says). A kvswitch worker exports the same gauges.
 
 A server with several engines (data-parallel ranks) labels each: their requests add up, and the
-usage is the fullest one's (the one a new request might wait on)."""
+usage is the fullest one's (the one a new request might wait on). The cache's size in blocks
+comes from ``vllm:cache_config_info``'s ``num_gpu_blocks`` label, where the server exports it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+CACHE_CONFIG = "vllm:cache_config_info"  # 1, the cache's settings its labels
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -26,14 +28,18 @@ class EngineLoad:
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float  # 0 to 1; 0 when the engine does not say
+    num_blocks: int = 0  # the cache's size (its engines' together); 0 when the engine does not say
 
 
 def parse_engine_load(text: str) -> EngineLoad:
     values: dict[str, list[float]] = {}
+    num_blocks = 0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 values.setdefault(sample.name, []).append(sample.value)
+                if sample.name == CACHE_CONFIG:
+                    num_blocks += _int_label(sample.labels, "num_gpu_blocks")
     except ValueError as e:
         raise EngineMetricsError(f"not Prometheus text: {e}") from None
     if RUNNING not in values and WAITING not in values:
@@ -46,4 +52,12 @@ def parse_engine_load(text: str) -> EngineLoad:
         round(sum(values.get(RUNNING, [0.0]))),
         round(sum(values.get(WAITING, [0.0]))),
         max(usage),
+        num_blocks,
     )
+
+
+def _int_label(labels: dict[str, str], name: str) -> int:
+    try:
+        return max(int(float(labels.get(name) or 0)), 0)
+    except ValueError:  # "None" before the cache is sized
+        return 0

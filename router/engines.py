@@ -31,7 +31,6 @@ from kvswitch.v1 import worker_pb2
 logger = logging.getLogger(__name__)
 
 ENGINE_SCHEMES = ("http://", "https://")
-_FREE_SCALE = 1_000_000  # an engine's free share of its cache, as a block count to compare
 
 
 def is_engine(info: WorkerInfo) -> bool:
@@ -228,7 +227,10 @@ async def poll_engine(
         worker_id=info.worker_id,
         num_running_requests=load.num_running_requests,
         num_waiting_requests=load.num_waiting_requests,
-        num_free_blocks=round((1 - min(max(load.kv_cache_usage, 0.0), 1.0)) * _FREE_SCALE),
+        # NOTE: free blocks compare across workers only in blocks: 0 where the engine does not
+        # say how many it has (it loses ties on free space to one that does).
+        num_free_blocks=round((1 - min(max(load.kv_cache_usage, 0.0), 1.0)) * load.num_blocks),
+        num_total_blocks=load.num_blocks,
         block_size=info.block_size,
     )
 

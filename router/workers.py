@@ -117,7 +117,9 @@ class WorkerHandle:
             num_matched_blocks=num_matched_blocks,
             num_outstanding_tokens=num_prefill_tokens + self.num_output_tokens,
             num_free_blocks=self.load.num_free_blocks if self.load is not None else 0,
-            num_total_blocks=self.info.num_blocks,
+            # NOTE: an engine's size comes with its load (its registration cannot say it).
+            num_total_blocks=self.info.num_blocks
+            or (self.load.num_total_blocks if self.load is not None else 0),
             num_requests=self.num_requests(),
             num_prefill_tokens=num_prefill_tokens,
             num_fetchable_blocks=num_fetchable_blocks,

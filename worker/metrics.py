@@ -42,8 +42,8 @@ _LOAD_GAUGES = (
 class _LoadCollector:
     """The load gauges, as of the engine's latest step at the time of the scrape; and the same
     load under vLLM's names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-    ``vllm:kv_cache_usage_perc``, labelled ``model_name``), for routers that read a vLLM fleet's
-    load from ``/metrics``."""
+    ``vllm:kv_cache_usage_perc``, labelled ``model_name``; ``vllm:cache_config_info``), for
+    routers that read a vLLM fleet's load from ``/metrics``."""
 
     def __init__(self, load: Callable[[], LoadReport], model: str) -> None:
         self._load = load
@@ -63,6 +63,15 @@ class _LoadCollector:
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric([self._model], value)
             yield gauge
+        # NOTE: vLLM's cache settings as labels of a gauge of 1: what a router reads the cache's
+        # size in blocks from, to weigh its usage against other workers'.
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's settings",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(load.block_size), str(total)], 1.0)
+        yield info
 
 
 class WorkerMetrics:

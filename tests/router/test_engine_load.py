@@ -29,11 +29,18 @@ vllm:gpu_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.5
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_cpu_blocks="None",num_gpu_blocks="2048"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_cpu_blocks="None",num_gpu_blocks="2048"} 1.0
 """
 
 
 def test_a_vllm_servers_engines_add_up_and_the_fullest_cache_counts() -> None:
-    assert parse_engine_load(VLLM_TEXT) == EngineLoad(5, 1, 0.5)
+    assert parse_engine_load(VLLM_TEXT) == EngineLoad(5, 1, 0.5, 4096)
+    # Without the cache's settings (or before its size is known), its size is not known.
+    without = VLLM_TEXT.replace('num_gpu_blocks="2048"', 'num_gpu_blocks="None"')
+    assert parse_engine_load(without).num_blocks == 0
 
 
 @pytest.mark.parametrize(
@@ -57,12 +64,12 @@ def test_a_kvswitch_worker_exports_its_load_under_vllms_names() -> None:
             with urllib.request.urlopen(url, timeout=30) as response:
                 return parse_engine_load(response.read().decode())
 
-        assert scraped() == EngineLoad(0, 0, 0.0)
+        assert scraped() == EngineLoad(0, 0, 0.0, 64)
         # A finished request's blocks held for a peer: in use, as a vLLM server counts them.
         worker.generate([256, *range(100)], request_id="held", max_tokens=1, hold_blocks_ms=60_000)
         load = worker.load()
         assert load.num_free_blocks < load.num_total_blocks
         used = 1 - load.num_free_blocks / load.num_total_blocks
-        assert scraped() == EngineLoad(0, 0, pytest.approx(used))
+        assert scraped() == EngineLoad(0, 0, pytest.approx(used), 64)
     finally:
         worker.close()

@@ -298,3 +298,24 @@ def test_a_load_test_reaches_the_engines_through_the_http_api(fleet: Fleet) -> N
     )
     turns = run_loadtest(chat)["policies"]["cost"]
     assert turns["completed"] == 6 and turns["token_hit_rate"] > 0.5
+
+
+def test_one_fleet_mixes_engines_and_workers(fleet: Fleet) -> None:
+    """A kvswitch worker registered with the router (gRPC) beside the two engines: each
+    document's follow-ups go where it is cached, engine or worker."""
+    worker, address = start_server_process(
+        ["worker", "--port", "0", "--index", f"grpc://{fleet.router_address}"]
+    )
+    try:
+        wait_until(lambda: address in asyncio.run(fleet.live()), "the worker registered")
+        api = fleet.client()
+        first = {}
+        for d, doc in enumerate(DOCUMENTS + [d.replace("row", "line") for d in DOCUMENTS]):
+            first[d] = ask(api, doc, 0)[0]
+            for question in (1, 2):
+                served, completion = ask(api, doc, question)
+                assert served == first[d], (d, question)
+                assert completion.usage.prompt_tokens_details.cached_tokens > 0
+        assert {"e0", "e1", address} <= set(first.values())
+    finally:
+        stop(worker)
