@@ -32,6 +32,7 @@ from kvswitch.serving import host_port
 TOKEN_ENV = "KVSWITCH_TOKEN"  # the router's client token, instead of --token
 FLEET_TOKEN_ENV = "KVSWITCH_FLEET_TOKEN"  # instead of --fleet-token
 API_KEYS_ENV = "KVSWITCH_API_KEYS"  # instead of --api-key: the HTTP API's keys, comma-separated
+ENGINE_API_KEY_ENV = "KVSWITCH_ENGINE_API_KEY"  # instead of --engine-api-key
 # The password of a Redis index whose URL carries none: a URL on a command line is for anyone on the
 # host to read (ps, /proc), an environment variable only for the process's user.
 INDEX_PASSWORD_ENV = "KVSWITCH_INDEX_PASSWORD"

@@ -35,11 +35,13 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 from starlette.background import BackgroundTask
 
+from kvswitch.router.engines import engine_client
 from kvswitch.router.limits import RequestLimits
 from kvswitch.router.openai_protocol import OpenAIError
 from kvswitch.router.openai_stream import until_disconnected
 from kvswitch.router.router import NoWorkerError, Route, RoutePlan, Router
 from kvswitch.router.workers import InFlight
+from kvswitch.security import PLAINTEXT, FleetSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,8 @@ class EngineForwarder:
         *,
         max_failovers: int,
         wait_for_worker_s: float,
+        security: FleetSecurity = PLAINTEXT,
+        api_key: str = "",
     ) -> None:
         self.limits = limits  # what the front holds a request to, as the servicer would
         self._wait_for_worker_s = wait_for_worker_s  # a request finding none waits this long
@@ -139,7 +143,9 @@ class EngineForwarder:
         self._max_failovers = max_failovers
         # NOTE: no read timeout: a long prompt's first token, or a long answer, takes its time;
         # a client that gives up cancels the forward, and that closes the engine's stream.
-        self._client = httpx2.AsyncClient(
+        self._client = engine_client(
+            security,
+            api_key,
             timeout=httpx2.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256),
         )

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,11 +28,21 @@ from kvswitch.cache_index.hashing import BlockNaming
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.cache_index.vllm_events import EngineBlockNames
 from kvswitch.router.engine_load import EngineMetricsError, parse_engine_load
+from kvswitch.security import FleetSecurity
 from kvswitch.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
 ENGINE_SCHEMES = ("http://", "https://")
+
+
+def engine_client(security: FleetSecurity, api_key: str = "", **options: Any) -> httpx2.AsyncClient:
+    """An HTTP client for engines: their key (vLLM's ``--api-key``) on every request, and
+    ``https://`` engines verified with the fleet's CA (``--tls-ca``; the system's roots
+    without one)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    verify = ssl.create_default_context(cafile=security.tls_ca or None)
+    return httpx2.AsyncClient(headers=headers, verify=verify, **options)
 
 
 def is_engine(info: WorkerInfo) -> bool:

@@ -132,6 +132,7 @@ class RouterConfig:
     engine_replay: tuple[str, ...] = ()
     engine_topic: str = ""
     block_size: int = 16
+    engine_api_key: str = ""  # what the engines take as "Bearer KEY" (vLLM's --api-key)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -356,7 +357,13 @@ async def start_router(config: RouterConfig) -> RouterServer:
         raise RouterStartError(str(e)) from e
 
     naming = config.block_naming()
-    directory = WorkerDirectory(index, config.directory_config(), security=security, naming=naming)
+    directory = WorkerDirectory(
+        index,
+        config.directory_config(),
+        security=security,
+        naming=naming,
+        engine_api_key=config.engine_api_key,
+    )
     router = Router(
         index,
         directory,
@@ -385,6 +392,8 @@ async def start_router(config: RouterConfig) -> RouterServer:
             config.limits(),
             max_failovers=config.max_failovers,
             wait_for_worker_s=config.wait_for_worker_s,
+            security=security,
+            api_key=config.engine_api_key,
         )
     front_key, http_front = "", None
     if config.http_port >= 0:

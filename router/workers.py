@@ -43,7 +43,7 @@ import httpx2
 from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
-from kvswitch.router.engines import EngineDown, is_engine, poll_engine
+from kvswitch.router.engines import EngineDown, engine_client, is_engine, poll_engine
 from kvswitch.router.policy import WorkerState
 from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS, end_if_cancelled
@@ -169,8 +169,10 @@ class WorkerDirectory:
         channel_options: list[tuple[str, object]] | None = None,
         security: FleetSecurity = PLAINTEXT,
         naming: BlockNaming = XXH3_NAMING,
+        engine_api_key: str = "",
     ) -> None:
         self.index = index
+        self._engine_api_key = engine_api_key  # what OpenAI-API engines take, if any
         self._security = security  # how the workers are reached
         self.naming = naming  # how this router names blocks; workers must name them alike
         # Live workers refused for naming blocks otherwise: worker id -> why, as logged.
@@ -387,7 +389,7 @@ class WorkerDirectory:
 
     async def _poll_engine(self, handle: WorkerHandle) -> None:
         if self._http is None:
-            self._http = httpx2.AsyncClient()
+            self._http = engine_client(self._security, self._engine_api_key)
         try:
             load = await poll_engine(self._http, handle.info, self.config.rpc_timeout_s)
         except EngineDown as e:

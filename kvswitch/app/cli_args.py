@@ -102,9 +102,13 @@ def write_json(result: dict[str, Any], path: Path | None, *, echo: bool = True) 
 
 def tokens_from_env(args: argparse.Namespace) -> argparse.Namespace:
     """Tokens not given as options, from the environment (a command line shows in ps)."""
-    from kvswitch.security import API_KEYS_ENV, FLEET_TOKEN_ENV, TOKEN_ENV
+    from kvswitch.security import API_KEYS_ENV, ENGINE_API_KEY_ENV, FLEET_TOKEN_ENV, TOKEN_ENV
 
-    for name, env in (("token", TOKEN_ENV), ("fleet_token", FLEET_TOKEN_ENV)):
+    for name, env in (
+        ("token", TOKEN_ENV),
+        ("fleet_token", FLEET_TOKEN_ENV),
+        ("engine_api_key", ENGINE_API_KEY_ENV),
+    ):
         if hasattr(args, name) and not getattr(args, name):
             setattr(args, name, os.environ.get(env, ""))
     # NOTE: API keys only for a router that serves HTTP: a router without --http-port refuses

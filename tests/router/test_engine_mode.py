@@ -10,6 +10,7 @@ index and rebuilt from what it holds then."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -60,6 +61,7 @@ class Engine:
     http_port: int
     events: str
     replay: str
+    args: tuple[str, ...] = ()  # more options of its worker
     process: subprocess.Popen | None = None
 
     @property
@@ -81,6 +83,7 @@ class Engine:
                 str(self.http_port),
                 "--kv-events-config",
                 json.dumps(config),
+                *self.args,
             ]
         )
 
@@ -133,16 +136,20 @@ def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60) -> N
         time.sleep(0.05)
 
 
-@pytest.fixture()
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+@contextlib.contextmanager
+def engine_fleet(
+    tmp_path: Path, num_engines: int = 2, engine_args: tuple[str, ...] = ()
+) -> Iterator[Fleet]:
+    """Engines (kvswitch workers as vLLM servers) behind a router in engine mode."""
     engines = [
         Engine(
             f"e{i}",
             free_port(),
             f"ipc://{tmp_path}/e{i}-events",
             f"ipc://{tmp_path}/e{i}-replay",
+            engine_args,
         )
-        for i in range(2)
+        for i in range(num_engines)
     ]
     for engine in engines:
         engine.start()
@@ -156,13 +163,20 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     router, address = start_server_process(args)
     fleet = Fleet(engines, router, address, http_port, metrics_port)
     try:
-        wait_until(lambda: asyncio.run(fleet.live()) == {"e0", "e1"}, "both engines registered")
+        names = {engine.name for engine in engines}
+        wait_until(lambda: asyncio.run(fleet.live()) == names, "the engines registered")
         yield fleet
     finally:
         stop(router)
         for engine in engines:
             if engine.process is not None:
                 stop(engine.process)
+
+
+@pytest.fixture()
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with engine_fleet(tmp_path) as started:
+        yield started
 
 
 def ask(api: openai.OpenAI, document: str, question: int) -> tuple[str, openai.types.Completion]:
@@ -319,3 +333,14 @@ def test_one_fleet_mixes_engines_and_workers(fleet: Fleet) -> None:
         assert {"e0", "e1", address} <= set(first.values())
     finally:
         stop(worker)
+
+
+def test_engines_that_take_a_key_get_the_routers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine started with --api-key (as vLLM's): the router sends its key (here from
+    KVSWITCH_ENGINE_API_KEY) with each forwarded request; a client's own key is not passed on."""
+    monkeypatch.setenv("KVSWITCH_ENGINE_API_KEY", "engine-key")
+    with engine_fleet(tmp_path, 1, ("--api-key", "engine-key")) as keyed:
+        engine, completion = ask(keyed.client(), DOCUMENTS[0], 0)
+        assert engine == "e0" and completion.choices[0].finish_reason == "length"
