@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -75,6 +77,42 @@ def parse_engines(
         base = url.rstrip("/").removesuffix("/v1")
         endpoints.append(EngineEndpoints(name, base, publishers[name], replay.get(name, ""), topic))
     return endpoints
+
+
+_FLEET_FIELDS = {"name", "url", "events", "replay"}
+
+
+def read_engine_fleet(path: str) -> list[tuple[str, str, str, str]]:
+    """The engines of a fleet file (``--engine-fleet``), each (name, url, events, replay): JSON,
+    a list of objects with the fields of the options (``replay`` optional), or an object whose
+    ``engines`` is that list. ValueError naming the file and what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"engine_fleet: cannot read {path}: {e.strerror or e}") from None
+    try:
+        fleet = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"engine_fleet: {path} is not JSON: {e}") from None
+    entries = fleet.get("engines") if isinstance(fleet, dict) else fleet
+    if not isinstance(entries, list):
+        raise ValueError(f'engine_fleet: {path} holds no list of engines (or {{"engines": [...]}})')
+    engines = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"engine_fleet: {path}: engine {i} is not an object")
+        unknown = sorted(set(entry) - _FLEET_FIELDS)
+        missing = sorted({"name", "url", "events"} - set(entry))
+        if unknown or missing:
+            raise ValueError(
+                f"engine_fleet: {path}: engine {i} "
+                + (f"has unknown fields {unknown}" if unknown else f"lacks {missing}")
+                + f"; the fields are {sorted(_FLEET_FIELDS)}"
+            )
+        if not all(isinstance(entry[key], str) for key in entry):
+            raise ValueError(f"engine_fleet: {path}: engine {i}'s fields must be strings")
+        engines.append((entry["name"], entry["url"], entry["events"], entry.get("replay", "")))
+    return engines
 
 
 def _named(values: Sequence[str], option: str, form: str) -> dict[str, str]:

@@ -29,7 +29,7 @@ from kvswitch.checkpoint import RANDOM_PREFIX, check_model_dir
 from kvswitch.guard import ServerGuard
 from kvswitch.metrics import MetricsServer, ReadCounter, start_metrics_server
 from kvswitch.router.disagg import DisaggConfig
-from kvswitch.router.engines import EngineFeeds, parse_engines
+from kvswitch.router.engines import EngineFeeds, parse_engines, read_engine_fleet
 from kvswitch.router.forwarded import new_front_key
 from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
@@ -133,6 +133,7 @@ class RouterConfig:
     engine_topic: str = ""
     block_size: int = 16
     engine_api_key: str = ""  # what the engines take as "Bearer KEY" (vLLM's --api-key)
+    engine_fleet: str = ""  # a JSON file naming more engines, with the fields of the options
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -165,20 +166,29 @@ class RouterConfig:
             raise ValueError("api_key is for the HTTP API: serve it with --http-port too")
         self.check_exposure()
         self.block_naming()
-        self.engines()
+        engines = self.engines()
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.engine and not self.namespace:
+        if engines and not self.namespace:
             raise ValueError(
                 "engine: give --namespace too, the model name the engines serve (vLLM's "
                 "--served-model-name): requests name it, and blocks are named in it"
             )
-        if self.engine and self.http_port < 0:
+        if engines and self.http_port < 0:
             raise ValueError("engine: engines take requests over HTTP: serve --http-port too")
 
     def engines(self) -> list[EngineEndpoints]:
-        """The OpenAI-API engines named (``router/engines.py``); ValueError for a wrong one."""
-        return parse_engines(self.engine, self.engine_events, self.engine_replay, self.engine_topic)
+        """The OpenAI-API engines named, on the command line and in the fleet file
+        (``router/engines.py``); ValueError for a wrong one."""
+        engines, events, replays = list(self.engine), list(self.engine_events), []
+        replays += self.engine_replay
+        if self.engine_fleet:
+            for name, url, published, replay in read_engine_fleet(self.engine_fleet):
+                engines.append(f"{name}={url}")
+                events.append(f"{name}={published}")
+                if replay:
+                    replays.append(f"{name}={replay}")
+        return parse_engines(engines, events, replays, self.engine_topic)
 
     def security(self) -> FleetSecurity:
         return FleetSecurity.of(self)
@@ -378,7 +388,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)
     )
     engine_feeds = forwarder = None
-    if config.engine:
+    if config.engines():
         # NOTE: imported only when used: httpx and the front's modules.
         from kvswitch.router.engine_forward import EngineForwarder, EngineMetrics
 

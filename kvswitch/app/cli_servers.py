@@ -220,6 +220,9 @@ ROUTER_HELP = {
     "engine_replay": "an engine's replay socket, NAME=tcp://HOST:5558 (its replay_endpoint), to "
     "ask again for lost events; without it a lost event clears the engine's entries",
     "engine_topic": "the topic the engines publish their KV events under (vLLM's topic)",
+    "engine_fleet": "a JSON file of more engines: a list of objects with the fields name, url, "
+    'events and replay (optional), as the options give them, e.g. [{"name": "a", "url": '
+    '"http://10.0.0.5:8000", "events": "tcp://10.0.0.5:5557"}]',
     "engine_api_key": "the key the engines take (vLLM's --api-key), sent as 'Authorization: "
     "Bearer KEY' with each forwarded request and poll; or set KVSWITCH_ENGINE_API_KEY",
     "block_size": "tokens per KV block of the engines (vLLM's --block-size); kvswitch workers "

@@ -1,0 +1,133 @@
+"""Naming a router's OpenAI-API engines: the options, the fleet file, and what is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvswitch.app.cli import main
+from kvswitch.cache_index.engine_feed import EngineEndpoints
+from kvswitch.router.engines import parse_engines
+from kvswitch.router.server import RouterConfig
+
+ENGINE = {"namespace": "m", "http_port": 0}
+
+
+def test_each_engine_has_its_url_events_and_replay() -> None:
+    engines = parse_engines(
+        ["a=http://10.0.0.5:8000/v1", "b=https://b.internal:8000/"],
+        ["a=tcp://10.0.0.5:5557", "b=tcp://b.internal:5557"],
+        ["a=tcp://10.0.0.5:5558"],
+        topic="kv",
+    )
+    assert engines == [
+        # The base URL: requests go to its /v1/... paths, polls to /metrics and /health.
+        EngineEndpoints(
+            "a", "http://10.0.0.5:8000", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "kv"
+        ),
+        EngineEndpoints("b", "https://b.internal:8000", "tcp://b.internal:5557", "", "kv"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("engines", "events", "replays", "message"),
+    [
+        (["a=http://h:1"], [], [], "none for a: the router would route it blind"),
+        (["a=http://h:1"], ["a=tcp://h:2", "b=tcp://h:3"], [], "engine_events names b"),
+        (["a=http://h:1"], ["a=tcp://h:2"], ["c=tcp://h:4"], "engine_replay names c"),
+        (["a=h:1"], ["a=tcp://h:2"], [], "no http:// or https:// URL"),
+        (["a=http://h:1", "a=http://h:2"], ["a=tcp://h:2"], [], "names a twice"),
+        (["http://h:1"], [], [], "takes NAME=http://HOST:8000"),
+    ],
+)
+def test_what_names_an_engine_wrong_is_refused(
+    engines: list[str], events: list[str], replays: list[str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_engines(engines, events, replays)
+
+
+def test_a_router_with_engines_needs_their_model_and_its_http_api() -> None:
+    named = {"engine": ("a=http://h:1",), "engine_events": ("a=tcp://h:2",)}
+    with pytest.raises(ValueError, match="give --namespace too"):
+        RouterConfig(**named, http_port=0)
+    with pytest.raises(ValueError, match="serve --http-port too"):
+        RouterConfig(**named, namespace="m")
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        RouterConfig(**named, **ENGINE, block_size=0)
+    assert [e.name for e in RouterConfig(**named, **ENGINE).engines()] == ["a"]
+
+
+def test_a_fleet_file_names_engines_beside_the_options(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(
+        json.dumps(
+            {
+                "engines": [
+                    {"name": "b", "url": "http://b:8000", "events": "tcp://b:5557"},
+                    {
+                        "name": "c",
+                        "url": "http://c:8000",
+                        "events": "tcp://c:5557",
+                        "replay": "tcp://c:5558",
+                    },
+                ]
+            }
+        )
+    )
+    config = RouterConfig(
+        engine=("a=http://a:8000",),
+        engine_events=("a=tcp://a:5557",),
+        engine_fleet=str(fleet),
+        **ENGINE,
+    )
+    assert [(e.name, e.replay) for e in config.engines()] == [
+        ("a", ""),
+        ("b", ""),
+        ("c", "tcp://c:5558"),
+    ]
+    # The same engine twice, once in each, is refused as twice on the command line.
+    fleet.write_text(json.dumps([{"name": "a", "url": "http://a:9", "events": "tcp://a:9"}]))
+    with pytest.raises(ValueError, match="names a twice"):
+        config.engines()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "is not JSON"),
+        ('{"workers": []}', "holds no list of engines"),
+        ('[{"name": "a", "url": "http://a:1"}]', "lacks \\['events'\\]"),
+        ('[{"name": "a", "url": "http://a:1", "events": "e", "port": 1}]', "unknown fields"),
+        ('[{"name": "a", "url": "http://a:1", "events": 5}]', "must be strings"),
+    ],
+)
+def test_a_wrong_fleet_file_is_refused_saying_why(tmp_path: Path, text: str, message: str) -> None:
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(engine_fleet=str(fleet), **ENGINE)
+    with pytest.raises(ValueError, match="cannot read"):
+        RouterConfig(engine_fleet=str(tmp_path / "missing.json"), **ENGINE)
+
+
+def test_the_options_repeat_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "router",
+                "--http-port",
+                "0",
+                "--engine",
+                "a=http://h:1",
+                "--engine",
+                "b=http://h:2",
+                "--engine-events",
+                "a=tcp://h:3",
+            ]
+        )
+    assert exit_info.value.code == 2
+    # Both --engine options reached the config: b lacks its events.
+    assert "none for b" in capsys.readouterr().err
