@@ -51,6 +51,7 @@ COMMANDS = [
     ["bench", "overload"],
     ["bench", "routing"],
     ["bench", "http"],
+    ["bench", "engines"],
     ["bench", "startup"],
     ["index"],
     ["index", "stats"],
@@ -383,6 +384,19 @@ def test_bench_http_sends_the_same_requests_through_both_apis(tmp_path: Path) ->
         for kind in ("one_token_ms", "whole_ms", "first_token_ms"):
             assert 0 < figures[door][kind]["median"] <= figures[door][kind]["p99"]
     assert set(figures["http_overhead_ms"]) == {"one_token_ms", "whole_ms", "first_token_ms"}
+
+
+def test_bench_engines_runs_the_workload_through_both_fleets(tmp_path: Path) -> None:
+    out = tmp_path / "engines.json"
+    args = ["--num-engines", "2", "--documents", "2", "--questions", "2", "--document-len", "64"]
+    main(["bench", "engines", *args, "--concurrency", "1", "--json", str(out)])
+    fleets = json.loads(out.read_text())["fleets"]
+    for fleet in ("engines", "workers"):
+        for policy in ("cost", "round_robin"):
+            figures = fleets[fleet][policy]
+            assert figures["completed"] == 4 and figures["failed"] == 0, (fleet, policy)
+        # One request at a time: each document's second question finds it cached.
+        assert fleets[fleet]["cost"]["token_hit_rate"] > 0.3
 
 
 def test_bench_startup_times_every_command_it_lists(tmp_path: Path) -> None:

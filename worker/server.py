@@ -12,8 +12,8 @@ import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import grpc
 import zmq
@@ -53,9 +53,6 @@ from kvswitch.worker.servicer import WorkerServicer
 from kvswitch.worker.startup import process_age_s
 from kvswitch.worker.worker_config import MAX_REQUEST_BYTES, WorkerConfig
 
-if TYPE_CHECKING:
-    from kvswitch.router.http_server import HttpFront
-
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -70,6 +67,19 @@ __all__ = [
 ]
 
 SERVICE_NAME = "kvswitch.v1.Worker"  # its health-check name
+
+
+class HttpApi(Protocol):
+    """A worker's OpenAI-compatible HTTP API, served beside it (``--http-port``)."""
+
+    url: str
+
+    async def stop(self, grace_s: float) -> None: ...
+
+
+# What starts a worker's HTTP API once it serves: the command line's (kvswitch/app/worker_http.py,
+# the router's OpenAI front), given from above: the worker imports nothing of the router.
+StartHttp = Callable[["WorkerServer", "Tokenizer | None"], Awaitable[HttpApi]]
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -89,7 +99,7 @@ class WorkerServer:
     metrics_server: MetricsServer | None = None
     transfers: BlockTransfers | None = None  # blocks to and from peer workers
     kv_events: KVEventPublisher | None = None  # vLLM-format events (--kv-events-config)
-    http: HttpFront | None = None  # the OpenAI-compatible API (--http-port)
+    http: HttpApi | None = None  # the OpenAI-compatible API (--http-port)
     engine_core_start_s: float = 0.0  # from starting the engine core to its model being loaded
     # Set, with the reason, once the engine core has died: the worker can serve nothing more.
     engine_died: asyncio.Future[str] = dataclasses.field(
@@ -139,8 +149,13 @@ class WorkerFailed(Exception):
     """The worker stopped serving on its own account: its engine core died."""
 
 
-async def start_worker(config: WorkerConfig) -> WorkerServer:
-    """Bind the port, start the engine core and serve; ``WorkerStartError`` says why not."""
+async def start_worker(config: WorkerConfig, start_http: StartHttp | None = None) -> WorkerServer:
+    """Bind the port, start the engine core and serve; ``WorkerStartError`` says why not.
+    ``start_http`` serves the HTTP API where ``config.http_port`` asks for one."""
+    if config.http_port >= 0 and start_http is None:
+        raise WorkerStartError(
+            "this worker serves no HTTP API where it is started from: run kvswitch worker"
+        )
     # NOTE: without so_reuseport 0, gRPC lets a second server bind the same port and share its
     # traffic. Binding before the model loads makes a taken port fail at once.
     server = grpc.aio.server(
@@ -169,7 +184,7 @@ async def start_worker(config: WorkerConfig) -> WorkerServer:
         raise WorkerStartError(f"cannot load the model: {e}") from e
     engine_core_s = time.perf_counter() - engine_started_s
     try:
-        worker = await _serve_engine(config, server, port, worker_id, engine, tokenizer)
+        worker = await _serve_engine(config, server, port, worker_id, engine, tokenizer, start_http)
     except BaseException:
         await server.stop(0)
         await asyncio.to_thread(engine.stop)
@@ -238,6 +253,7 @@ async def _serve_engine(
     worker_id: str,
     engine: EngineClient,
     tokenizer: Tokenizer | None,
+    start_http: StartHttp | None,
 ) -> WorkerServer:
     publisher: EventPublisher | None = None  # once the index is open; its counts read at scrapes
     metrics = WorkerMetrics(
@@ -314,9 +330,9 @@ async def _serve_engine(
     engine.on_death(
         lambda message: asyncio.run_coroutine_threadsafe(worker._engine_has_died(message), loop)
     )
-    if config.http_port >= 0:
+    if start_http is not None and config.http_port >= 0:
         try:
-            worker.http = await _serve_http(config, worker, tokenizer)
+            worker.http = await start_http(worker, tokenizer)
         except OSError as e:
             await worker.stop(0)
             raise WorkerStartError(
@@ -338,50 +354,13 @@ async def _serve_engine(
     return worker
 
 
-async def _serve_http(
-    config: WorkerConfig, worker: WorkerServer, tokenizer: Tokenizer | None
-) -> HttpFront:
-    """The worker's own OpenAI API (``worker/openai_api.py``)."""
-    # NOTE: imported only when served: FastAPI and uvicorn take about a second to import.
-    from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES
-    from kvswitch.router.openai_http import FrontConfig
-    from kvswitch.worker.openai_api import WorkerFront, start_worker_http
-
-    front = FrontConfig(
-        host=config.host,
-        http_port=config.http_port,
-        model=config.model,
-        token=config.fleet_token,
-        max_message_bytes=MAX_REQUEST_BYTES,
-        max_body_bytes=DEFAULT_MAX_BODY_BYTES,
-        max_output_tokens=0,  # the worker cuts an answer at its context
-        wait_for_worker_s=0.0,
-        security=config.security(),
-        keys=config.http_keys(),
-    )
-
-    def healthy() -> str:
-        died = worker.engine_died
-        return died.result() if died.done() else ""
-
-    return await start_worker_http(
-        WorkerFront(
-            front,
-            worker.worker_id,
-            worker.address,
-            worker.engine.namespace,
-            tokenizer,
-            worker.metrics.registry,
-            healthy,
-        )
-    )
-
-
-async def serve(config: WorkerConfig, *, imports_s: float | None = None) -> None:
+async def serve(
+    config: WorkerConfig, *, imports_s: float | None = None, start_http: StartHttp | None = None
+) -> None:
     """Run a worker until SIGINT or SIGTERM, then shut it down gracefully. Raises
     ``WorkerFailed`` (after shutting down) if its engine core dies first. ``imports_s``: how long
     this process took to get here, for its startup line."""
-    worker = await start_worker(config)
+    worker = await start_worker(config, start_http)
     _log_startup(imports_s, worker.engine_core_start_s)
     announce_ready(f"worker {worker.worker_id}", worker.address)
     stop_signal = asyncio.create_task(wait_for_stop_signal())
@@ -396,9 +375,9 @@ async def serve(config: WorkerConfig, *, imports_s: float | None = None) -> None
     logger.info("worker %s stopped", worker.worker_id)
 
 
-def run(config: WorkerConfig) -> None:
+def run(config: WorkerConfig, start_http: StartHttp | None = None) -> None:
     """``serve`` on uvloop where it is installed, in a process started to run it."""
-    run_event_loop(serve(config, imports_s=process_age_s()))
+    run_event_loop(serve(config, imports_s=process_age_s(), start_http=start_http))
 
 
 def _read_counters(

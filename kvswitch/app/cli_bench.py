@@ -182,6 +182,17 @@ HOLDER_HELP = {
     "seed": "random seed of the prompts",
 }
 
+ENGINES_HELP = {
+    "num_engines": "CPU workers in each fleet: OpenAI-API engines behind a router in engine "
+    "mode, then the same as gRPC workers",
+    "kv_cache_blocks": "KV cache blocks per worker (16 tokens each)",
+    "documents": "long_document_qa: documents asked about",
+    "document_len": "tokens per document",
+    "questions": "questions per document",
+    "concurrency": "sessions at a time (a closed loop)",
+    "policies": "routing policies, one phase each, comma-separated",
+}
+
 PD_HELP = {
     "num_workers": "workers per cluster: all of role both, then one prefill worker and the rest "
     "decode workers",
@@ -290,6 +301,7 @@ def add_kernels(commands: argparse._SubParsersAction, name: str, summary: str) -
 def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
     from kvswitch.benchmarks import admission as admission_bench
     from kvswitch.benchmarks import engine as engine_bench
+    from kvswitch.benchmarks import engines as engines_bench
     from kvswitch.benchmarks import hashing as hash_bench
     from kvswitch.benchmarks import holder as holder_bench
     from kvswitch.benchmarks import http_front as http_bench
@@ -432,6 +444,14 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             HTTP_BENCH_HELP,
             "the router's OpenAI-compatible HTTP API against its gRPC API: latency of the same "
             "requests through each",
+        ),
+        (
+            "engines",
+            engines_bench.run,
+            engines_bench.EnginesBenchConfig,
+            ENGINES_HELP,
+            "a fleet of OpenAI-API engines routed by their KV events against the same fleet as "
+            "gRPC workers: cache hit rate and TTFT per policy",
         ),
         (
             "startup",

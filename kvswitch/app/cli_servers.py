@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from kvswitch.app.cli_args import (
@@ -268,7 +269,12 @@ def _worker_command(args: argparse.Namespace) -> None:
     # NOTE: workers that share a terminal (kvswitch up) tell their lines apart by it.
     configure_process_logging({"worker_id": config.worker_id} if config.worker_id else {})
     try:
-        worker_server.run(config)
+        start_http = None
+        if config.http_port >= 0:
+            from kvswitch.app.worker_http import start_worker_http
+
+            start_http = functools.partial(start_worker_http, config)
+        worker_server.run(config, start_http)
     except (worker_server.WorkerStartError, worker_server.WorkerFailed) as e:
         sys.exit(f"kvswitch worker: {e}")
 

@@ -5,6 +5,8 @@ serves one: ``/v1/completions`` (text or token-id prompts), ``/v1/chat/completio
 It needs no index and no router: the router's front (``router/openai_http.py``) serves it, its
 calls made to this worker's own ``Worker.Generate`` on loopback through ``WorkerAsRouter``, which
 takes a ``Router.Generate`` request and answers as a router would, the route naming this worker.
+It lives here, above both, since the worker imports nothing of the router: ``kvswitch worker``
+hands ``start_worker_http`` to the worker's server, which calls it once it serves.
 With the worker's ``--kv-events-config`` it can then stand in for a vLLM server behind any router
 that reads vLLM's events, kvswitch's engine mode among them (docs/ENGINES.md).
 """
@@ -12,25 +14,27 @@ that reads vLLM's events, kvswitch's engine mode among them (docs/ENGINES.md).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvswitch.cache_index.hashing import tokens_to_bytes
 from kvswitch.router.forwarded import new_front_key
 from kvswitch.router.http_server import HttpFront, loopback_target, serve_http
+from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES
 from kvswitch.router.openai_http import FrontConfig, OpenAIFront
 from kvswitch.router.openai_protocol import OpenAIError
 from kvswitch.router.router import NoTokenizerError
 from kvswitch.router.servicer import WORKER_ID_KEY
 from kvswitch.tokenizer import Tokenizer
 from kvswitch.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.worker.server import WorkerServer
+from kvswitch.worker.worker_config import MAX_REQUEST_BYTES, WorkerConfig
 
 ROUTE_REASON = "served here: a worker's own HTTP API"
 _INLINE_TOKENIZE_CHARS = 1024  # longer text prompts are tokenized on a thread
@@ -148,37 +152,39 @@ class WorkerCall:
         return ((WORKER_ID_KEY, self._owner._worker_id),)
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkerFront:
-    """What a worker's HTTP API is served from."""
-
-    config: FrontConfig
-    worker_id: str
-    worker_address: str  # host:port of the worker's gRPC server (this process's)
-    namespace: str
-    tokenizer: Tokenizer | None
-    registry: CollectorRegistry
-    healthy: Callable[[], str]  # "" while the worker serves; else why it does not
-
-
-async def start_worker_http(front: WorkerFront) -> HttpFront:
-    """Serve a worker's OpenAI API; OSError if its port cannot be bound."""
-    config = front.config
-    channel = config.security.channel(loopback_target(front.worker_address))
-    models = WorkerModels(front.namespace, front.tokenizer)
-    stub = WorkerAsRouter(worker_pb2_grpc.WorkerStub(channel), front.worker_id, models)
-    api = OpenAIFront(config, models, stub, new_front_key())  # type: ignore[arg-type]
+async def start_worker_http(
+    config: WorkerConfig, worker: WorkerServer, tokenizer: Tokenizer | None
+) -> HttpFront:
+    """Serve ``worker``'s OpenAI API on ``config.host``:``config.http_port``; OSError if the
+    port cannot be bound."""
+    front = FrontConfig(
+        host=config.host,
+        http_port=config.http_port,
+        model=config.model,
+        token=config.fleet_token,
+        max_message_bytes=MAX_REQUEST_BYTES,
+        max_body_bytes=DEFAULT_MAX_BODY_BYTES,
+        max_output_tokens=0,  # the worker cuts an answer at its context
+        wait_for_worker_s=0.0,
+        security=config.security(),
+        keys=config.http_keys(),
+    )
+    channel = front.security.channel(loopback_target(worker.address))
+    models = WorkerModels(worker.engine.namespace, tokenizer)
+    stub = WorkerAsRouter(worker_pb2_grpc.WorkerStub(channel), worker.worker_id, models)
+    api = OpenAIFront(front, models, stub, new_front_key())  # type: ignore[arg-type]
+    registry = worker.metrics.registry
 
     async def health(request: Request) -> Response:
-        why = front.healthy()
-        if why:
-            return JSONResponse({"error": why}, status_code=503)
+        died = worker.engine_died
+        if died.done():
+            return JSONResponse({"error": died.result()}, status_code=503)
         return Response(status_code=200)
 
     async def metrics(request: Request) -> Response:
-        body = await asyncio.to_thread(generate_latest, front.registry)
+        body = await asyncio.to_thread(generate_latest, registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     api.app.add_api_route("/health", health, methods=["GET"])
     api.app.add_api_route("/metrics", metrics, methods=["GET"])
-    return await serve_http(api.app, config, channel)
+    return await serve_http(api.app, front, channel)
