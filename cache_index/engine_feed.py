@@ -122,9 +122,11 @@ class EngineEventFeed:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.IPV6, 1)
         sub.setsockopt(zmq.SUBSCRIBE, self.engine.topic.encode())
-        sub.connect(self.engine.events)
         # NOTE: told of every connection made: one made again may lead to a restarted engine.
+        # Watched before connecting: a first connection made before the monitor was there
+        # would go untold, and the next one (the engine back) be taken for the first.
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        sub.connect(self.engine.events)
         poller = zmq.asyncio.Poller()
         poller.register(monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
@@ -264,8 +266,11 @@ class EngineEventFeed:
             events = self.names.apply(batch.events)
         except ValueError as e:  # NOTE: a block size mismatch: every name would be wrong
             status.failed = f"engine {self.engine.name}: {e}"
-            logger.error("%s; its events are no longer applied", status.failed)
-            await self._clear(status.failed)
+            logger.error("%s; it leaves the index, its events no longer applied", status.failed)
+            # NOTE: out of the index, not merely emptied: registered, it would be routed to
+            # (by every router sharing the index) on names that can never be its own.
+            self.names.clear()
+            await self.index.deregister(self.engine.name)
             return
         status.next_seq = seq + 1
         status.last_ts = max(status.last_ts, batch.ts)
@@ -302,9 +307,11 @@ class EngineEventFeed:
         await self.index.resync(self.engine.name, self._index_seq, self.names.block_names())
 
     async def _heartbeats(self) -> None:
-        while True:
+        while not self.status.failed:  # NOTE: a refused engine stays out of the index
             await asyncio.sleep(self._ttl_s / 3)
             try:
+                if self.status.failed:
+                    return
                 if not await self.index.heartbeat(self.engine.name, self._ttl_s):
                     await self._resync()
             except Exception:

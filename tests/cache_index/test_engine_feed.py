@@ -203,6 +203,8 @@ def test_an_engine_whose_blocks_are_another_size_is_refused_and_left_out() -> No
                 assert "the router's --block-size is 16" in feed.status.failed
                 assert "failed" in status_line(feed)
                 assert await index.worker_block_hashes(ENGINE) == set()
+                # Out of the index: no router sharing it routes there.
+                assert await index.live_workers() == []
         finally:
             engine.publisher.close()
             await index.close()
