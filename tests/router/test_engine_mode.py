@@ -138,7 +138,10 @@ def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60) -> N
 
 @contextlib.contextmanager
 def engine_fleet(
-    tmp_path: Path, num_engines: int = 2, engine_args: tuple[str, ...] = ()
+    tmp_path: Path,
+    num_engines: int = 2,
+    engine_args: tuple[str, ...] = (),
+    block_size: int = B,
 ) -> Iterator[Fleet]:
     """Engines (kvswitch workers as vLLM servers) behind a router in engine mode."""
     engines = [
@@ -155,7 +158,8 @@ def engine_fleet(
         engine.start()
     http_port, metrics_port = free_port(), free_port()
     args = ["router", "--port", "0", "--http-port", str(http_port)]
-    args += ["--metrics-port", str(metrics_port), "--namespace", MODEL, "--block-size", str(B)]
+    args += ["--metrics-port", str(metrics_port), "--namespace", MODEL]
+    args += ["--block-size", str(block_size)]
     for engine in engines:
         args += ["--engine", f"{engine.name}={engine.url}"]
         args += ["--engine-events", f"{engine.name}={engine.events}"]
@@ -344,3 +348,14 @@ def test_engines_that_take_a_key_get_the_routers(
     with engine_fleet(tmp_path, 1, ("--api-key", "engine-key")) as keyed:
         engine, completion = ask(keyed.client(), DOCUMENTS[0], 0)
         assert engine == "e0" and completion.choices[0].finish_reason == "length"
+
+
+def test_an_engine_whose_blocks_are_another_size_is_refused(tmp_path: Path) -> None:
+    """The router told --block-size 32, the engines caching blocks of 16: the first events of an
+    engine name both sizes in the router's error, and the engine leaves the index."""
+    with engine_fleet(tmp_path, 1, block_size=32) as fleet:
+        engine = fleet.engines[0]
+        direct = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="none", max_retries=0)
+        direct.completions.create(model=MODEL, prompt=[7] * 40, max_tokens=1)
+        wait_until(lambda: asyncio.run(fleet.live()) == set(), "the engine refused")
+        assert fleet.metric("kvswitch_router_engine_feed_failed", engine="e0") == 1
