@@ -135,7 +135,9 @@ class EngineForwarder:
         wait_for_worker_s: float,
         security: FleetSecurity = PLAINTEXT,
         api_key: str = "",
+        follows_engines: bool = False,
     ) -> None:
+        self._follows_engines = follows_engines
         self.limits = limits  # what the front holds a request to, as the servicer would
         self._wait_for_worker_s = wait_for_worker_s  # a request finding none waits this long
         self._router = router
@@ -152,6 +154,12 @@ class EngineForwarder:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+    def has_engines(self) -> bool:
+        """Whether the fleet has engines: this router follows some (it waits for them as for
+        workers), or another router sharing the index registered some there. Without any, a
+        request goes the gRPC way."""
+        return self._follows_engines or any(h.is_engine for h in self._router.directory.handles())
 
     async def forward(
         self,

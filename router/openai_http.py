@@ -184,7 +184,7 @@ class OpenAIFront:
     async def completions(self, request: Request) -> Response:
         self._check_key(request)
         raw = await self._read_body(request)
-        if self._engines is not None:
+        if self._engines is not None and self._engines.has_engines():
             answer = await self._to_engine(request, raw, chat=False)
             if answer is not None:
                 return answer
@@ -206,7 +206,7 @@ class OpenAIFront:
     async def chat_completions(self, request: Request) -> Response:
         self._check_key(request)
         raw = await self._read_body(request)
-        if self._engines is not None:
+        if self._engines is not None and self._engines.has_engines():
             answer = await self._to_engine(request, raw, chat=True)
             if answer is not None:
                 return answer

@@ -389,13 +389,15 @@ async def start_router(config: RouterConfig) -> RouterServer:
     )
     engine_feeds = forwarder = None
     if config.engines():
-        # NOTE: imported only when used: httpx and the front's modules.
-        from kvswitch.router.engine_forward import EngineForwarder, EngineMetrics
-
         engine_feeds = EngineFeeds.of(
             config.engines(), index, config.namespace, config.block_size, naming
         )
         metrics.registry.register(engine_feeds)
+    if config.http_port >= 0:
+        # NOTE: whether or not this router follows engines: another router sharing its index
+        # may, and the engines it registers there are this one's to route to as well.
+        from kvswitch.router.engine_forward import EngineForwarder, EngineMetrics
+
         forwarder = EngineForwarder(
             router,
             EngineMetrics(metrics.registry),
@@ -404,6 +406,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
             wait_for_worker_s=config.wait_for_worker_s,
             security=security,
             api_key=config.engine_api_key,
+            follows_engines=engine_feeds is not None,
         )
     front_key, http_front = "", None
     if config.http_port >= 0:

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
@@ -26,6 +26,7 @@ import pytest
 
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.hashing import hash_prompt_blocks
+from kvswitch.cache_index.local_redis import LocalRedis
 from kvswitch.loadtest.live import LoadTestConfig
 from kvswitch.loadtest.live import run as run_loadtest
 from kvswitch.serving import start_server_process
@@ -95,7 +96,11 @@ class Fleet:
     router_address: str
     http_port: int
     metrics_port: int
-    processes: list[subprocess.Popen] = field(default_factory=list)
+    index_url: str = ""  # where the router's index is; "" = its own, served on its port
+
+    @property
+    def index(self) -> str:
+        return self.index_url or f"grpc://{self.router_address}"
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(
@@ -115,14 +120,14 @@ class Fleet:
         return total
 
     async def engines_holding(self, prompt_ids: list[int]) -> dict[str, int]:
-        index = await connect_index(f"grpc://{self.router_address}")
+        index = await connect_index(self.index)
         try:
             return await index.match(MODEL, hash_prompt_blocks(prompt_ids, B, MODEL))
         finally:
             await index.close()
 
     async def live(self) -> set[str]:
-        index = await connect_index(f"grpc://{self.router_address}")
+        index = await connect_index(self.index)
         try:
             return {w.worker_id for w in await index.live_workers()}
         finally:
@@ -142,6 +147,7 @@ def engine_fleet(
     num_engines: int = 2,
     engine_args: tuple[str, ...] = (),
     block_size: int = B,
+    index_url: str = "",
 ) -> Iterator[Fleet]:
     """Engines (kvswitch workers as vLLM servers) behind a router in engine mode."""
     engines = [
@@ -160,12 +166,14 @@ def engine_fleet(
     args = ["router", "--port", "0", "--http-port", str(http_port)]
     args += ["--metrics-port", str(metrics_port), "--namespace", MODEL]
     args += ["--block-size", str(block_size)]
+    if index_url:
+        args += ["--index", index_url]
     for engine in engines:
         args += ["--engine", f"{engine.name}={engine.url}"]
         args += ["--engine-events", f"{engine.name}={engine.events}"]
         args += ["--engine-replay", f"{engine.name}={engine.replay}"]
     router, address = start_server_process(args)
-    fleet = Fleet(engines, router, address, http_port, metrics_port)
+    fleet = Fleet(engines, router, address, http_port, metrics_port, index_url)
     try:
         names = {engine.name for engine in engines}
         wait_until(lambda: asyncio.run(fleet.live()) == names, "the engines registered")
@@ -359,3 +367,26 @@ def test_an_engine_whose_blocks_are_another_size_is_refused(tmp_path: Path) -> N
         direct.completions.create(model=MODEL, prompt=[7] * 40, max_tokens=1)
         wait_until(lambda: asyncio.run(fleet.live()) == set(), "the engine refused")
         assert fleet.metric("kvswitch_router_engine_feed_failed", engine="e0") == 1
+
+
+def test_routers_sharing_a_redis_index_share_the_engines_one_follows(tmp_path: Path) -> None:
+    """One router follows the engines' events into a Redis index; another, named no engine,
+    shares the index and routes to the engines it finds there, by the same cache."""
+    with LocalRedis() as redis_server, engine_fleet(tmp_path, index_url=redis_server.url) as fleet:
+        http_port = free_port()
+        other, _ = start_server_process(
+            ["router", "--port", "0", "--http-port", str(http_port), "--index", redis_server.url]
+        )
+        try:
+            holder, _ = ask(fleet.client(), DOCUMENTS[0], 0)
+            ids = [256, *f"{DOCUMENTS[0]}Question 0: why?".encode()]
+            wait_until(
+                lambda: asyncio.run(fleet.engines_holding(ids)).get(holder, 0) > 0,
+                "the document indexed",
+            )
+            api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
+            served, completion = ask(api, DOCUMENTS[0], 1)
+            assert served == holder
+            assert completion.usage.prompt_tokens_details.cached_tokens > 0
+        finally:
+            stop(other)
