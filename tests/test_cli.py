@@ -388,7 +388,7 @@ def test_bench_http_sends_the_same_requests_through_both_apis(tmp_path: Path) ->
 
 def test_bench_engines_runs_the_workload_through_both_fleets(tmp_path: Path) -> None:
     out = tmp_path / "engines.json"
-    args = ["--num-engines", "2", "--documents", "2", "--questions", "2", "--document-len", "64"]
+    args = ["--num-engines", "1", "--documents", "2", "--questions", "2", "--document-len", "64"]
     main(["bench", "engines", *args, "--concurrency", "1", "--json", str(out)])
     fleets = json.loads(out.read_text())["fleets"]
     for fleet in ("engines", "workers"):

@@ -101,6 +101,7 @@ def test_keys_follow_the_documented_schema(redis_url: str) -> None:
             b"max_model_len": b"1024",
             b"block_hash": b"xxh3",
             b"block_hash_key_id": b"",
+            b"degraded": b"",
             b"last_seq": b"1",
             b"trusted": b"1",
             b"epoch": b"1",

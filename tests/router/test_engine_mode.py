@@ -187,7 +187,15 @@ def engine_fleet(
 
 @pytest.fixture()
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """A fleet of its own, for a test that kills or restarts an engine."""
     with engine_fleet(tmp_path) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One fleet for the tests that leave it whole, in file order: the first finds it fresh."""
+    with engine_fleet(tmp_path_factory.mktemp("shared")) as started:
         yield started
 
 
@@ -198,7 +206,8 @@ def ask(api: openai.OpenAI, document: str, question: int) -> tuple[str, openai.t
     return raw.headers["x-kvswitch-worker"], raw.parse()
 
 
-def test_questions_about_a_document_go_where_it_is_cached(fleet: Fleet) -> None:
+def test_questions_about_a_document_go_where_it_is_cached(shared: Fleet) -> None:
+    fleet = shared
     api = fleet.client()
     first = {d: ask(api, doc, 0)[0] for d, doc in enumerate(DOCUMENTS)}
     # The load spreads the first questions over both engines.
@@ -231,7 +240,8 @@ def test_questions_about_a_document_go_where_it_is_cached(fleet: Fleet) -> None:
         assert fleet.metric("kvswitch_router_engine_feed_degraded", engine=engine) == 0
 
 
-def test_streams_and_errors_come_through_as_the_engine_sends_them(fleet: Fleet) -> None:
+def test_streams_and_errors_come_through_as_the_engine_sends_them(shared: Fleet) -> None:
+    fleet = shared
     api = fleet.client()
     raw = api.chat.completions.with_streaming_response.create(
         model=MODEL,
@@ -293,7 +303,8 @@ def test_an_engine_restarted_is_cleared_and_rebuilt(fleet: Fleet) -> None:
     assert fleet.metric("kvswitch_router_engine_feed_degraded", engine=holder) == 0
 
 
-def test_a_load_test_reaches_the_engines_through_the_http_api(fleet: Fleet) -> None:
+def test_a_load_test_reaches_the_engines_through_the_http_api(shared: Fleet) -> None:
+    fleet = shared
     """``kvswitch loadtest --target http://...``: each policy its own phase (its own cache salt,
     which the engines' events carry back), the output's tokens asked for (``return_token_ids``)
     so that a session's next turn holds them."""
@@ -326,9 +337,10 @@ def test_a_load_test_reaches_the_engines_through_the_http_api(fleet: Fleet) -> N
     assert turns["completed"] == 6 and turns["token_hit_rate"] > 0.5
 
 
-def test_one_fleet_mixes_engines_and_workers(fleet: Fleet) -> None:
+def test_one_fleet_mixes_engines_and_workers(shared: Fleet) -> None:
     """A kvswitch worker registered with the router (gRPC) beside the two engines: each
     document's follow-ups go where it is cached, engine or worker."""
+    fleet = shared
     worker, address = start_server_process(
         ["worker", "--port", "0", "--index", f"grpc://{fleet.router_address}"]
     )
@@ -336,7 +348,9 @@ def test_one_fleet_mixes_engines_and_workers(fleet: Fleet) -> None:
         wait_until(lambda: address in asyncio.run(fleet.live()), "the worker registered")
         api = fleet.client()
         first = {}
-        for d, doc in enumerate(DOCUMENTS + [d.replace("row", "line") for d in DOCUMENTS]):
+        # NOTE: documents none of the fleet holds yet (the shared fleet answered others).
+        documents = [doc.replace("station", f"mixed fleet {d}") for d, doc in enumerate(DOCUMENTS)]
+        for d, doc in enumerate(documents + [d.replace("row", "line") for d in documents]):
             first[d] = ask(api, doc, 0)[0]
             for question in (1, 2):
                 served, completion = ask(api, doc, question)
