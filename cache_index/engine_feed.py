@@ -113,6 +113,13 @@ class EngineEventFeed:
             degraded=self.status.degraded,
         )
 
+    def reset(self) -> None:
+        """Forget what was followed, to ``run`` again from the start (after a failure: the
+        index unreachable for a while), as a new feed would."""
+        self.names.clear()
+        self.status.next_seq = None
+        self._seen_ts.clear()
+
     async def wait_subscribed(self) -> None:
         """Until the subscription is made (what a test publishes after)."""
         await self._subscribed.wait()

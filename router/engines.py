@@ -36,6 +36,7 @@ from kvswitch.v1 import worker_pb2
 logger = logging.getLogger(__name__)
 
 ENGINE_SCHEMES = ("http://", "https://")
+FEED_RETRY_S = 1.0  # a feed that failed (its index unreachable) starts again after this
 
 
 def engine_client(security: FleetSecurity, api_key: str = "", **options: Any) -> httpx2.AsyncClient:
@@ -175,16 +176,30 @@ class EngineFeeds:
             feed.engine.events,
             f", replay {feed.engine.replay}" if feed.engine.replay else "",
         )
-        try:
-            await feed.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("engine %s: its feed stopped", feed.engine.name)
-            return
-        if feed.status.failed:
-            # NOTE: loudly, and for good: its blocks would be named wrong, and routed on wrong.
-            logger.error("engine %s refused: %s", feed.engine.name, feed.status.failed)
+        while True:
+            try:
+                await feed.run()
+            except feed.index.unavailable_errors as e:  # Redis restarting, a network blip
+                logger.warning(
+                    "engine %s: the index cannot be reached (%s); following it again in %g s",
+                    feed.engine.name,
+                    e,
+                    FEED_RETRY_S,
+                )
+            except Exception:
+                logger.exception(
+                    "engine %s: its feed failed; following it again in %g s",
+                    feed.engine.name,
+                    FEED_RETRY_S,
+                )
+            else:
+                # NOTE: run returns only once the engine is refused: loudly, and for good (its
+                # blocks would be named wrong, and routed on wrong).
+                logger.error("engine %s refused: %s", feed.engine.name, feed.status.failed)
+                return
+            await asyncio.sleep(FEED_RETRY_S)
+            # NOTE: events may have gone by meanwhile: followed again from the start.
+            feed.reset()
 
     def status_lines(self) -> list[str]:
         return [status_line(feed) for feed in self.feeds]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from kvswitch.app.cli import main
 from kvswitch.cache_index.engine_feed import EngineEndpoints
+from kvswitch.cache_index.index import BlockIndex
 from kvswitch.router.engines import parse_engines
 from kvswitch.router.server import RouterConfig
 
@@ -131,3 +134,50 @@ def test_the_options_repeat_on_the_command_line(capsys: pytest.CaptureFixture[st
     assert exit_info.value.code == 2
     # Both --engine options reached the config: b lacks its events.
     assert "none for b" in capsys.readouterr().err
+
+
+def test_a_feed_whose_index_went_away_follows_its_engine_again() -> None:
+    """The router's Redis restarts (empty) under a feed: the feed fails, starts again, and
+    rebuilds the engine's entries from its replay, the batches that went by meanwhile too."""
+    from kvswitch.cache_index.connect import connect_index
+    from kvswitch.cache_index.hashing import XXH3_NAMING
+    from kvswitch.cache_index.local_redis import LocalRedis
+    from kvswitch.router.engines import EngineFeeds
+    from tests.cache_index.test_engine_feed import ENGINE as FEED_ENGINE
+    from tests.cache_index.test_engine_feed import MODEL as FEED_MODEL
+    from tests.cache_index.test_engine_feed import B as FEED_B
+    from tests.cache_index.test_engine_feed import Engine, matched, stored, until
+
+    async def main(redis_server: LocalRedis) -> None:
+        engine = Engine()
+        index = await connect_index(redis_server.url)
+        feeds = EngineFeeds.of([engine.endpoints], index, FEED_MODEL, FEED_B, XXH3_NAMING)
+        [feed] = feeds.feeds
+        feeds.start()
+        try:
+            await asyncio.wait_for(feed.wait_subscribed(), 30)
+            engine.publisher.publish([stored(1, 100)])
+            await until(lambda: feed.status.num_batches == 1, feed)
+            redis_server.stop()
+            engine.publisher.publish([stored(2, 200)])  # its apply fails: the feed stops
+            # NOTE: down longer than the index client retries (about 0.4 s): the feed fails.
+            await asyncio.sleep(3)
+            await asyncio.to_thread(redis_server.restart)  # empty
+            deadline = time.monotonic() + 60
+            while [await _matched_or_0(index, tag) for tag in (1, 2)] != [3, 3]:
+                assert time.monotonic() < deadline, feed.status
+                await asyncio.sleep(0.05)
+            assert [w.worker_id for w in await index.live_workers()] == [FEED_ENGINE]
+        finally:
+            await feeds.stop()
+            engine.publisher.close()
+            await index.close()
+
+    async def _matched_or_0(index: BlockIndex, tag: int) -> int:
+        try:
+            return await matched(index, tag)
+        except index.unavailable_errors:
+            return 0
+
+    with LocalRedis() as redis_server:
+        asyncio.run(main(redis_server))
