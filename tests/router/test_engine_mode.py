@@ -277,7 +277,12 @@ def test_an_engine_killed_is_routed_around(fleet: Fleet) -> None:
     assert engine != holder and completion.choices[0].finish_reason == "length"
 
 
-def test_an_engine_restarted_is_cleared_and_rebuilt(fleet: Fleet) -> None:
+def test_an_engine_restarted_is_cleared_and_rebuilt(tmp_path: Path) -> None:
+    with engine_fleet(tmp_path, 1) as fleet:
+        _restart_and_rebuild(fleet)
+
+
+def _restart_and_rebuild(fleet: Fleet) -> None:
     api = fleet.client()
     holder, _ = ask(api, DOCUMENTS[0], 0)
     ids = [256, *f"{DOCUMENTS[0]}Question 0: why?".encode()]
@@ -386,7 +391,10 @@ def test_an_engine_whose_blocks_are_another_size_is_refused(tmp_path: Path) -> N
 def test_routers_sharing_a_redis_index_share_the_engines_one_follows(tmp_path: Path) -> None:
     """One router follows the engines' events into a Redis index; another, named no engine,
     shares the index and routes to the engines it finds there, by the same cache."""
-    with LocalRedis() as redis_server, engine_fleet(tmp_path, index_url=redis_server.url) as fleet:
+    with (
+        LocalRedis() as redis_server,
+        engine_fleet(tmp_path, 1, index_url=redis_server.url) as fleet,
+    ):
         http_port = free_port()
         other, _ = start_server_process(
             ["router", "--port", "0", "--http-port", str(http_port), "--index", redis_server.url]
