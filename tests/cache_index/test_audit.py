@@ -105,3 +105,32 @@ def test_worker_index_recovers_after_redis_restarts_mid_stream(
         assert publisher.num_resyncs >= 2  # the first sync, and the one after the restart
     finally:
         worker.close()
+
+
+def test_index_stats_says_which_engine_is_degraded(redis_url: str) -> None:
+    """An engine registered degraded by the router that follows it (its events lost past
+    replay) is listed so by kvswitch index stats, for whoever reads the index."""
+    import asyncio
+
+    from kvswitch.cache_index.audit import IndexToolConfig, stats_report
+    from kvswitch.cache_index.index import WorkerInfo
+    from kvswitch.cache_index.redis_index import RedisIndex
+
+    why = "batches 4..9 are older than the engine's replay buffer"
+    engine = WorkerInfo("vllm-a", "http://10.0.0.5:8000", "llama", 16, degraded=why)
+    whole = WorkerInfo("vllm-b", "http://10.0.0.6:8000", "llama", 16)
+
+    async def register() -> None:
+        index = await RedisIndex.connect(redis_url, prefix="stats-degraded")
+        try:
+            for info in (engine, whole):
+                await index.register(info, 30.0)
+        finally:
+            await index.close()
+
+    asyncio.run(register())
+    report = asyncio.run(stats_report(IndexToolConfig(index=redis_url, prefix="stats-degraded")))
+    listed = {w["worker_id"]: w for w in report["workers"]}
+    assert listed["vllm-a"]["degraded"] == why
+    assert "degraded" not in listed["vllm-b"]
+    assert listed["vllm-a"]["address"] == "http://10.0.0.5:8000"
