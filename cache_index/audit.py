@@ -50,6 +50,11 @@ async def audit_worker(
     index: BlockIndex, info: WorkerInfo, security: FleetSecurity = PLAINTEXT
 ) -> WorkerAudit:
     before = await index.worker_block_hashes(info.worker_id)
+    if info.address.startswith(("http://", "https://")):
+        # NOTE: an OpenAI-API engine (or its GPU-tier entry): its entries follow its KV events,
+        # and it has no Snapshot to compare them with.
+        why = "an OpenAI-API engine: no Snapshot to compare its entries with"
+        return WorkerAudit(info.worker_id, info.address, len(before), 0, 0, 0, why)
     try:
         _, on_worker = await fetch_snapshot(info.address, security=security)
     except grpc.aio.AioRpcError as e:

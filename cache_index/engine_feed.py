@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import TIER_ROLE, ApplyStatus, BlockIndex, WorkerInfo
 from kvswitch.cache_index.vllm_events import (
     EngineAllBlocksCleared,
     EngineBlockNames,
@@ -45,6 +46,7 @@ from kvswitch.cache_index.vllm_events import (
 logger = logging.getLogger(__name__)
 
 END_SEQ = -1  # a replay's last message
+GPU_TIER_SUFFIX = "#gpu"  # an engine's GPU-tier entry: its name and this
 REPLAY_TIMEOUT_S = 5.0
 SEEN_WINDOW = 10_000  # batches whose ts is remembered: vLLM's replay buffer
 DEFAULT_TTL_S = 30.0
@@ -100,6 +102,7 @@ class EngineEventFeed:
         # but with another ts comes from a restarted engine.
         self._seen_ts: dict[int, float] = {}
         self._subscribed = asyncio.Event()
+        self._tier_registered = False  # the GPU tier's own entry is in the index
 
     @property
     def info(self) -> WorkerInfo:
@@ -111,6 +114,14 @@ class EngineEventFeed:
             block_hash=self.names.naming.mode,
             block_hash_key_id=self.names.naming.key_id,
             degraded=self.status.degraded,
+        )
+
+    @property
+    def gpu_tier_info(self) -> WorkerInfo:
+        """The entry of the blocks the engine's GPU holds, beside its own (which any tier's
+        blocks are in), once it has told of another tier: ``role`` TIER_ROLE, routed to never."""
+        return dataclasses.replace(
+            self.info, worker_id=gpu_tier_id(self.engine.name), role=TIER_ROLE
         )
 
     def reset(self) -> None:
@@ -270,7 +281,7 @@ class EngineEventFeed:
     async def _apply(self, seq: int, batch: EngineEventBatch) -> None:
         status = self.status
         try:
-            events = self.names.apply(batch.events)
+            events, gpu_events = self.names.apply_tiers(batch.events)
         except ValueError as e:  # NOTE: a block size mismatch: every name would be wrong
             status.failed = f"engine {self.engine.name}: {e}"
             logger.error("%s; it leaves the index, its events no longer applied", status.failed)
@@ -278,6 +289,8 @@ class EngineEventFeed:
             # (by every router sharing the index) on names that can never be its own.
             self.names.clear()
             await self.index.deregister(self.engine.name)
+            if self._tier_registered:
+                await self.index.deregister(gpu_tier_id(self.engine.name))
             return
         status.next_seq = seq + 1
         status.last_ts = max(status.last_ts, batch.ts)
@@ -290,12 +303,22 @@ class EngineEventFeed:
             status.degraded = ""
             await self._resync()
             return
-        if not events:
-            return
-        self._index_seq += 1
-        result = await self.index.apply(self.engine.name, self._index_seq, events)
-        if result in (ApplyStatus.NEEDS_RESYNC, ApplyStatus.UNKNOWN_WORKER):
-            await self._resync()
+        if events:
+            self._index_seq += 1
+            result = await self.index.apply(self.engine.name, self._index_seq, events)
+            if result in (ApplyStatus.NEEDS_RESYNC, ApplyStatus.UNKNOWN_WORKER):
+                await self._resync()
+                return
+        if not self.names.tiered:
+            return  # NOTE: the GPU holds all there is: the engine's own entry says it
+        if not self._tier_registered:
+            await self._resync_gpu_tier()
+        elif gpu_events:
+            self._index_seq += 1
+            tier = gpu_tier_id(self.engine.name)
+            result = await self.index.apply(tier, self._index_seq, gpu_events)
+            if result in (ApplyStatus.NEEDS_RESYNC, ApplyStatus.UNKNOWN_WORKER):
+                await self._resync_gpu_tier()
 
     async def _clear(self, why: str) -> None:
         """Drop the engine's entries, to build them again from what arrives; degraded for
@@ -308,10 +331,20 @@ class EngineEventFeed:
         await self._resync()
 
     async def _resync(self) -> None:
-        """Register the engine, and set its entries to the blocks named now."""
+        """Register the engine, and set its entries to the blocks named now (its GPU's too,
+        where it has told of another tier)."""
         await self.index.register(self.info, self._ttl_s)
         self._index_seq += 1
         await self.index.resync(self.engine.name, self._index_seq, self.names.block_names())
+        if self._tier_registered:
+            await self._resync_gpu_tier()
+
+    async def _resync_gpu_tier(self) -> None:
+        tier = gpu_tier_id(self.engine.name)
+        await self.index.register(self.gpu_tier_info, self._ttl_s)
+        self._tier_registered = True
+        self._index_seq += 1
+        await self.index.resync(tier, self._index_seq, self.names.gpu_block_names())
 
     async def _heartbeats(self) -> None:
         while not self.status.failed:  # NOTE: a refused engine stays out of the index
@@ -319,10 +352,19 @@ class EngineEventFeed:
             try:
                 if self.status.failed:
                     return
-                if not await self.index.heartbeat(self.engine.name, self._ttl_s):
+                alive = await self.index.heartbeat(self.engine.name, self._ttl_s)
+                if self._tier_registered:
+                    tier = gpu_tier_id(self.engine.name)
+                    alive = await self.index.heartbeat(tier, self._ttl_s) and alive
+                if not alive:
                     await self._resync()
             except Exception:
                 logger.exception("engine %s: heartbeat failed", self.engine.name)
+
+
+def gpu_tier_id(engine: str) -> str:
+    """The index entry of the blocks an engine's GPU holds (``EngineEventFeed.gpu_tier_info``)."""
+    return engine + GPU_TIER_SUFFIX
 
 
 def status_line(feed: EngineEventFeed, now_s: float | None = None) -> str:

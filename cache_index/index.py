@@ -32,6 +32,9 @@ from kvswitch.serving import end_if_cancelled
 logger = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
+# Not a worker's: an engine's GPU-tier entry (cache_index/engine_feed.py), which holds the blocks
+# its GPU holds beside the engine's own entry (any tier's); a router never routes to it.
+TIER_ROLE = "tier"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,7 @@ class WorkerInfo:
                 "block_hash_key_id names the key of a keyed block hash: set it with "
                 f"blake2b-keyed, and only then (block_hash {self.block_hash!r})"
             )
-        if self.role not in ROLES:
+        if self.role not in ROLES and self.role != TIER_ROLE:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")

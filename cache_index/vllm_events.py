@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,12 +208,15 @@ class EngineBlockNames:
     its events into the ``CacheEvent`` s an index takes, by kvswitch name.
 
     ``namespace`` and ``block_size`` are the router's (the model's name, the blocks it hashes
-    prompts in). A block stays named while any tier (``medium``) holds it."""
+    prompts in). A block stays named while any tier (``medium``) holds it; ``apply_tiers`` also
+    says which of its blocks the GPU holds, once the engine has told of another tier
+    (``tiered``: vLLM's CPU offloading), so that a router can weigh a CPU hit below a GPU one."""
 
     namespace: str
     block_size: int
     naming: BlockNaming = XXH3_NAMING
     stats: NamingStats = field(default_factory=NamingStats)
+    tiered: bool = False  # a tier besides the GPU has held blocks
     # Engine name -> kvswitch name, and the tiers that hold the block.
     _names: dict[EngineHash, bytes] = field(default_factory=dict, repr=False)
     _media: dict[EngineHash, set[str]] = field(default_factory=dict, repr=False)
@@ -233,6 +236,10 @@ class EngineBlockNames:
         """Every block's kvswitch name: what a resync of the index sends."""
         return set(self._names.values())
 
+    def gpu_block_names(self) -> set[bytes]:
+        """The names of the blocks the GPU tier holds: what a resync of the GPU's entry sends."""
+        return {name for h, name in self._names.items() if _on_gpu(self._media.get(h, ()))}
+
     def clear(self) -> None:
         self._names.clear()
         self._media.clear()
@@ -241,20 +248,46 @@ class EngineBlockNames:
     def apply(self, events: Sequence[EngineEvent]) -> list[CacheEvent]:
         """The index's events for these engine events, in order. ``BlockSizeMismatch`` on a
         stored event with tokens in blocks of another size: nothing of it is applied."""
+        return self.apply_tiers(events)[0]
+
+    def apply_tiers(
+        self, events: Sequence[EngineEvent]
+    ) -> tuple[list[CacheEvent], list[CacheEvent]]:
+        """``apply``'s events (the blocks any tier holds), and those of the blocks the GPU
+        holds, in order."""
         out: list[CacheEvent] = []
+        gpu: list[CacheEvent] = []
         for event in events:
             if isinstance(event, EngineBlockStored):
                 names = self._stored(event)
-                if names:
-                    out.append(BlockStored(tuple(names)))
+                if not names:
+                    continue
+                out.append(BlockStored(tuple(names)))
+                if _on_gpu((event.medium or GPU,)):
+                    gpu.append(BlockStored(tuple(names)))
+                else:
+                    self.tiered = True
             elif isinstance(event, EngineBlockRemoved):
+                medium = event.medium or GPU
+                left_gpu = []
+                if _on_gpu((medium,)):
+                    left_gpu = [
+                        self._names[h]
+                        for h in event.block_hashes
+                        if h in self._names and _on_gpu(self._media.get(h, ()))
+                    ]
+                else:
+                    self.tiered = True
                 names = self._removed(event)
                 if names:
                     out.append(BlockRemoved(tuple(names)))
+                if left_gpu:
+                    gpu.append(BlockRemoved(tuple(left_gpu)))
             else:
                 self.clear()
                 out.append(AllBlocksCleared())
-        return out
+                gpu.append(AllBlocksCleared())
+        return out, gpu
 
     def _stored(self, event: EngineBlockStored) -> list[bytes]:
         medium = event.medium or GPU
@@ -352,6 +385,10 @@ class EngineBlockNames:
         if name is not None:
             self._holders[name] -= 1
         return name
+
+
+def _on_gpu(media: Iterable[str]) -> bool:
+    return any(medium.upper() == GPU for medium in media)
 
 
 def engine_hash_of(name: bytes) -> int:

@@ -74,6 +74,35 @@ class Route:
     fetch_handle: WorkerHandle | None = None  # where ``handle`` takes the prefix from first
 
 
+@dataclass(frozen=True, slots=True)
+class TierWeights:
+    """What a matched block of an OpenAI-API engine counts for, by the tier that holds it: one
+    its GPU holds, ``gpu``; one only a lower tier holds (vLLM's CPU offloading), ``cpu``."""
+
+    gpu: float = 1.0
+    cpu: float = 0.8
+
+    def __post_init__(self) -> None:
+        for name in ("gpu", "cpu"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name}_block_weight must be a finite number >= 0")
+
+    def weigh(self, matches: dict[str, int], gpu_tiers: Mapping[str, str]) -> dict[str, int]:
+        """``matches`` (leading blocks held, by worker or engine) with each tiered engine's
+        weighed: its GPU's leading run (its GPU-tier entry's) at ``gpu``, the rest of its run
+        (held by a lower tier) at ``cpu``, rounded down; the GPU-tier entries dropped."""
+        if not gpu_tiers:
+            return matches
+        weighed = dict(matches)
+        for engine, tier in gpu_tiers.items():
+            num_on_gpu = weighed.pop(tier, 0)
+            num_held = weighed.get(engine, 0)
+            if num_held:
+                num_on_gpu = min(num_on_gpu, num_held)
+                weighed[engine] = int(self.gpu * num_on_gpu + self.cpu * (num_held - num_on_gpu))
+        return weighed
+
+
 class Router:
     def __init__(
         self,
@@ -87,6 +116,7 @@ class Router:
         namespace: str = "",
         pending: PendingBlocks | None = None,
         heat: PrefixHeat | None = None,
+        tier_weights: TierWeights | None = None,
     ) -> None:
         self.index = index
         self.directory = directory
@@ -95,6 +125,7 @@ class Router:
         self.namespace = namespace  # empty: the one namespace the live workers serve
         self.pending = pending if pending is not None else PendingBlocks()
         self.heat = heat if heat is not None else PrefixHeat()
+        self.tier_weights = tier_weights or TierWeights()
         self.default_policy = make_policy(policy, weights)
         self._default_weights = dict(weights or {})  # what a request's weights are laid over
         self._policies: dict[tuple, Policy] = {}
@@ -207,6 +238,8 @@ class Router:
             self._lookup_warning.warning("the index cannot answer (%s); routing on load alone", e)
             index_matches = {}
         self.last_lookup_s = time.perf_counter() - started_s
+        if engines:
+            index_matches = self.tier_weights.weigh(index_matches, self.directory.gpu_tiers)
         # NOTE: workers may have left while the lookup ran (a Redis that came back empty lists
         # none until they register again), and a gone worker's channel is closed: a call on it
         # would raise, not fail over.

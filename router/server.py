@@ -35,7 +35,7 @@ from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
-from kvswitch.router.router import Router
+from kvswitch.router.router import Router, TierWeights
 from kvswitch.router.servicer import RouterServicer
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
 from kvswitch.security import (
@@ -134,6 +134,9 @@ class RouterConfig:
     block_size: int = 16
     engine_api_key: str = ""  # what the engines take as "Bearer KEY" (vLLM's --api-key)
     engine_fleet: str = ""  # a JSON file naming more engines, with the fields of the options
+    # What an engine's matched block counts for: held by its GPU, or only by a lower tier (CPU).
+    gpu_block_weight: float = 1.0
+    cpu_block_weight: float = 0.8
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -167,6 +170,7 @@ class RouterConfig:
         self.check_exposure()
         self.block_naming()
         engines = self.engines()
+        self.tier_weights()
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if engines and not self.namespace:
@@ -176,6 +180,9 @@ class RouterConfig:
             )
         if engines and self.http_port < 0:
             raise ValueError("engine: engines take requests over HTTP: serve --http-port too")
+
+    def tier_weights(self) -> TierWeights:
+        return TierWeights(self.gpu_block_weight, self.cpu_block_weight)
 
     def engines(self) -> list[EngineEndpoints]:
         """The OpenAI-API engines named, on the command line and in the fleet file
@@ -383,6 +390,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
         weights=config.policy_weights(),
         namespace=config.namespace,
         pending=PendingBlocks(config.pending_ttl_s),
+        tier_weights=config.tier_weights(),
     )
     metrics = RouterMetrics(
         worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)

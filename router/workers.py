@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import grpc
 import httpx2
 
+from kvswitch.cache_index.engine_feed import GPU_TIER_SUFFIX
 from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
-from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import TIER_ROLE, BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
 from kvswitch.router.engines import EngineDown, engine_client, is_engine, poll_engine
 from kvswitch.router.policy import WorkerState
@@ -191,6 +192,8 @@ class WorkerDirectory:
         self.num_loop_errors = 0  # unexpected errors in the background loops
         self._refresh_warning = Throttled(logger)
         self._http: httpx2.AsyncClient | None = None  # engines' polls, once one joins
+        # Engine id -> its GPU-tier entry, for engines that told of another tier.
+        self.gpu_tiers: dict[str, str] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -305,7 +308,15 @@ class WorkerDirectory:
         except self.index.unavailable_errors as e:  # it may be restarting: keep what we know
             self._refresh_warning.warning("cannot read the live workers from the index: %s", e)
             return
-        live = {info.worker_id: info for info in infos if self._admits(info)}
+        # NOTE: an engine's GPU-tier entry is no worker: it weighs its engine's matches.
+        self.gpu_tiers = {
+            info.worker_id.removesuffix(GPU_TIER_SUFFIX): info.worker_id
+            for info in infos
+            if info.role == TIER_ROLE
+        }
+        live = {
+            info.worker_id: info for info in infos if info.role != TIER_ROLE and self._admits(info)
+        }
         self.refused = {
             worker_id: why for worker_id, why in self.refused.items() if worker_id not in live
         }

@@ -154,6 +154,31 @@ def test_a_block_stays_named_while_any_tier_holds_it() -> None:
     assert len(engine) == 0
 
 
+def test_the_blocks_the_gpu_holds_are_told_apart_once_another_tier_shows() -> None:
+    """``apply_tiers``: beside the blocks any tier holds, those the GPU holds, so that a CPU
+    hit can count below a GPU one; ``tiered`` once a CPU tier has told of blocks."""
+    engine = names()
+    any_tier, on_gpu = engine.apply_tiers([stored([11, 12], None, PROMPT[: 2 * B])])
+    assert any_tier == on_gpu == [BlockStored(any_tier[0].block_hashes)]
+    assert not engine.tiered
+    name_11, name_12 = any_tier[0].block_hashes
+    offloaded = EngineBlockStored((11, 12), None, (), 0, medium="CPU")
+    assert engine.apply_tiers([offloaded]) == ([BlockStored((name_11, name_12))], [])
+    assert engine.tiered
+    # The GPU lets both go: still held (by the CPU), no longer on the GPU.
+    dropped = engine.apply_tiers([EngineBlockRemoved((11, 12), "GPU")])
+    assert dropped == ([], [BlockRemoved((name_11, name_12))])
+    assert engine.gpu_block_names() == set() and engine.block_names() == {name_11, name_12}
+    # A block loaded back onto the GPU is the GPU's again.
+    back = EngineBlockStored((11,), None, tuple(PROMPT[:B]), B, medium="GPU")
+    assert engine.apply_tiers([back])[1] == [BlockStored((name_11,))]
+    assert engine.gpu_block_names() == {name_11}
+    assert engine.apply_tiers([EngineAllBlocksCleared()]) == (
+        [AllBlocksCleared()],
+        [AllBlocksCleared()],
+    )
+
+
 def test_what_cannot_be_named_is_counted_not_guessed() -> None:
     """A block whose parent the router never heard of (it joined late, or a message was lost),
     or a tokenless tier's block it never saw stored: no name, counted. A sliding-window group's

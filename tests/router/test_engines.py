@@ -181,3 +181,61 @@ def test_a_feed_whose_index_went_away_follows_its_engine_again() -> None:
 
     with LocalRedis() as redis_server:
         asyncio.run(main(redis_server))
+
+
+def test_a_prefix_only_the_cpu_holds_counts_below_one_on_the_gpu() -> None:
+    """Two engines hold one prompt: x on its GPU, y only in its CPU tier (offloaded, then let
+    go by the GPU). Followed into the index, y's GPU-tier entry tells them apart: x's three
+    blocks count three, y's two (3 x 0.8, rounded down), and the router picks x."""
+    import dataclasses
+
+    from kvswitch.cache_index.hashing import XXH3_NAMING
+    from kvswitch.cache_index.memory_index import MemoryIndex
+    from kvswitch.cache_index.vllm_events import EngineBlockRemoved, EngineBlockStored
+    from kvswitch.router.engines import EngineFeeds
+    from kvswitch.router.router import Router, TierWeights
+    from kvswitch.router.workers import WorkerDirectory
+    from tests.cache_index.test_engine_feed import MODEL as FEED_MODEL
+    from tests.cache_index.test_engine_feed import B as FEED_B
+    from tests.cache_index.test_engine_feed import Engine, prompt, stored, until
+
+    async def main() -> None:
+        index = MemoryIndex()
+        x, y = Engine(), Engine()
+        endpoints = [
+            dataclasses.replace(x.endpoints, name="x", address="http://x:8000"),
+            dataclasses.replace(y.endpoints, name="y", address="http://y:8000"),
+        ]
+        feeds = EngineFeeds.of(endpoints, index, FEED_MODEL, FEED_B, XXH3_NAMING)
+        feeds.start()
+        try:
+            for feed in feeds.feeds:
+                await asyncio.wait_for(feed.wait_subscribed(), 30)
+            x.publisher.publish([stored(1, 100)])
+            y.publisher.publish([stored(1, 100)])
+            y.publisher.publish([EngineBlockStored((100, 101, 102), None, (), 0, medium="CPU")])
+            y.publisher.publish([EngineBlockRemoved((100, 101, 102), "GPU")])
+            fx, fy = feeds.feeds
+            await until(lambda: (fx.status.num_batches, fy.status.num_batches) == (1, 3))
+            live = {w.worker_id: w.role for w in await index.live_workers()}
+            assert live == {"x": "both", "y": "both", "y#gpu": "tier"}
+            directory = WorkerDirectory(index)
+            await directory.refresh()
+            assert directory.gpu_tiers == {"y": "y#gpu"}
+            router = Router(index, directory, None, namespace=FEED_MODEL, policy="prefix")
+            plan = router.plan(token_ids=prompt(1))
+            first = (await router.route(plan, engines=True)).decision
+            assert (first.worker_id, first.num_matched_blocks) == ("x", 3)
+            other = (await router.route(plan, exclude={"x"}, engines=True)).decision
+            assert (other.worker_id, other.num_matched_blocks) == ("y", 2)
+            # A CPU hit counted as a GPU one: the two hold as much.
+            router.tier_weights = TierWeights(cpu=1.0)
+            other = (await router.route(plan, exclude={"x"}, engines=True)).decision
+            assert other.num_matched_blocks == 3
+            await directory.stop()
+        finally:
+            await feeds.stop()
+            x.publisher.close()
+            y.publisher.close()
+
+    asyncio.run(main())
