@@ -160,26 +160,29 @@ def engine_fleet(
         )
         for i in range(num_engines)
     ]
-    for engine in engines:
-        engine.start()
-    http_port, metrics_port = free_port(), free_port()
-    args = ["router", "--port", "0", "--http-port", str(http_port)]
-    args += ["--metrics-port", str(metrics_port), "--namespace", MODEL]
-    args += ["--block-size", str(block_size)]
-    if index_url:
-        args += ["--index", index_url]
-    for engine in engines:
-        args += ["--engine", f"{engine.name}={engine.url}"]
-        args += ["--engine-events", f"{engine.name}={engine.events}"]
-        args += ["--engine-replay", f"{engine.name}={engine.replay}"]
-    router, address = start_server_process(args)
-    fleet = Fleet(engines, router, address, http_port, metrics_port, index_url)
+    router = None
     try:
+        # NOTE: inside the try: an engine or router that fails to start leaves none running.
+        for engine in engines:
+            engine.start()
+        http_port, metrics_port = free_port(), free_port()
+        args = ["router", "--port", "0", "--http-port", str(http_port)]
+        args += ["--metrics-port", str(metrics_port), "--namespace", MODEL]
+        args += ["--block-size", str(block_size)]
+        if index_url:
+            args += ["--index", index_url]
+        for engine in engines:
+            args += ["--engine", f"{engine.name}={engine.url}"]
+            args += ["--engine-events", f"{engine.name}={engine.events}"]
+            args += ["--engine-replay", f"{engine.name}={engine.replay}"]
+        router, address = start_server_process(args)
+        fleet = Fleet(engines, router, address, http_port, metrics_port, index_url)
         names = {engine.name for engine in engines}
         wait_until(lambda: asyncio.run(fleet.live()) == names, "the engines registered")
         yield fleet
     finally:
-        stop(router)
+        if router is not None:
+            stop(router)
         for engine in engines:
             if engine.process is not None:
                 stop(engine.process)
