@@ -1,7 +1,9 @@
 """``kvswitch bench ttft`` and ``kvswitch bench decode``: the worker engine on its default model.
 
 ttft: time to first token of a prompt whose leading blocks are already cached, against the same
-length cold. Each trial uses fresh random tokens, so a cold prompt never hits.
+length cold. Each trial uses fresh random tokens, so a cold prompt never hits. Prompts reach the
+engine as int arrays, as the worker's gRPC service hands them over (a Python list of 4,096 ids
+would cost the conversion about 0.3 ms more).
 
 decode: output tokens per second of batches of requests that all decode at once (prefill time
 excluded).
@@ -81,7 +83,7 @@ def _engine(
     )
 
 
-def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
+def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: np.ndarray) -> float:
     from kvswitch.worker.request import SamplingParams
 
     start = time.perf_counter()
@@ -106,8 +108,9 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(config.seed)
 
-    def tokens(n: int) -> list[int]:
-        return rng.integers(0, vocab, n).tolist()
+    def tokens(n: int, prefix: np.ndarray | None = None) -> np.ndarray:
+        new = rng.integers(0, vocab, n, dtype=np.int64)
+        return new if prefix is None else np.concatenate([prefix, new])
 
     _time_to_first_token(engine, "warmup", tokens(config.num_prompt_tokens))
     cold, warm = [], []
@@ -115,16 +118,16 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
     for trial in range(config.num_trials):
         cold.append(_time_to_first_token(engine, f"cold-{trial}", tokens(config.num_prompt_tokens)))
         prefix = tokens(config.num_cached_tokens)
-        _time_to_first_token(engine, f"prime-{trial}", prefix + tokens(num_new))
-        warm.append(_time_to_first_token(engine, f"warm-{trial}", prefix + tokens(num_new)))
+        _time_to_first_token(engine, f"prime-{trial}", tokens(num_new, prefix))
+        warm.append(_time_to_first_token(engine, f"warm-{trial}", tokens(num_new, prefix)))
         print(f"  trial {trial + 1}: cold {cold[-1]:.3f}s  warm {warm[-1]:.3f}s", file=sys.stderr)
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
     profiles = {}
     if config.profile:
         prefix = tokens(config.num_cached_tokens)
-        _time_to_first_token(engine, "prime-profile", prefix + tokens(num_new))
+        _time_to_first_token(engine, "prime-profile", tokens(num_new, prefix))
         for name, prompt in (
-            ("warm", prefix + tokens(num_new)),
+            ("warm", tokens(num_new, prefix)),
             ("cold", tokens(len(prefix) + num_new)),
         ):
             profiles[name] = _profile(engine, f"profile-{name}", prompt)
@@ -155,7 +158,7 @@ def graph_memory(engine: LLMEngine) -> dict[str, float]:
     }
 
 
-def _profile(engine: LLMEngine, request_id: str, prompt: list[int]) -> dict:
+def _profile(engine: LLMEngine, request_id: str, prompt: np.ndarray) -> dict:
     """One time-to-first-token under torch's profiler: how much of it the host spends issuing
     work and how much the device spends running it."""
     from torch.autograd import DeviceType

@@ -8,13 +8,15 @@
 
 Every kernel's output is checked against its torch reference before it is timed. With
 ``--sweep`` the attention kernels are also timed under each tile choice of ``DECODE_SWEEP`` and
-``PREFILL_SWEEP`` (and decode under several split counts), to show which defaults to keep.
+``PREFILL_SWEEP`` (and decode under several split counts, and the prefix hit under each of
+``PREFIX_HIT_SWEEP``'s tiles and split counts), to show which defaults to keep.
 ``--device cpu`` runs every step through Triton's interpreter (``TRITON_INTERPRET=1``, tiny
 shapes): it checks the benchmark itself; its timings mean nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -40,6 +42,11 @@ PREFILL_SWEEP = [
     for s in (2, 3)
 ]
 DECODE_SPLITS = (1, 2, 4, 8)
+# (block_m, block_n, num_warps) for the prefix hit's one query tile per head, each under every
+# split count of PREFIX_HIT_SPLITS (two stages); the interpreter times one row, its own tiles in
+# two splits (each interpreted launch takes it seconds).
+PREFIX_HIT_SWEEP = [(64, 64, 4), (128, 64, 8), (128, 128, 8)]
+PREFIX_HIT_SPLITS = (1, 2, 4, 8, 16)
 DTYPES = ("bfloat16", "float16", "float32")
 TOLERANCES = {
     "bfloat16": {"atol": 1.5e-2, "rtol": 1e-2},
@@ -294,9 +301,10 @@ def _prefix_hit(
     import torch
 
     from kvswitch.kernels import paged_prefill
+    from kvswitch.kernels.layout import interpreting
     from kvswitch.kernels.paged_decode import num_sms
     from kvswitch.kernels.paged_prefill import choose_prefill_splits
-    from kvswitch.kernels.tiles import prefill_tiles
+    from kvswitch.kernels.tiles import Tiles, prefill_tiles
 
     new = min(128, tokens)
     device = bench.device
@@ -318,12 +326,32 @@ def _prefix_hit(
         lambda: paged_prefill(*args, max_q_len=new, max_seq_len=tokens, num_splits=1, out=out)
     )
     _progress(f"paged_prefill prefix hit: {splits} splits {split_ms:.3f} ms, one {whole_ms:.3f} ms")
-    return {
+    results: dict[str, Any] = {
         "prefix_hit_new_tokens": new,
         "prefix_hit_splits": splits,
         "prefix_hit_ms": split_ms,
         "prefix_hit_unsplit_ms": whole_ms,
     }
+    if bench.config.sweep:
+        rows = []
+        sweep, split_counts = PREFIX_HIT_SWEEP, PREFIX_HIT_SPLITS
+        if interpreting():
+            sweep, split_counts = [(tiles.block_m, tiles.block_n, tiles.num_warps)], (2,)
+        for (m, n, w), num_splits in itertools.product(sweep, split_counts):
+            options = {
+                "max_q_len": new,
+                "max_seq_len": tokens,
+                "num_splits": num_splits,
+                "tiles": Tiles(block_m=m, block_n=n, num_warps=w, num_stages=2),
+            }
+            got = paged_prefill(*args, **options)
+            torch.testing.assert_close(got, whole_out, **bench.tolerance)
+            ms = bench.time_ms(lambda options=options: paged_prefill(*args, **options, out=out))
+            row = {"block_m": m, "block_n": n, "num_warps": w, "num_splits": num_splits, "ms": ms}
+            _progress(f"paged_prefill prefix hit {row}")
+            rows.append(row)
+        results["prefix_hit_sweep"] = rows
+    return results
 
 
 def _store(bench: _Bench) -> dict[str, Any]:

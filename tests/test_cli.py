@@ -261,7 +261,13 @@ def test_bench_kernels_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -
 
 def test_bench_kernels_runs_every_step_through_the_interpreter(tmp_path: Path) -> None:
     """The GPU benchmark's own steps, sweep included, on tiny shapes on CPU."""
-    from kvswitch.benchmarks.kernels import DECODE_SPLITS, DECODE_SWEEP, PREFILL_SWEEP
+    from kvswitch.benchmarks.kernels import (
+        DECODE_SPLITS,
+        DECODE_SWEEP,
+        PREFILL_SWEEP,
+        PREFIX_HIT_SPLITS,
+        PREFIX_HIT_SWEEP,
+    )
 
     out = tmp_path / "kernels.json"
     tiny = "--decode-batch 2 --decode-context 40 --prefill-batch 2 --prefill-tokens 24 "
@@ -280,7 +286,11 @@ def test_bench_kernels_runs_every_step_through_the_interpreter(tmp_path: Path) -
         n for n, _, _ in DECODE_SWEEP
     ]
     assert len(figures["prefill_sweep"]) == len(PREFILL_SWEEP)
-    assert all(r["ms"] > 0 for r in decode_rows + figures["prefill_sweep"])
+    hit_rows = figures["prefix_hit_sweep"]
+    # (The interpreter times one row: every tile and split count would take it minutes.)
+    assert len(hit_rows) == 1 and hit_rows[0]["num_splits"] == 2
+    assert len(PREFIX_HIT_SWEEP) * len(PREFIX_HIT_SPLITS) == 15
+    assert all(r["ms"] > 0 for r in decode_rows + figures["prefill_sweep"] + hit_rows)
 
 
 def test_bench_ttft_and_decode_write_json(tmp_path: Path) -> None:

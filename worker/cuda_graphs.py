@@ -82,7 +82,8 @@ def graph_memory_bytes(
     max_model_len: int,
     block_size: int,
 ) -> int:
-    """The device memory the graphs of ``DecodeGraphs`` and ``PrefillGraphs`` will hold,
+    """The device memory the graphs of ``DecodeGraphs``, ``PrefillGraphs`` and
+    ``SequenceGraphs`` will hold,
     estimated before the KV cache is sized (they are captured after it): the static inputs and
     outputs each keeps, and one forward's temporaries at the largest size in their shared
     pools, plus a tenth for the allocator's rounding (random:llama-1b on an H200 took 292 MiB
@@ -108,10 +109,14 @@ def graph_memory_bytes(
     # Attention's context splits (fp32), as many as one sequence's query heads need to fill the
     # multiprocessors.
     splits = max(1, _NUM_SMS // config.num_q_heads)
-    held_per_row += config.num_q_heads * splits * (config.head_dim + 1) * 4
+    split_bytes_per_row = config.num_q_heads * splits * (config.head_dim + 1) * 4
+    held_per_row += split_bytes_per_row
     # (The head runs outside the stretches, on the step's logit rows only.)
     prefill = sum(sizes) * held_per_row + sizes[-1] * per_row
-    return (decode + prefill) * 11 // 10
+    # One sequence's whole forward: its inputs and block table, one forward's temporaries and
+    # splits at the largest size (in a pool of their own), the head on one row.
+    sequence = sizes[-1] * (20 + per_row + split_bytes_per_row) + 4 * max_blocks + vocab_row
+    return (decode + prefill + sequence) * 11 // 10
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -275,7 +280,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self._graphs[size] = capture(functools.partial(self._forward, size), pool)
+            self._graphs[size] = capture_graph(functools.partial(self._forward, size), pool)
         torch.cuda.synchronize()
 
 
@@ -286,7 +291,7 @@ def _graph_device(model: CausalLM, capture: bool) -> torch.device:
     return device
 
 
-def capture(run: Callable[[], object], pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
+def capture_graph(run: Callable[[], object], pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
     """``run``'s launches as a graph in ``pool``, after one run outside any capture: Triton
     compiles a kernel on its first launch, and cuBLAS sets up its workspace, neither of which a
     capture may do."""
@@ -368,7 +373,7 @@ class _Stretches:
         # NOTE: each stretch's first run reads the outputs of the one captured before it,
         # which hold nothing yet: it writes only its own outputs, which its capture replaces.
         self.graphs = [
-            capture(functools.partial(self.run, index), pool)
+            capture_graph(functools.partial(self.run, index), pool)
             for index in range(len(self.model.model.layers) + 1)
         ]
 
@@ -479,3 +484,144 @@ class PrefillGraphs:
             layer.self_attn.attn.attend(query, k_cache, v_cache, meta, attended, splits)
         stretches.run(len(layers))
         return self.model.logits(stretches.hidden, logit_rows)
+
+
+class SequenceGraphs:
+    """Runs steps of one sequence's new tokens (a prompt, a prompt's uncached tail, a chunk of
+    one) whole from graphs, attention included, per token count in ``prefill_capture_sizes``.
+
+    With one sequence the attention launch no longer depends on how the tokens fall into
+    sequences: its grid is fixed by the token count (query tiles of ``size`` rows, one
+    sequence) and by ``max_model_len`` (the context splits), and the kernel reads where the
+    sequence's rows end and how long its context is from the static inputs. So the whole
+    forward, the LM head on the sequence's last row included, is one replay::
+
+        row        | 0 .. n-1: the step's tokens     | n .. size-1: padding                  |
+        slot       | where each one's K/V goes       | -1: nothing written                   |
+        query      | attends its context causally    | in no sequence: attends nothing, and  |
+                   |                                 | its row is thrown away                |
+
+    Each step's inputs reach the device in one upload (the block table with them). Off CUDA
+    (``capture=False``) the same buffers and padding run the model eagerly.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_tokens: int,
+        capture: bool = True,
+    ) -> None:
+        device = _graph_device(model, capture)
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.sizes = prefill_capture_sizes(max_num_tokens)
+        rows, self.max_blocks = self.sizes[-1], -(-max_model_len // block_size)
+        # (name, dtype, entries, padding): the per-row inputs, then the sequence's, then its
+        # block table, which is uploaded only as far as the step's is wide.
+        layout = [
+            ("input_ids", np.int64, rows, 0),
+            ("positions", np.int64, rows, 0),
+            ("slot_mapping", np.int32, rows, -1),
+            ("cu_q_lens", np.int32, 2, 0),
+            ("seq_lens", np.int32, 1, 1),
+            ("logit_rows", np.int64, 1, 0),
+            ("block_tables", np.int32, self.max_blocks, 0),
+        ]
+        offset = 0
+        self._upload = UploadBuffer(
+            device, sum(aligned(n * np.dtype(t).itemsize) for _, t, n, _ in layout)
+        )
+        host, static = {}, {}
+        for name, dtype, entries, pad in layout:
+            host[name] = self._upload.host_view(offset, dtype, (entries,))
+            host[name][...] = pad
+            static[name] = self._upload.device_view(offset, dtype, (entries,))
+            offset += aligned(entries * np.dtype(dtype).itemsize)
+        self._tables_offset = offset - aligned(self.max_blocks * 4)
+        self._upload.upload(offset)
+        self._host = host
+        self.static = static
+        self.logits = torch.zeros((1, model.config.vocab_size), dtype=torch.float32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if capture:
+            start = time.perf_counter()
+            with torch.cuda.device(device):
+                pool = torch.cuda.graph_pool_handle()
+                for size in reversed(self.sizes):
+                    self._graphs[size] = capture_graph(functools.partial(self._forward, size), pool)
+                torch.cuda.synchronize()
+            logger.info(
+                "captured one-sequence graphs for %d to %d tokens in %.1f s",
+                self.sizes[0],
+                self.sizes[-1],
+                time.perf_counter() - start,
+            )
+
+    def can_run(self, num_tokens: int, num_blocks: int) -> bool:
+        """Whether one sequence's step of ``num_tokens`` over ``num_blocks`` pages fits."""
+        return 0 < num_tokens <= self.sizes[-1] and num_blocks <= self.max_blocks
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_len: int,
+        block_table: np.ndarray,
+    ) -> torch.Tensor:
+        """Logits [1, vocab] (fp32) after the last of ``input_ids``, the tokens at
+        ``positions`` of a ``seq_len``-token context in the pages ``block_table``, their K/V
+        going to ``slot_mapping``. The tensor is the graphs' own output: valid until the next
+        ``run``."""
+        num_tokens, width = len(input_ids), len(block_table)
+        if not self.can_run(num_tokens, width):
+            raise ValueError(
+                f"{num_tokens} tokens over {width} blocks: the graphs take 1 to "
+                f"{self.sizes[-1]} tokens over at most {self.max_blocks} blocks"
+            )
+        size = next(s for s in self.sizes if s >= num_tokens)
+        host = self._host
+        self._upload.wait_writable()
+        # NOTE: padding rows keep the ids and positions of an earlier step (valid ones); their
+        # slot alone must be reset, so that they write nothing.
+        host["input_ids"][:num_tokens] = input_ids
+        host["positions"][:num_tokens] = positions
+        host["slot_mapping"][:num_tokens] = slot_mapping
+        host["slot_mapping"][num_tokens:size] = -1
+        host["cu_q_lens"][1] = num_tokens
+        host["seq_lens"][0] = seq_len
+        host["logit_rows"][0] = num_tokens - 1
+        host["block_tables"][:width] = block_table
+        self._upload.upload(self._tables_offset + 4 * width)
+        graph = self._graphs.get(size)
+        if graph is None:
+            self._forward(size)
+        else:
+            graph.replay()
+        return self.logits
+
+    @torch.inference_mode()
+    def _forward(self, size: int) -> None:
+        static = self.static
+        meta = AttentionMetadata(
+            slot_mapping=static["slot_mapping"][:size],
+            block_tables=static["block_tables"].view(1, self.max_blocks),
+            cu_q_lens=static["cu_q_lens"],
+            seq_lens=static["seq_lens"],
+            max_q_len=size,
+            max_seq_len=self.max_model_len,
+        )
+        self.logits.copy_(
+            self.model(
+                static["input_ids"][:size],
+                static["positions"][:size],
+                self.kv_caches,
+                meta,
+                static["logit_rows"],
+            )
+        )

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvswitch.worker.attention import AttentionMetadata
-from kvswitch.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
+from kvswitch.worker.cuda_graphs import DecodeGraphs, PrefillGraphs, SequenceGraphs
 from kvswitch.worker.kv_transfer import allocate_shared_caches
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.step_inputs import InputStager
@@ -69,9 +69,10 @@ class ModelRunner:
     ) -> None:
         """``kv_cache_file``: put the KV cache in this new file of the host's shared memory
         (CPU only), where same-host peers copy blocks straight out of it. ``cuda_graphs``: run
-        decode steps of up to ``max_num_seqs`` sequences from captured CUDA graphs, and steps
-        of up to ``max_num_batched_tokens`` tokens (at most 512) with all but attention
-        replayed from graphs (worker/cuda_graphs.py)."""
+        decode steps of up to ``max_num_seqs`` sequences from captured CUDA graphs; steps
+        of up to ``max_num_batched_tokens`` tokens (at most 512) whole from graphs if they are
+        one sequence's, else with all but attention replayed from graphs
+        (worker/cuda_graphs.py)."""
         config = model.config
         param = next(model.parameters())
         self.model = model
@@ -94,13 +95,22 @@ class ModelRunner:
             ]
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.sequence_graphs: SequenceGraphs | None = None
         if cuda_graphs:
+            max_model_len = min(config.max_position_embeddings, num_blocks * block_size)
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
                 block_size=block_size,
-                max_model_len=min(config.max_position_embeddings, num_blocks * block_size),
+                max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
+            )
+            self.sequence_graphs = SequenceGraphs(
+                model,
+                self.kv_caches,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_tokens=max_num_batched_tokens,
             )
             self.prefill_graphs = PrefillGraphs(
                 model, self.kv_caches, max_num_tokens=max_num_batched_tokens
@@ -134,8 +144,9 @@ class ModelRunner:
     def execute_batch(self, batch: StepBatch, *, every_token: bool = False) -> torch.Tensor:
         """``execute`` for a batch already in arrays (the engine's path): positions and slots
         are computed with numpy, and all inputs reach the device in one copy (``InputStager``).
-        With ``cuda_graphs`` a decode step replays a graph instead (``DecodeGraphs``), and
-        another step of few enough tokens replays all but attention (``PrefillGraphs``)."""
+        With ``cuda_graphs`` a decode step replays a graph instead (``DecodeGraphs``), one
+        sequence's step of few enough tokens too (``SequenceGraphs``), and another such step
+        replays all but attention (``PrefillGraphs``)."""
         num_new, start_pos = batch.num_new, batch.start_pos
         num_seqs = len(num_new)
         if num_seqs == 0:
@@ -167,6 +178,16 @@ class ModelRunner:
             and graphs.can_run(num_seqs, batch.block_tables.shape[1])
         ):
             return graphs.run(batch.input_ids, positions, slots, seq_lens, batch.block_tables)
+        sequence_graphs = self.sequence_graphs
+        if (
+            num_seqs == 1
+            and not every_token
+            and sequence_graphs is not None
+            and sequence_graphs.can_run(num_tokens, batch.block_tables.shape[1])
+        ):
+            return sequence_graphs.run(
+                batch.input_ids, positions, slots, int(seq_lens[0]), batch.block_tables[0]
+            )
 
         arrays = (
             batch.input_ids,

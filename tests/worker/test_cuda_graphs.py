@@ -14,6 +14,7 @@ import torch
 from kvswitch.worker.cuda_graphs import (
     DecodeGraphs,
     PrefillGraphs,
+    SequenceGraphs,
     capture_sizes,
     graph_memory_bytes,
     prefill_capture_sizes,
@@ -185,7 +186,13 @@ def check_padded_steps(device: str, dtype: torch.dtype, *, capture: bool, **tole
 
 
 def check_piecewise_steps(
-    device: str, dtype: torch.dtype, *, capture: bool, num_splits: int | None = None, **tolerance
+    device: str,
+    dtype: torch.dtype,
+    *,
+    capture: bool,
+    num_splits: int | None = None,
+    step_sizes: tuple[int, ...] = (8, 2, 5, 1, 8, 3, 6, 4, 7),
+    **tolerance,
 ) -> None:
     """Steps of prompt chunks and decodes side by side, of every padding amount and shrinking
     after larger ones (stale rows behind them), run with all but attention from the stretches
@@ -203,7 +210,7 @@ def check_piecewise_steps(
     # Eight sequences of 16 blocks each (block 0 unused), filled a few tokens at a time.
     tables = [list(range(1 + 16 * s, 17 + 16 * s)) for s in range(8)]
     lengths = [0] * 8
-    for num_seqs in [8, 2, 5, 1, 8, 3, 6, 4, 7]:
+    for num_seqs in step_sizes:
         rows = sorted(rng.choice(8, num_seqs, replace=False).tolist())
         num_new = rng.integers(1, 6, num_seqs)
         num_new[0] = max(num_new[0], 2)  # never all decodes: those are DecodeGraphs' steps
@@ -235,6 +242,121 @@ def check_piecewise_steps(
     torch.testing.assert_close(piecewise.execute_batch(big), plain.execute_batch(big), **tolerance)
 
 
+SEQUENCE_STEPS = [(0, 37), (0, 5), (1, 16), (0, 2), (1, 40), (2, 17), (0, 33), (1, 1)]
+
+
+def check_sequence_steps(
+    device: str,
+    dtype: torch.dtype,
+    *,
+    capture: bool,
+    steps: list[tuple[int, int]] = SEQUENCE_STEPS,
+    **tolerance,
+) -> None:
+    """One sequence's steps of every padding amount, a long one after short ones and short ones
+    after it (stale rows behind them), over growing cached contexts, run whole by
+    ``SequenceGraphs``: each step's logits are the plain path's, and the KV cache changes
+    exactly at the step's slots, to the plain path's values."""
+    rng = np.random.default_rng(5)
+    plain, whole = _runner(device, dtype), _runner(device, dtype)
+    whole.sequence_graphs = SequenceGraphs(
+        whole.model,
+        whole.kv_caches,
+        block_size=BLOCK_SIZE,
+        max_model_len=NUM_BLOCKS * BLOCK_SIZE,
+        max_num_tokens=40,
+        capture=capture,
+    )
+    assert whole.sequence_graphs.sizes == [16, 32, 40]
+    # Three sequences of 40 blocks each (block 0 unused); the first two grow step by step.
+    tables = [list(range(1 + 40 * s, 41 + 40 * s)) for s in range(3)]
+    lengths = [0, 0, 0]
+    for seq, num_new in steps:  # (sequence, new tokens)
+        start = lengths[seq]
+        table = tables[seq][: -(-(start + num_new) // BLOCK_SIZE) + int(rng.integers(0, 3))]
+        batch = StepBatch(
+            input_ids=rng.integers(0, 257, num_new),
+            start_pos=np.array([start]),
+            num_new=np.array([num_new]),
+            block_tables=np.array([table], np.int32),
+        )
+        before = [k.clone() for k, _ in whole.kv_caches]
+        want = plain.execute_batch(batch)
+        got = whole.execute_batch(batch)
+        assert got.shape == want.shape == (1, 257)
+        torch.testing.assert_close(got, want, **tolerance)
+        slots = {
+            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            for p in range(start, start + num_new)
+        }
+        for k_before, (k_after, _) in zip(before, whole.kv_caches, strict=True):
+            changed = (k_before != k_after).flatten(2).any(-1).flatten().nonzero().flatten()
+            assert set(changed.tolist()) == slots
+        for (k_plain, v_plain), (k_got, v_got) in zip(
+            plain.kv_caches, whole.kv_caches, strict=True
+        ):
+            torch.testing.assert_close(k_got, k_plain, **tolerance)
+            torch.testing.assert_close(v_got, v_plain, **tolerance)
+        lengths[seq] += num_new
+
+
+def test_one_sequence_steps_match_the_plain_path() -> None:
+    check_sequence_steps("cpu", torch.float32, capture=False)
+
+
+def test_one_sequence_kernel_path_through_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA branch of the whole forward on CPU tensors, through Triton's interpreter:
+    attention launched for the padded token count and the longest context (its splits), the
+    sequence's rows and context read from the static inputs."""
+    monkeypatch.setattr("kvswitch.worker.attention.use_triton", lambda device: True)
+    # (Four steps: padded up, down to the smallest size, exact, over a cached context.)
+    steps = SEQUENCE_STEPS[:4]
+    check_sequence_steps("cpu", torch.float32, capture=False, steps=steps, atol=1e-5, rtol=1e-5)
+
+
+def test_steps_of_several_sequences_or_every_token_leave_the_sequence_graphs() -> None:
+    """Two sequences, teacher forcing, a step past the largest size or a table past the
+    longest context take the other paths; run refuses what it cannot take."""
+    runner = _runner()
+    graphs = runner.sequence_graphs = SequenceGraphs(
+        runner.model,
+        runner.kv_caches,
+        block_size=BLOCK_SIZE,
+        max_model_len=8 * BLOCK_SIZE,
+        max_num_tokens=20,
+        capture=False,
+    )
+    calls = []
+    original = graphs.run
+    graphs.run = lambda *args: calls.append(len(args[0])) or original(*args)
+    assert graphs.can_run(20, 8)
+    assert not graphs.can_run(21, 8)
+    assert not graphs.can_run(20, 9)
+    assert not graphs.can_run(0, 1)
+
+    def batch(num_new: list[int], width: int) -> StepBatch:
+        return StepBatch(
+            input_ids=np.arange(sum(num_new)) % 257,
+            start_pos=np.zeros(len(num_new), np.int64),
+            num_new=np.array(num_new),
+            block_tables=np.arange(1, 1 + width * len(num_new), dtype=np.int32).reshape(
+                len(num_new), width
+            ),
+        )
+
+    assert runner.execute_batch(batch([3, 4], 2)).shape == (2, 257)
+    assert runner.execute_batch(batch([7], 2), every_token=True).shape == (7, 257)
+    assert runner.execute_batch(batch([21], 9)).shape == (1, 257)
+    assert runner.execute_batch(batch([5], 9)).shape == (1, 257)
+    assert calls == []
+    assert runner.execute_batch(batch([5], 8)).shape == (1, 257)
+    assert calls == [5]
+    with pytest.raises(ValueError, match="the graphs take 1 to 20 tokens over at most 8 blocks"):
+        original(np.zeros(21, np.int64), np.arange(21), np.zeros(21, np.int32), 21, np.ones(8))
+
+
 def test_piecewise_steps_match_the_plain_path() -> None:
     check_piecewise_steps("cpu", torch.float32, capture=False)
 
@@ -244,7 +366,16 @@ def test_piecewise_kernel_path_through_the_interpreter(monkeypatch: pytest.Monke
     by store_kv inside them, attention's context splits left in their buffers and merged at the
     start of the next stretch; against the plain path, whose kernels merge at once."""
     monkeypatch.setattr("kvswitch.worker.attention.use_triton", lambda device: True)
-    check_piecewise_steps("cpu", torch.float32, capture=False, num_splits=3, atol=1e-5, rtol=1e-5)
+    # (Five steps, growing and shrinking: each costs the interpreter seconds.)
+    check_piecewise_steps(
+        "cpu",
+        torch.float32,
+        capture=False,
+        num_splits=3,
+        step_sizes=(8, 2, 5, 1, 3),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_padded_decode_steps_match_the_plain_path_and_write_only_their_slots() -> None:
@@ -311,6 +442,15 @@ def test_captured_graphs_match_the_plain_path(dtype: torch.dtype, tolerance: dic
 )
 def test_captured_stretches_match_the_plain_path(dtype: torch.dtype, tolerance: dict) -> None:
     check_piecewise_steps("cuda", dtype, capture=True, **tolerance)
+
+
+@gpu_test
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [(torch.float32, {"atol": 1e-4, "rtol": 1e-4}), (torch.bfloat16, {"atol": 0.1, "rtol": 0.05})],
+)
+def test_captured_sequence_graphs_match_the_plain_path(dtype: torch.dtype, tolerance: dict) -> None:
+    check_sequence_steps("cuda", dtype, capture=True, **tolerance)
 
 
 @gpu_test
