@@ -125,13 +125,7 @@ class KVCacheManager:
             return [], 0
         # NOTE: (n - 1) // B keeps at least one token to compute even when n is a multiple of B.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVBlock] = []
-        get_cached_block = self.pool.get_cached_block
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self.pool.cached_prefix(request.block_hashes[:max_hit_blocks])
         return blocks, len(blocks) * self.block_size
 
     def can_allocate(
@@ -507,7 +501,7 @@ class KVCacheManager:
         num_held = len(self._req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
         num_to_take = max(num_required - num_held, 0)
         # Touching a free prefix-hit block takes it out of the free queue too.
-        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        num_revived = [block.ref_cnt for block in computed_blocks].count(0)
         if num_to_take + num_revived > self.pool.num_free_blocks:
             return None
         return num_to_take

@@ -44,13 +44,15 @@ class UploadBuffer:
         self.host = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         self.host_array = self.host.numpy()
         self.device_bytes = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)
-        self._copied: torch.cuda.Event | None = None
+        # Recorded after each upload; one event for the buffer's life, not one per upload.
+        self._copied = torch.cuda.Event() if self.pinned else None
+        self._in_flight = False
 
     def wait_writable(self) -> None:
         """Block until the last upload has left the host buffer (at once if it has)."""
-        if self._copied is not None:
+        if self._in_flight:
             self._copied.synchronize()
-            self._copied = None
+            self._in_flight = False
 
     def host_view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """The host bytes at ``offset`` as an array; call ``wait_writable`` before writing."""
@@ -69,8 +71,8 @@ class UploadBuffer:
         """Copy the first ``num_bytes`` of the host buffer to the device, without waiting."""
         self.device_bytes[:num_bytes].copy_(self.host[:num_bytes], non_blocking=self.pinned)
         if self.pinned:
-            self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.device))
+            self._in_flight = True
 
 
 class InputStager:
