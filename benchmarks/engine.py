@@ -222,4 +222,20 @@ def run_decode(config: DecodeBenchConfig) -> dict:
         for key, mib in graph_memory(engine).items():
             results[f"{key}_batch_{batch}"] = mib
         print(f"  batch {batch}: {num_tokens / elapsed:,.0f} tokens/s", file=sys.stderr)
+        # NOTE: the next engine measures what capturing its graphs takes from the memory the
+        # allocator holds: this one's must be handed back first (a later batch size's figure
+        # came out negative while it was kept).
+        engine.close()
+        del engine
+        _release_device_memory(config.device)
     return results
+
+
+def _release_device_memory(device: str) -> None:
+    if device.startswith("cuda"):
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -1,4 +1,5 @@
-"""Steps replayed from CUDA graphs: decode steps whole, other steps piecewise around attention.
+"""Steps replayed from CUDA graphs: decode steps and one sequence's steps whole, other steps
+piecewise around attention.
 
 A decode step launches the same few hundred kernels every time, each costing the host several
 microseconds to issue; for a small model the host, not the GPU, sets how long the step takes. A
@@ -24,9 +25,11 @@ kernels read and write fixed addresses and fixed shapes, so:
 All graphs share one memory pool and write their logits into one buffer, so a replay's logits
 stay valid until the next replay: the engine samples them before its next step.
 
-A step with several new tokens for some sequence (a prefill chunk, a prompt's uncached tail,
-perhaps beside decodes) has a shape graphs cannot fix: its attention launch depends on how the
-tokens fall into sequences. ``PrefillGraphs`` captures everything else, per token count in
+A step of one sequence's new tokens (a prompt's uncached tail, a chunk) is whole too
+(``SequenceGraphs``): with one sequence, attention's launch depends on the token count alone.
+A step with several new tokens for some sequence among others (chunks side by side, decodes
+beside a chunk) has a shape graphs cannot fix: its attention launch depends on how the tokens
+fall into sequences. ``PrefillGraphs`` captures everything else, per token count in
 ``prefill_capture_sizes``: one graph for each stretch of the forward between two attentions
 (the embedding and layer 0 up to attention; a layer's output projection, MLP and the next
 layer's input up to attention; the last layer's rest and the final norm), the way vLLM's
