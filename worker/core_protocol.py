@@ -7,7 +7,7 @@ sent, which the cache-event numbering relies on.
 Serving process to core::
 
     [ADD, request_id, prompt (little-endian uint32 bytes), block_hashes, params, cache_salt,
-     num_resumed_tokens, hold_s]
+     num_resumed_tokens, hold_s, lora]
     [ABORT, request_id]
     [RELEASE, lease_id]                a finished request's blocks, held for a peer, can go
     [SNAPSHOT, call_id]
@@ -21,7 +21,7 @@ Serving process to core::
     [NIXL_INFO, call_id]               this engine's NIXL peer info (its agent made on first use)
     [WRITE_BLOCKS_NIXL, call_id, block_hashes, peer's NIXL peer info, peer block ids, timeout_s]
     [ADD_AWAITING_KV, call_id, request_id, prompt, block_hashes, params, cache_salt,
-     num_resumed_tokens, hold_s]       ADD for a request whose prompt's KV a transfer brings:
+     num_resumed_tokens, hold_s, lora] ADD for a request whose prompt's KV a transfer brings:
                                        its blocks are held, it waits for KV_LANDED
     [KV_LANDED, call_id, request_id, num_written_blocks]
                                        its transfer is over; num_written_blocks: leading awaited
@@ -104,6 +104,7 @@ class CoreFacts:
     kv_layout: KVLayout  # how its blocks travel as bytes
     kv_cache_file: str = ""  # its KV cache in this host's shared memory; empty: not there
     device: str = "cpu"  # where the model runs: "cpu", "cuda", "cuda:1", ...
+    loras: tuple[str, ...] = ()  # the LoRA adapters it serves, by name
 
 
 @dataclass(frozen=True, slots=True)

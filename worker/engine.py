@@ -29,7 +29,7 @@ import torch
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.cuda_graphs import graph_memory_bytes
-from kvswitch.worker.engine_config import EngineConfig
+from kvswitch.worker.engine_config import EngineConfig, check_lora_name, lora_paths
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.kv_transfer import (
@@ -42,6 +42,7 @@ from kvswitch.worker.kv_transfer import (
     shared_file,
     write_blocks,
 )
+from kvswitch.worker.lora import LoraManager, LoraSlots
 from kvswitch.worker.model_runner import (
     ModelRunner,
     StepBatch,
@@ -115,6 +116,19 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype)
         self.model = load_model(config.model, device=config.device, dtype=dtype)
         self.model_config = self.model.config
+        # The adapters' device slots come before the KV cache, which takes what memory is left.
+        self.loras: LoraManager | None = None
+        if config.lora:
+            slots = LoraSlots(
+                self.model_config,
+                max_loras=config.max_loras,
+                max_rank=config.max_lora_rank,
+                device=config.device,
+                dtype=dtype,
+            )
+            self.loras = LoraManager(
+                slots, lora_paths(config.lora), max_cpu_loras=config.max_cpu_loras
+            )
         self._eos_token_ids = frozenset(self.model_config.eos_token_ids)
         graph_bytes = 0
         if config.cuda_graphs:
@@ -145,6 +159,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        if self.loras is not None:
+            self.runner.attach_loras(self.loras.slots)
         # The CUDA graphs' memory: (set aside for them, what capturing them took).
         self.graph_memory_bytes: tuple[int, int] | None = None
         if config.cuda_graphs:
@@ -163,7 +179,12 @@ class LLMEngine:
         self._nixl_agent: NixlKVAgent | None = None  # registered on first use
         self._nixl_writes: dict[Hashable, PendingRead] = {}  # posted reads, by tag
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                max_loras=config.max_loras if self.loras is not None else 0,
+            ),
+            self.kv_cache,
         )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -216,12 +237,11 @@ class LLMEngine:
         check_hold(hold_s)
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len, num_resumed_tokens)
-        if lora is not None:
-            raise ValueError(f"lora: unknown adapter {lora!r}; this worker serves none")
+        self.check_lora(lora)
         request = Request(
             request_id,
             prompt,
-            self.hasher(cache_salt),
+            self.hasher(cache_salt, lora),
             params,
             make_generator(params, self.runner.device),
             block_hashes=block_hashes,
@@ -260,14 +280,19 @@ class LLMEngine:
         that waits for no KV (finished, aborted or unknown)."""
         return self.scheduler.kv_landed(request_id, num_written_blocks)
 
-    def hasher(self, cache_salt: str | None = None) -> BlockHasher:
-        """What names this engine's blocks for a request with this salt."""
+    def hasher(self, cache_salt: str | None = None, lora: str | None = None) -> BlockHasher:
+        """What names this engine's blocks for a request with this salt and adapter."""
         return BlockHasher(
             self.namespace,
             self.config.block_size,
+            lora=lora,
             cache_salt=cache_salt,
             naming=self.config.block_naming,
         )
+
+    def check_lora(self, lora: str | None) -> None:
+        """ValueError, naming the adapters served, unless ``lora`` is None or one of them."""
+        check_lora_name(lora, self.loras.names if self.loras is not None else ())
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not running."""
@@ -571,7 +596,19 @@ class LLMEngine:
             start_pos=np.array(scheduled.start_pos, np.int64),
             num_new=np.array(scheduled.num_new_tokens, np.int64),
             block_tables=tables.gather(rows),
+            lora_slots=self._lora_slots(scheduled) if self.loras is not None else None,
         )
+
+    def _lora_slots(self, scheduled: SchedulerOutput) -> np.ndarray | None:
+        """Each of the step's tokens' adapter slot (-1: the base model), its adapters put in
+        slots first; None when no request of the step names one."""
+        adapters = [r.hasher.lora for r in scheduled.requests]
+        names = set(adapters) - {None}
+        if not names:
+            return None
+        slot_of = self.loras.slots_for(names)
+        per_request = [-1 if name is None else slot_of[name] for name in adapters]
+        return np.repeat(np.array(per_request, np.int64), scheduled.num_new_tokens)
 
     def _fail_step(self, request_ids: list[str], cause: Exception) -> StepFailed:
         """Abort the step's requests, and any other that shares a block whose KV the step did

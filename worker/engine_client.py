@@ -47,6 +47,7 @@ from kvswitch.cache_index.hashing import XXH3_NAMING, BlockHasher, BlockNaming
 from kvswitch.logs import Throttled, log_settings
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.core_protocol import CoreCounters, CoreFacts, LoadReport, StepGap
+from kvswitch.worker.engine_config import check_lora_name
 from kvswitch.worker.engine_core import build_and_run, core_process_main
 from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import (
@@ -347,7 +348,7 @@ class EngineClient:
         """Queue a request in the engine and return the queue its outputs will arrive on.
         ``hold_s``: once it finished, hold its cached blocks this long for a peer to fetch, under
         a lease named by ``request_id`` (``release``). ``block_hashes``: the prompt's chain
-        (``self.hasher(cache_salt)``), when the caller hashed it already.
+        (``self.hasher(cache_salt, lora)``), when the caller hashed it already.
 
         Raises ValueError (a message for the user) if the request can never run, and
         ``EngineStopped`` if the engine is stopping or gone; nothing is queued then.
@@ -356,9 +357,9 @@ class EngineClient:
             prompt_token_ids, lora=lora, num_resumed_tokens=num_resumed_tokens, hold_s=hold_s
         )
         if block_hashes is None:
-            block_hashes = self.hasher(cache_salt).hash_blocks(prompt)
+            block_hashes = self.hasher(cache_salt, lora).hash_blocks(prompt)
         fields = [prompt.tobytes(), block_hashes, wire.params_to_wire(params)]
-        fields += [cache_salt, num_resumed_tokens, hold_s]
+        fields += [cache_salt, num_resumed_tokens, hold_s, lora]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_running()
@@ -390,7 +391,7 @@ class EngineClient:
             prompt_token_ids, lora=lora, num_resumed_tokens=num_resumed_tokens, hold_s=hold_s
         )
         fields = [prompt.tobytes(), block_hashes, wire.params_to_wire(params)]
-        fields += [cache_salt, num_resumed_tokens, hold_s]
+        fields += [cache_salt, num_resumed_tokens, hold_s, lora]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         future: Future[list[Any]] = Future()
         with self._lock:
@@ -427,8 +428,7 @@ class EngineClient:
         facts = self.facts
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, facts.vocab_size, facts.max_model_len, num_resumed_tokens)
-        if lora is not None:
-            raise ValueError(f"lora: unknown adapter {lora!r}; this worker serves none")
+        check_lora_name(lora, facts.loras)
         check_hold(hold_s)
         # Checked, so in range: converted once, for the hashes and the wire alike.
         return prompt.astype("<u4", copy=False)
@@ -448,11 +448,12 @@ class EngineClient:
                 with contextlib.suppress(EngineStopped):
                     self._send(wire.pack([wire.RELEASE, lease_id]))
 
-    def hasher(self, cache_salt: str | None = None) -> BlockHasher:
-        """What names this engine's blocks for a request with this salt."""
+    def hasher(self, cache_salt: str | None = None, lora: str | None = None) -> BlockHasher:
+        """What names this engine's blocks for a request with this salt and adapter."""
         return BlockHasher(
             self.facts.namespace,
             self.facts.block_size,
+            lora=lora,
             cache_salt=cache_salt,
             naming=self.block_naming,
         )
@@ -722,7 +723,13 @@ def _wait_until_ready(
     if kind == wire.START_FAILED:
         raise EngineStartError(payload)
     assert kind == wire.READY, kind
-    return CoreFacts(**{**payload, "kv_layout": KVLayout(**payload["kv_layout"])})
+    return CoreFacts(
+        **{
+            **payload,
+            "kv_layout": KVLayout(**payload["kv_layout"]),
+            "loras": tuple(payload.get("loras", ())),
+        }
+    )
 
 
 def _stop_core(

@@ -41,6 +41,14 @@ class EngineConfig:
     block_naming: BlockNaming = XXH3_NAMING
     # Stored cache events carry their blocks' tokens (what vLLM-format events need).
     record_block_tokens: bool = False
+    # LoRA adapters served beside the base model, each "NAME=PATH" (a PEFT adapter's folder); a
+    # request names one by its NAME (worker/lora.py). max_loras: adapters one step may use (the
+    # device slots); max_lora_rank: the largest rank taken; max_cpu_loras: adapters kept read in
+    # host memory (0: max_loras or the number served, whichever is more).
+    lora: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
@@ -65,7 +73,38 @@ class EngineConfig:
             raise ValueError("cuda_graphs captures steps on a GPU: use it with a cuda device")
         if self.cuda_graphs is None:
             object.__setattr__(self, "cuda_graphs", self.device.startswith("cuda"))
+        lora_paths(self.lora)  # refuses a malformed or repeated name
+        if self.max_loras <= 0 or self.max_lora_rank <= 0 or self.max_cpu_loras < 0:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be positive and max_cpu_loras >= 0, got "
+                f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}"
+            )
         if self.gpu_memory_fraction and not self.device.startswith("cuda"):
             raise ValueError(
                 "gpu_memory_fraction sizes a GPU's KV cache: use it with a cuda device"
             )
+
+
+def lora_paths(specs: tuple[str, ...]) -> dict[str, str]:
+    """``NAME=PATH`` specs as a dict; ValueError naming the spec that is not one, or a name
+    given twice."""
+    paths: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"lora {spec!r}: give NAME=PATH (a PEFT adapter's folder)")
+        if name in paths:
+            raise ValueError(f"lora {name!r} is given twice")
+        paths[name] = path
+    return paths
+
+
+def check_lora_name(lora: str | None, served: list[str] | tuple[str, ...]) -> None:
+    """ValueError, naming the adapters served, unless ``lora`` is None or one of ``served``."""
+    if lora is None or lora in served:
+        return
+    raise ValueError(
+        f"lora: unknown adapter {lora!r}; this worker serves "
+        + (f"these: {', '.join(sorted(served))}" if served else "none")
+    )

@@ -95,6 +95,7 @@ class EngineCore:
             kv_layout=engine.kv_layout,
             kv_cache_file=engine.kv_cache_file or "",
             device=engine.config.device,
+            loras=tuple(engine.loras.names) if engine.loras is not None else (),
         )
 
     def run(self, parent_pid: int | None = None) -> None:
@@ -186,6 +187,7 @@ class EngineCore:
         cache_salt: str | None,
         num_resumed_tokens: int,
         hold_s: float,
+        lora: str | None,
     ) -> Request | tuple[str, str]:
         """The request, or ``(request_id, why it cannot run)``."""
         try:
@@ -193,6 +195,7 @@ class EngineCore:
                 request_id,
                 wire.prompt_from_bytes(prompt),
                 wire.params_from_wire(params),
+                lora=lora,
                 cache_salt=cache_salt,
                 num_resumed_tokens=num_resumed_tokens,
                 block_hashes=block_hashes,

@@ -20,12 +20,15 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
+
+from kvswitch.worker.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -183,3 +186,203 @@ def add_lora(
         expanded = (shrunk @ b[slot].T.to(x.dtype)) * scaling[slot].to(x.dtype)
         y.index_add_(0, rows, expanded.to(y.dtype))
     return y
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each module an adapter may target, for ``config``'s layers."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def check_fits(adapter: LoraAdapter, config: ModelConfig) -> None:
+    """``LoraFormatError`` unless every weight of ``adapter`` fits a layer of ``config``'s."""
+    shapes = module_shapes(config)
+    for (layer, module), (a, b) in adapter.weights.items():
+        fan_in, fan_out = shapes[module]
+        if layer >= config.num_layers or a.shape[1] != fan_in or b.shape[0] != fan_out:
+            raise LoraFormatError(
+                f"adapter {adapter.name}: layer {layer} {module} (A {tuple(a.shape)}, B "
+                f"{tuple(b.shape)}) does not fit this model ({config.num_layers} layers, "
+                f"{module} {fan_in} -> {fan_out})"
+            )
+
+
+class LoraSlots:
+    """The adapters on the model's device: ``max_loras`` slots, each holding one adapter's A and
+    B for every layer and module (zero-padded to ``max_rank``; zero where it targets nothing),
+    stacked by slot, and the step's slot of each token, which the model's projections read::
+
+        a[layer, module]   [max_loras, max_rank, in]
+        b[layer, module]   [max_loras, out, max_rank]
+        slot_of_token      [tokens]: a slot, or -1 for the base model; None: no adapter this step
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        if max_loras <= 0 or max_rank <= 0:
+            raise ValueError(
+                f"max_loras and max_rank must be positive, got {max_loras}, {max_rank}"
+            )
+        self.config = config
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in range(config.num_layers):
+            for module, (fan_in, fan_out) in module_shapes(config).items():
+                self.weights[(layer, module)] = (
+                    torch.zeros((max_loras, max_rank, fan_in), dtype=dtype, device=device),
+                    torch.zeros((max_loras, fan_out, max_rank), dtype=dtype, device=device),
+                )
+        self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.names: list[str | None] = [None] * max_loras
+        self.slot_of_token: torch.Tensor | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot``, replacing what it held; ValueError if it does not fit
+        the model."""
+        if adapter.rank > self.max_rank:
+            raise ValueError(
+                f"adapter {adapter.name}: rank {adapter.rank} is above --max-lora-rank "
+                f"{self.max_rank}"
+            )
+        check_fits(adapter, self.config)
+        self.clear(slot)
+        rank = adapter.rank
+        for key, (a, b) in adapter.weights.items():
+            slot_a, slot_b = self.weights[key]
+            slot_a[slot, :rank].copy_(a)
+            slot_b[slot, :, :rank].copy_(b)
+        self.scaling[slot] = adapter.scaling
+        self.names[slot] = adapter.name
+
+    def clear(self, slot: int) -> None:
+        for a, b in self.weights.values():
+            a[slot].zero_()
+            b[slot].zero_()
+        self.scaling[slot] = 0.0
+        self.names[slot] = None
+
+    def apply(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y``, the module's output for the rows ``x``, with each token's adapter added in
+        place (nothing when the step has none)."""
+        if self.slot_of_token is None:
+            return y
+        a, b = self.weights[(layer, module)]
+        return add_lora(y, x, self.slot_of_token, a, b, self.scaling)
+
+
+class LoraManager:
+    """The adapters an engine serves, by name: their folders, the ones read into host memory
+    (at most ``max_cpu_loras``, least recently used dropped first) and the ones in a device slot
+    of ``slots`` (the least recently used slot that the step does not need is reused)."""
+
+    def __init__(self, slots: LoraSlots, paths: dict[str, str], *, max_cpu_loras: int = 0) -> None:
+        self.slots = slots
+        self.max_cpu_loras = max_cpu_loras or max(slots.max_loras, len(paths))
+        if self.max_cpu_loras < slots.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({slots.max_loras}): an adapter in a slot is also kept in host memory"
+            )
+        self.paths: dict[str, str] = {}
+        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self.num_disk_loads = 0
+        self.num_slot_loads = 0
+        for name, path in paths.items():
+            self.register(name, path)
+
+    def register(self, name: str, path: str) -> LoraAdapter:
+        """Serve the adapter in the folder ``path`` as ``name`` (read and checked now);
+        ValueError if the name is taken or the adapter does not fit."""
+        if name in self.paths:
+            raise ValueError(f"adapter {name!r} is already loaded (from {self.paths[name]})")
+        adapter = load_lora_adapter(name, path, max_rank=self.slots.max_rank)
+        check_fits(adapter, self.slots.config)
+        self.paths[name] = str(path)
+        self._keep(adapter)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        """Stop serving ``name``: its slot and host copy are freed. KeyError if unknown."""
+        del self.paths[name]
+        self._host.pop(name, None)
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self.slots.clear(slot)
+
+    def knows(self, name: str) -> bool:
+        return name in self.paths
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.paths)
+
+    @property
+    def in_slots(self) -> list[str]:
+        return sorted(self._slot_of)
+
+    @property
+    def in_host_memory(self) -> list[str]:
+        return sorted(self._host)
+
+    def slots_for(self, names: set[str]) -> dict[str, int]:
+        """A device slot for each adapter a step uses, loading those not in one (from host
+        memory, or from their folder) into free slots or the least recently used ones it does
+        not need."""
+        if len(names) > self.slots.max_loras:
+            raise ValueError(
+                f"a step uses {len(names)} adapters; --max-loras is {self.slots.max_loras}"
+            )
+        for name in names:
+            if name in self._slot_of:
+                self._slot_of.move_to_end(name)
+        for name in names:
+            if name not in self._slot_of:
+                self._slot_of[name] = self._load_into_slot(name, names)
+        return {name: self._slot_of[name] for name in names}
+
+    def _load_into_slot(self, name: str, needed: set[str]) -> int:
+        taken = set(self._slot_of.values())
+        free = [s for s in range(self.slots.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(n for n in self._slot_of if n not in needed)
+            slot = self._slot_of.pop(victim)
+        adapter = self._host.get(name)
+        if adapter is None:
+            adapter = load_lora_adapter(name, self.paths[name], max_rank=self.slots.max_rank)
+            self.num_disk_loads += 1
+        self._keep(adapter)
+        self.slots.load(slot, adapter)
+        self.num_slot_loads += 1
+        return slot
+
+    def _keep(self, adapter: LoraAdapter) -> None:
+        """Keep ``adapter`` in host memory as the most recently used, dropping the least
+        recently used copy beyond ``max_cpu_loras``."""
+        self._host[adapter.name] = adapter
+        self._host.move_to_end(adapter.name)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)

@@ -11,7 +11,7 @@ attention as the paged kernels; elsewhere all of them run as their torch referen
 
 from __future__ import annotations
 
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from kvswitch.kernels.reference import rms_norm_ref, rotary_ref
 from kvswitch.worker.attention import AttentionMetadata, PagedAttention, use_triton
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.rope import RopeConfig
+
+if TYPE_CHECKING:
+    from kvswitch.worker.lora import LoraSlots
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +119,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_q_heads * config.head_dim, hidden, bias=False)
         self.attn = PagedAttention(scale=config.head_dim**-0.5)
         self.qkv_proj: FusedLinears | None = None  # q, k and v in one matmul, once fused
+        # The adapters' slots, once attached (CausalLM.attach_loras), and this layer's index.
+        self.loras: LoraSlots | None = None
+        self.layer_index = 0
 
     def forward(
         self,
@@ -138,6 +144,15 @@ class Attention(nn.Module):
         else:
             # NOTE: column slices of one output: rows keep its stride, which every kernel takes.
             q, k, v = self.qkv_proj(x)
+        loras = self.loras
+        if loras is not None:
+            # NOTE: in place, into the slices: before the rotary, as the adapter was trained.
+            layer = self.layer_index
+            q, k, v = (
+                loras.apply(layer, "q_proj", q, x),
+                loras.apply(layer, "k_proj", k, x),
+                loras.apply(layer, "v_proj", v, x),
+            )
         q = q.view(num_tokens, self.num_q_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -145,7 +160,10 @@ class Attention(nn.Module):
         return q, k, v
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attended.reshape(attended.shape[0], -1))
+        x = attended.reshape(attended.shape[0], -1)
+        if self.loras is None:
+            return self.o_proj(x)
+        return self.loras.apply(self.layer_index, "o_proj", self.o_proj(x), x)
 
 
 class MLP(nn.Module):
@@ -155,13 +173,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: FusedLinears | None = None  # gate and up in one matmul, once fused
+        self.loras: LoraSlots | None = None  # as Attention's
+        self.layer_index = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up_proj(x)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        loras = self.loras
+        if loras is None:
+            return self.down_proj(nn.functional.silu(gate) * up)
+        layer = self.layer_index
+        gate = loras.apply(layer, "gate_proj", gate, x)
+        up = loras.apply(layer, "up_proj", up, x)
+        hidden = nn.functional.silu(gate) * up
+        return loras.apply(layer, "down_proj", self.down_proj(hidden), hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -270,6 +297,13 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden[rows]).float()
+
+    def attach_loras(self, slots: LoraSlots) -> None:
+        """Add to every projection its tokens' adapters from ``slots`` (``slots.slot_of_token``
+        says which, per step; none while it is None)."""
+        for index, layer in enumerate(self.model.layers):
+            for part in (layer.self_attn, layer.mlp):
+                part.loras, part.layer_index = slots, index
 
     def fuse(self) -> CausalLM:
         """Run each layer's q, k and v projections as one matmul, and its MLP's gate and up as

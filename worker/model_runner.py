@@ -12,6 +12,7 @@ import torch
 from kvswitch.worker.attention import AttentionMetadata
 from kvswitch.worker.cuda_graphs import DecodeGraphs, PrefillGraphs, SequenceGraphs
 from kvswitch.worker.kv_transfer import allocate_shared_caches
+from kvswitch.worker.lora import LoraSlots
 from kvswitch.worker.model import CausalLM
 from kvswitch.worker.step_inputs import InputStager
 
@@ -25,6 +26,8 @@ class StepBatch:
     start_pos: np.ndarray  # int64 [num_seqs]
     num_new: np.ndarray  # int64 [num_seqs], each >= 1
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
+    # int64 [num_new.sum()]: each token's adapter slot (-1: the base model); None: no adapter
+    lora_slots: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -94,6 +97,8 @@ class ModelRunner:
                 for _ in range(config.num_layers)
             ]
         self.graphs: DecodeGraphs | None = None
+        self.loras: LoraSlots | None = None
+        self._lora_tokens: torch.Tensor | None = None  # the running step's, while it has any
         self.prefill_graphs: PrefillGraphs | None = None
         self.sequence_graphs: SequenceGraphs | None = None
         if cuda_graphs:
@@ -151,6 +156,8 @@ class ModelRunner:
         num_seqs = len(num_new)
         if num_seqs == 0:
             raise ValueError("nothing to run")
+        if batch.lora_slots is not None:
+            return self._execute_with_loras(batch, every_token)
         num_tokens = len(batch.input_ids)
         if num_tokens == num_seqs:  # all decodes: one token per sequence, at its start position
             # NOTE: the steady state; every numpy call here costs the step a few microseconds.
@@ -171,6 +178,8 @@ class ModelRunner:
         pages, offsets = np.divmod(positions, self.block_size)
         slots = (batch.block_tables[token_seq, pages] * self.block_size + offsets).astype(np.int32)
         graphs = self.graphs
+        if self._lora_tokens is not None:
+            graphs = None
         if (
             max_q_len == 1
             and not every_token
@@ -180,7 +189,8 @@ class ModelRunner:
             return graphs.run(batch.input_ids, positions, slots, seq_lens, batch.block_tables)
         sequence_graphs = self.sequence_graphs
         if (
-            num_seqs == 1
+            self._lora_tokens is None
+            and num_seqs == 1
             and not every_token
             and sequence_graphs is not None
             and sequence_graphs.can_run(num_tokens, batch.block_tables.shape[1])
@@ -210,6 +220,37 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         prefill_graphs = self.prefill_graphs
-        if not every_token and prefill_graphs is not None and prefill_graphs.can_run(num_tokens):
+        if (
+            not every_token
+            and prefill_graphs is not None
+            and prefill_graphs.can_run(num_tokens)
+            and self._lora_tokens is None
+        ):
             return prefill_graphs.run(input_ids, positions, meta, logit_rows)
         return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+
+    def attach_loras(self, slots: LoraSlots) -> None:
+        """Serve adapters from ``slots``: a step whose batch names them adds each token's."""
+        self.loras = slots
+        self.model.attach_loras(slots)
+
+    def _execute_with_loras(self, batch: StepBatch, every_token: bool) -> torch.Tensor:
+        """A step with adapters, on the plain path (the graphs are captured without them)."""
+        if self.loras is None:
+            raise ValueError("this runner serves no adapters")
+        slots = batch.lora_slots
+        if slots is None or len(slots) != len(batch.input_ids):
+            raise ValueError("a step's lora_slots must give one slot per token")
+        if (slots < 0).all():  # the base model alone: the usual paths
+            return self.execute_batch(_without_loras(batch), every_token=every_token)
+        self._lora_tokens = self.loras.slot_of_token = torch.from_numpy(
+            np.ascontiguousarray(slots, np.int64)
+        ).to(self.device)
+        try:
+            return self.execute_batch(_without_loras(batch), every_token=every_token)
+        finally:
+            self._lora_tokens = self.loras.slot_of_token = None
+
+
+def _without_loras(batch: StepBatch) -> StepBatch:
+    return StepBatch(batch.input_ids, batch.start_pos, batch.num_new, batch.block_tables)

@@ -27,6 +27,8 @@ from kvswitch.worker.request import PullSlots, Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Distinct LoRA adapters the running requests may use at once (the device's slots); 0: any.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -158,7 +160,11 @@ class Scheduler:
             break  # the request itself was preempted: nothing after it can run either
         out.num_tokens = self.config.max_num_batched_tokens - budget
 
-        # Then admit waiting requests, oldest first, as long as everything fits.
+        # Then admit waiting requests, oldest first, as long as everything fits: blocks, the
+        # budget, and a slot for the request's adapter (one the running requests use, or a
+        # free one of max_loras).
+        max_loras = self.config.max_loras
+        adapters = {r.hasher.lora for r in self.running} - {None} if max_loras else set()
         while (
             self.waiting
             and budget > 0
@@ -166,6 +172,11 @@ class Scheduler:
             and not out.preempted
         ):
             request = self.waiting[0]
+            adapter = request.hasher.lora
+            if max_loras and adapter is not None and adapter not in adapters:
+                if len(adapters) >= max_loras:
+                    break  # head-of-line, as for blocks: it runs once an adapter's slot frees
+                adapters.add(adapter)
             if kv_cache.holds_blocks(request):  # its prefix landed from a peer
                 computed, num_cached = [], request.num_computed_tokens
             else:

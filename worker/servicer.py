@@ -159,7 +159,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     num_resumed_tokens=request.num_resumed_tokens,
                     hold_s=request.hold_blocks_ms / 1000,
                 )
-                block_hashes = self._engine.hasher(request.cache_salt or None).hash_blocks(prompt)
+                hasher = self._engine.hasher(request.cache_salt or None, request.lora or None)
+                block_hashes = hasher.hash_blocks(prompt)
                 # NOTE: queued first, holding the blocks the pull fills: they count as this
                 # worker's queue, and nothing evicts them before the request runs.
                 queue, slots = await self._engine.submit_awaiting_kv(

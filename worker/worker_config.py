@@ -96,6 +96,11 @@ class WorkerConfig:
     # "" = the fleet token, if any.
     http_port: int = -1
     api_key: str = ""
+    # LoRA adapters (EngineConfig's lora, max_loras, max_lora_rank, max_cpu_loras).
+    lora: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

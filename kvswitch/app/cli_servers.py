@@ -66,9 +66,17 @@ WORKER_HELP = {
     "max_num_batched_tokens": "most tokens computed in one step; longer prompts are "
     "prefilled in chunks",
     "cuda_graphs": "GPU workers: capture the model's forward as CUDA graphs at start and replay "
-    "them: decode steps whole (a graph per batch size up to --max-num-seqs), steps of up to 512 "
-    "tokens all but attention (docs/WORKER.md). Default: on with --device cuda; "
-    "--no-cuda-graphs turns them off",
+    "them: decode steps whole (a graph per batch size up to --max-num-seqs), one sequence's "
+    "steps of up to 512 tokens whole, others of up to 512 tokens all but attention "
+    "(docs/WORKER.md). Default: on with --device cuda; --no-cuda-graphs turns them off",
+    "lora": "serve a LoRA adapter beside the base model: NAME=PATH, PATH a PEFT adapter's "
+    "folder (adapter_config.json, adapter_model.safetensors); repeat for more. A request names "
+    "it in its lora field (docs/LORA.md)",
+    "max_loras": "adapters one step may use (device slots for them); requests of another "
+    "adapter wait for a slot",
+    "max_lora_rank": "the largest adapter rank served (the slots are sized for it)",
+    "max_cpu_loras": "adapters kept read in host memory, least recently used dropped first; "
+    "0 = --max-loras or the number of --lora, whichever is more",
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
     "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
     "them all, they slow each other many times over",
