@@ -34,6 +34,7 @@ from kvswitch.deploy.processes import Child, ChildError, RestartPolicy
 from kvswitch.router.disagg import TRANSPORTS
 from kvswitch.security import INDEX_PASSWORD_ENV
 from kvswitch.serving import host_port
+from kvswitch.worker.engine_config import lora_paths
 
 _KVSWITCH = (sys.executable, "-m", "kvswitch.app.cli")
 STARTUP_TIMEOUT_S = 120.0  # a worker loads its model before it prints its address
@@ -57,6 +58,10 @@ class ClusterConfig:
     max_num_seqs: int = 64  # per worker: most requests computed together in one step
     # CUDA: every worker replays its steps from CUDA graphs; None: the workers' default (on CUDA).
     cuda_graphs: bool | None = None
+    # LoRA adapters every worker serves, each NAME=PATH (the workers' --lora); max_loras: the
+    # workers' --max-loras.
+    lora: tuple[str, ...] = ()
+    max_loras: int = 4
     policy: str = "cost"
     kv_transport: str = "auto"  # disaggregated prefill: how KV blocks travel (the router's)
     host: str = "127.0.0.1"
@@ -107,6 +112,9 @@ class ClusterConfig:
             raise ValueError("kv_cache_shm is for CPU workers: use it with device cpu")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs is for GPU workers: use it with device cuda")
+        lora_paths(self.lora)  # a malformed spec is refused before any process starts
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
 
     def metrics_port_of(self, name: str) -> int:
         """The /metrics port of the process ``name`` ("router" or a worker's); -1 = none."""
@@ -441,6 +449,8 @@ class LocalCluster:
             "--max-num-seqs", str(config.max_num_seqs),
             "--metrics-port", str(config.metrics_port_of(name)),
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
+            *[arg for spec in config.lora for arg in ("--lora", spec)],
+            *(["--max-loras", str(config.max_loras)] if config.lora else []),
             *({True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}.get(config.cuda_graphs, [])),
             *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),
             *(["--insecure"] if config.insecure else []),

@@ -259,6 +259,8 @@ UP_HELP = {
     "kv_cache_shm": WORKER_HELP["kv_cache_shm"],
     "max_num_seqs": "most requests each worker computes together in one step",
     "cuda_graphs": WORKER_HELP["cuda_graphs"],
+    "lora": "a LoRA adapter every worker serves, NAME=PATH (each worker's --lora); repeat for more",
+    "max_loras": WORKER_HELP["max_loras"],
     "policy": ROUTER_HELP["policy"],
     "kv_transport": ROUTER_HELP["kv_transport"],
     "host": "address every process listens on",

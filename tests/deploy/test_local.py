@@ -340,6 +340,20 @@ def test_up_passes_cuda_graphs_to_gpu_workers_only(tmp_path: Path) -> None:
         ClusterConfig(cuda_graphs=True)
 
 
+def test_up_passes_its_adapters_to_every_worker(tmp_path: Path) -> None:
+    config = ClusterConfig(lora=("sql=/a/sql", "chat=/a/chat"), max_loras=2)
+    argv = LocalCluster(config, log_dir=tmp_path)._worker_argv("worker-1", "both")
+    assert [argv[i + 1] for i, arg in enumerate(argv) if arg == "--lora"] == [
+        "sql=/a/sql",
+        "chat=/a/chat",
+    ]
+    assert argv[argv.index("--max-loras") + 1] == "2"
+    plain = LocalCluster(ClusterConfig(), log_dir=tmp_path)._worker_argv("worker-0", "both")
+    assert "--lora" not in plain and "--max-loras" not in plain
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        ClusterConfig(lora=("sql",))
+
+
 def free_port_run(length: int) -> int:
     """The first of ``length`` consecutive ports free now."""
     for _ in range(100):
