@@ -69,6 +69,7 @@ class ServeBenchConfig:
 USE_TRITON_MODULES = (
     "kvswitch.worker.attention",
     "kvswitch.worker.cuda_graphs",
+    "kvswitch.worker.lora",
     "kvswitch.worker.model",
 )
 

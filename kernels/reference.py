@@ -177,3 +177,24 @@ def rotary_ref(
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         rotated.append(out.to(x.dtype))
     return rotated[0], rotated[1]
+
+
+def add_lora_ref(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slot_of_token: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+) -> torch.Tensor:
+    """``kernels.lora.add_lora``'s torch reference: ``y`` plus, for each token of slot ``s``
+    (-1: the base model, nothing), ``scaling[s] * b[s] @ (a[s] @ x)``, in place. One low-rank
+    product per slot present in the step, over that slot's tokens only."""
+    for slot in torch.unique(slot_of_token).tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(slot_of_token == slot, as_tuple=True)[0]
+        shrunk = x.index_select(0, rows) @ a[slot].T.to(x.dtype)  # [tokens of slot, rank]
+        expanded = (shrunk @ b[slot].T.to(x.dtype)) * scaling[slot].to(x.dtype)
+        y.index_add_(0, rows, expanded.to(y.dtype))
+    return y

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from kvswitch.kernels.reference import add_lora_ref
+from kvswitch.worker.attention import use_triton
 from kvswitch.worker.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -171,21 +173,16 @@ def add_lora(
     b: torch.Tensor,
     scaling: torch.Tensor,
 ) -> torch.Tensor:
-    """``y`` plus each token's adapter on one module: for a token of slot ``s``,
+    """``y`` plus each token's adapter on one module, in place: for a token of slot ``s``,
     ``scaling[s] * b[s] @ (a[s] @ x)``; a token of slot -1 (the base model) is left as it is.
-
     ``x`` [tokens, in], ``y`` [tokens, out]; ``a`` [slots, rank, in] and ``b`` [slots, out,
-    rank], adapters of a lower rank zero-padded; ``scaling`` [slots]. The torch reference of
-    the batched shrink and expand: one low-rank product per slot present in the step, over that
-    slot's tokens only (the base model's tokens cost nothing), in place on ``y``."""
-    for slot in torch.unique(slot_of_token).tolist():
-        if slot < 0:
-            continue
-        rows = torch.nonzero(slot_of_token == slot, as_tuple=True)[0]
-        shrunk = x.index_select(0, rows) @ a[slot].T.to(x.dtype)  # [tokens of slot, rank]
-        expanded = (shrunk @ b[slot].T.to(x.dtype)) * scaling[slot].to(x.dtype)
-        y.index_add_(0, rows, expanded.to(y.dtype))
-    return y
+    rank], adapters of a lower rank zero-padded; ``scaling`` [slots]. On CUDA the Triton
+    kernels (``kernels.lora``), elsewhere their torch reference."""
+    if use_triton(y.device):
+        from kvswitch.kernels.lora import add_lora as add_lora_kernel
+
+        return add_lora_kernel(y, x, slot_of_token, a, b, scaling)
+    return add_lora_ref(y, x, slot_of_token, a, b, scaling)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

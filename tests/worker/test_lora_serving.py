@@ -105,6 +105,27 @@ def test_an_adapter_in_a_slot_gives_the_logits_of_its_weights_merged(
     assert slots.slot_of_token is None  # set for the step only
 
 
+def test_the_model_through_the_kernels_matches_the_references(
+    adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapters' CUDA path on CPU tensors (kernels.lora through Triton's interpreter, into
+    the fused projections' slices) gives the logits of the torch reference's path."""
+    slots = LoraSlots(CONFIG, max_loras=2, max_rank=8, device="cpu", dtype=torch.float32)
+    slots.load(0, load_lora_adapter("chat", adapters["chat"]))
+    slots.load(1, load_lora_adapter("sql", adapters["sql"]))
+    step = ScheduledSeq(list(range(3, 9)), 0, range(1, 3))
+    logits = {}
+    for path in ("reference", "kernel"):
+        if path == "kernel":
+            monkeypatch.setattr("kvswitch.worker.lora.use_triton", lambda device: True)
+        runner = ModelRunner(load_model(None), 8, BLOCK_SIZE)
+        runner.attach_loras(slots)
+        batch = _batch(runner, step, slot=0)
+        batch.lora_slots = np.array([0, 0, -1, 1, 1, 0])
+        logits[path] = runner.execute_batch(batch, every_token=True)
+    torch.testing.assert_close(logits["kernel"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
 def _batch(runner: ModelRunner, seq: ScheduledSeq, slot: int):
     from kvswitch.worker.model_runner import StepBatch
 
