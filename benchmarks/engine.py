@@ -11,10 +11,14 @@ excluded).
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,10 +58,18 @@ class DecodeBenchConfig:
     num_prompt_tokens: int = 128
     num_output_tokens: int = 64
     cuda_graphs: bool | None = None
+    # Each batch again spread over this many LoRA adapters of random weights (rank lora_rank,
+    # every module), beside the base alone; 0: the base alone.
+    loras: int = 0
+    lora_rank: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_cuda_graphs(self.cuda_graphs, self.device)
+        if self.loras < 0 or self.lora_rank <= 0:
+            raise ValueError(
+                f"loras must be >= 0 and lora_rank positive, got {self.loras}, {self.lora_rank}"
+            )
 
 
 def check_cuda_graphs(cuda_graphs: bool | None, device: str) -> None:
@@ -66,7 +78,13 @@ def check_cuda_graphs(cuda_graphs: bool | None, device: str) -> None:
 
 
 def _engine(
-    model: str, device: str, dtype: str, num_tokens: int, *, cuda_graphs: bool | None = None
+    model: str,
+    device: str,
+    dtype: str,
+    num_tokens: int,
+    *,
+    cuda_graphs: bool | None = None,
+    lora: tuple[str, ...] = (),
 ) -> LLMEngine:
     # NOTE: imported here so that `kvswitch --help` does not load torch.
     from kvswitch.worker.engine import EngineConfig, LLMEngine
@@ -79,6 +97,8 @@ def _engine(
             kv_cache_bytes=1 << 30,
             max_num_batched_tokens=max(num_tokens, 2048),
             cuda_graphs=cuda_graphs,
+            lora=lora,
+            max_loras=max(len(lora), 1),
         )
     )
 
@@ -196,39 +216,138 @@ def run_decode(config: DecodeBenchConfig) -> dict:
         "dtype": config.dtype,
         "cuda_graphs": config.cuda_graphs is not False and config.device.startswith("cuda"),
     }
+    rng = np.random.default_rng(config.seed)
+    with tempfile.TemporaryDirectory(prefix="kvswitch-bench-loras-") as folder:
+        loras = _random_adapters(config, Path(folder))
+        for batch in batch_sizes:
+            prompts = [rng.integers(0, 1 << 30, config.num_prompt_tokens) for _ in range(batch)]
+            tokens_per_s, engine_figures = _decode(config, batch, prompts, ())
+            results[f"decode_tokens_per_s_batch_{batch}"] = tokens_per_s
+            for key, value in engine_figures.items():
+                results[f"{key}_batch_{batch}"] = value
+            print(f"  batch {batch}: {tokens_per_s:,.0f} tokens/s", file=sys.stderr)
+            if not loras:
+                continue
+            with_loras, lora_figures = _decode(config, batch, prompts, loras)
+            results[f"decode_tokens_per_s_batch_{batch}_loras"] = with_loras
+            results[f"loras_vs_base_batch_{batch}"] = with_loras / tokens_per_s
+            results.update(lora_figures)
+            print(
+                f"  batch {batch} over {len(loras)} adapters: {with_loras:,.0f} tokens/s "
+                f"({with_loras / tokens_per_s:.2f}x the base alone)",
+                file=sys.stderr,
+            )
+    if loras:
+        results.update(num_loras=config.loras, lora_rank=config.lora_rank)
+    return results
+
+
+def _decode(
+    config: DecodeBenchConfig, batch: int, prompts: list[np.ndarray], loras: tuple[str, ...]
+) -> tuple[float, dict[str, float]]:
+    """Output tokens per second of ``batch`` requests decoding together (their prefill step
+    excluded), and the engine's other figures: its graphs' memory, or with ``loras`` (request
+    i names adapter i mod their number) how long an adapter takes to load."""
     from kvswitch.worker.request import SamplingParams
 
-    rng = np.random.default_rng(config.seed)
-    for batch in batch_sizes:
-        engine = _engine(
-            config.model,
-            config.device,
-            config.dtype,
-            batch * config.num_prompt_tokens,
-            cuda_graphs=config.cuda_graphs,
+    engine = _engine(
+        config.model,
+        config.device,
+        config.dtype,
+        batch * config.num_prompt_tokens,
+        cuda_graphs=config.cuda_graphs,
+        lora=loras,
+    )
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=config.num_output_tokens)
+    names = [spec.partition("=")[0] for spec in loras]
+    for i, prompt in enumerate(prompts):
+        lora = names[i % len(names)] if names else None
+        engine.add_request(f"r{i}", prompt % vocab, params, lora=lora)
+    engine.step()  # every prompt prefills in this one step
+    num_tokens, start = 0, time.perf_counter()
+    while engine.has_unfinished():
+        num_tokens += len(engine.step())
+    tokens_per_s = num_tokens / (time.perf_counter() - start)
+    figures = _lora_load_ms(engine, names[0]) if names else graph_memory(engine)
+    # NOTE: the next engine measures what capturing its graphs takes from the memory the
+    # allocator holds: this one's must be handed back first (a later batch size's figure
+    # came out negative while it was kept).
+    engine.close()
+    del engine
+    _release_device_memory(config.device)
+    return tokens_per_s, figures
+
+
+def _lora_load_ms(engine: LLMEngine, name: str) -> dict[str, float]:
+    """Milliseconds to put adapter ``name`` into a slot: read from its folder, and from the
+    copy in host memory (medians of 5)."""
+    from kvswitch.worker.lora import load_lora_adapter
+
+    manager = engine.loras
+    path = manager.paths[name]
+
+    def timed(load: Callable[[], object]) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            load()
+            _synchronize(engine)
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    slot = manager.slots_for({name})[name]
+    from_disk = timed(
+        lambda: manager.slots.load(
+            slot, load_lora_adapter(name, path, max_rank=manager.slots.max_rank)
         )
-        vocab = engine.model_config.vocab_size
-        params = SamplingParams(max_tokens=config.num_output_tokens)
-        for i in range(batch):
-            engine.add_request(
-                f"r{i}", rng.integers(0, vocab, config.num_prompt_tokens).tolist(), params
-            )
-        engine.step()  # every prompt prefills in this one step
-        num_tokens, start = 0, time.perf_counter()
-        while engine.has_unfinished():
-            num_tokens += len(engine.step())
-        elapsed = time.perf_counter() - start
-        results[f"decode_tokens_per_s_batch_{batch}"] = num_tokens / elapsed
-        for key, mib in graph_memory(engine).items():
-            results[f"{key}_batch_{batch}"] = mib
-        print(f"  batch {batch}: {num_tokens / elapsed:,.0f} tokens/s", file=sys.stderr)
-        # NOTE: the next engine measures what capturing its graphs takes from the memory the
-        # allocator holds: this one's must be handed back first (a later batch size's figure
-        # came out negative while it was kept).
-        engine.close()
-        del engine
-        _release_device_memory(config.device)
-    return results
+    )
+    adapter = load_lora_adapter(name, path, max_rank=manager.slots.max_rank)
+    from_host = timed(lambda: manager.slots.load(slot, adapter))
+    return {"lora_load_from_disk_ms": from_disk, "lora_load_from_host_ms": from_host}
+
+
+def _synchronize(engine: LLMEngine) -> None:
+    if engine.runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _random_adapters(config: DecodeBenchConfig, folder: Path) -> tuple[str, ...]:
+    """``config.loras`` adapters of random weights for the model, rank ``config.lora_rank`` on
+    every module, written as PEFT writes them; their ``NAME=PATH`` specs."""
+    if not config.loras:
+        return ()
+    import torch
+    from safetensors.torch import save_file
+
+    from kvswitch.worker.lora import MODULES, module_shapes
+    from kvswitch.worker.weights import model_config
+
+    shapes = module_shapes(model_config(config.model or None))
+    num_layers = model_config(config.model or None).num_layers
+    generator = torch.Generator().manual_seed(config.seed)
+    specs = []
+    for i in range(config.loras):
+        weights = {}
+        for layer in range(num_layers):
+            for module, (fan_in, fan_out) in shapes.items():
+                part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+                shape_a, shape_b = (config.lora_rank, fan_in), (fan_out, config.lora_rank)
+                weights[f"{prefix}.lora_A.weight"] = torch.randn(shape_a, generator=generator)
+                weights[f"{prefix}.lora_B.weight"] = 0.01 * torch.randn(
+                    shape_b, generator=generator
+                )
+        path = folder / f"adapter-{i}"
+        path.mkdir()
+        settings = {"peft_type": "LORA", "r": config.lora_rank, "lora_alpha": 2 * config.lora_rank}
+        settings["target_modules"] = list(MODULES)
+        (path / "adapter_config.json").write_text(json.dumps(settings))
+        save_file(weights, str(path / "adapter_model.safetensors"))
+        specs.append(f"adapter-{i}={path}")
+    return tuple(specs)
 
 
 def _release_device_memory(device: str) -> None:

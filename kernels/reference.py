@@ -179,6 +179,10 @@ def rotary_ref(
     return rotated[0], rotated[1]
 
 
+# Steps of at most this many tokens multiply them by every slot's adapter (see add_lora_ref).
+_DENSE_TOKENS = 256
+
+
 def add_lora_ref(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -188,8 +192,26 @@ def add_lora_ref(
     scaling: torch.Tensor,
 ) -> torch.Tensor:
     """``kernels.lora.add_lora``'s torch reference: ``y`` plus, for each token of slot ``s``
-    (-1: the base model, nothing), ``scaling[s] * b[s] @ (a[s] @ x)``, in place. One low-rank
-    product per slot present in the step, over that slot's tokens only."""
+    (-1: the base model, nothing), ``scaling[s] * b[s] @ (a[s] @ x)``, in place.
+
+    A step of few tokens (decodes, short prompts) multiplies them by every slot's adapter at
+    once, two matmuls whatever the adapters, keeping each token's own slot's part (a one-hot
+    weight per slot); a larger one takes one low-rank product per slot present, over that
+    slot's tokens only, so that its work does not grow with the slots::
+
+        h = x @ [a_0; a_1; ...]^T        [tokens, slots * rank]
+        h *= scaling[s] where s is the token's slot, else 0
+        y += h @ [b_0^T; b_1^T; ...]     [tokens, out]
+    """
+    num_tokens = x.shape[0]
+    if num_tokens <= _DENSE_TOKENS:
+        num_slots, rank, num_in = a.shape
+        h = x @ a.reshape(num_slots * rank, num_in).T.to(x.dtype)
+        slots = torch.arange(num_slots, device=x.device)
+        weight = (slot_of_token[:, None] == slots[None, :]) * scaling[None, :]
+        h = (h.view(num_tokens, num_slots, rank) * weight[:, :, None].to(x.dtype)).flatten(1)
+        y += (h @ b.transpose(1, 2).reshape(num_slots * rank, -1).to(x.dtype)).to(y.dtype)
+        return y
     for slot in torch.unique(slot_of_token).tolist():
         if slot < 0:
             continue

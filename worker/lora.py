@@ -41,7 +41,7 @@ _WEIGHT_NAME = re.compile(
 )
 # Settings a plain LoRA leaves at these values; another value is something else to serve.
 _MUST_BE = {
-    "bias": ("none",),
+    "bias": ("none", None),
     "use_dora": (False, None),
     "fan_in_fan_out": (False, None),
     "modules_to_save": (None, []),

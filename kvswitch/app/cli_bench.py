@@ -71,6 +71,10 @@ DECODE_HELP = {
     "num_prompt_tokens": "prompt length of every request",
     "num_output_tokens": "tokens each request decodes",
     "cuda_graphs": TTFT_HELP["cuda_graphs"],
+    "loras": "also run each batch spread over this many LoRA adapters of random weights (every "
+    "module), and report their tokens/s beside the base alone's (loras_vs_base_batch_N) and "
+    "how long an adapter takes to load; 0 = the base alone",
+    "lora_rank": "the adapters' rank",
     "seed": "random seed of the prompts",
 }
 

@@ -58,3 +58,20 @@ def test_add_lora_compiled_at_a_1b_models_sizes(dtype: torch.dtype) -> None:
     """gate/up of a 1B Llama (2,048 -> 8,192), rank 64, 300 tokens; and down (8,192 -> 2,048)."""
     check_add_lora(dtype, num_in=2048, num_out=8192, rank=64, num_tokens=300, device="cuda")
     check_add_lora(dtype, num_in=8192, num_out=2048, rank=64, num_tokens=300, device="cuda")
+
+
+@pytest.mark.parametrize("num_tokens", [7, 300], ids=["dense", "per-slot"])
+def test_the_reference_adds_each_tokens_own_adapter(num_tokens: int) -> None:
+    """Both of the reference's ways (every slot at once for a few tokens, a product per slot
+    present for many) give each token ``scaling[s] * b[s] @ a[s] @ x`` and the base's nothing."""
+    generator = torch.Generator().manual_seed(2)
+    a, b = torch.randn(4, 3, 10, generator=generator), torch.randn(4, 6, 3, generator=generator)
+    scaling = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    x, base = torch.randn(num_tokens, 10, generator=generator), torch.randn(num_tokens, 6)
+    slot_of_token = torch.randint(-1, 3, (num_tokens,), generator=generator)  # slot 3 unused
+    got = add_lora_ref(base.clone(), x, slot_of_token, a, b, scaling)
+    expected = base.clone()
+    for t, slot in enumerate(slot_of_token.tolist()):
+        if slot >= 0:
+            expected[t] += scaling[slot] * (b[slot] @ (a[slot] @ x[t]))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
