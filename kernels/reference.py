@@ -188,11 +188,12 @@ def add_lora_ref(
     x: torch.Tensor,
     slot_of_token: torch.Tensor,
     a: torch.Tensor,
-    b: torch.Tensor,
+    b_t: torch.Tensor,
     scaling: torch.Tensor,
 ) -> torch.Tensor:
     """``kernels.lora.add_lora``'s torch reference: ``y`` plus, for each token of slot ``s``
-    (-1: the base model, nothing), ``scaling[s] * b[s] @ (a[s] @ x)``, in place.
+    (-1: the base model, nothing), ``scaling[s] * (a[s] @ x) @ b_t[s]``, in place (``a``
+    [slots, rank, in]; ``b_t`` [slots, rank, out], B transposed).
 
     A step of few tokens (decodes, short prompts) multiplies them by every slot's adapter at
     once, two matmuls whatever the adapters, keeping each token's own slot's part (a one-hot
@@ -201,7 +202,7 @@ def add_lora_ref(
 
         h = x @ [a_0; a_1; ...]^T        [tokens, slots * rank]
         h *= scaling[s] where s is the token's slot, else 0
-        y += h @ [b_0^T; b_1^T; ...]     [tokens, out]
+        y += h @ [b_t_0; b_t_1; ...]     [tokens, out]
     """
     num_tokens = x.shape[0]
     if num_tokens <= _DENSE_TOKENS:
@@ -210,13 +211,13 @@ def add_lora_ref(
         slots = torch.arange(num_slots, device=x.device)
         weight = (slot_of_token[:, None] == slots[None, :]) * scaling[None, :]
         h = (h.view(num_tokens, num_slots, rank) * weight[:, :, None].to(x.dtype)).flatten(1)
-        y += (h @ b.transpose(1, 2).reshape(num_slots * rank, -1).to(x.dtype)).to(y.dtype)
+        y += (h @ b_t.reshape(num_slots * rank, -1).to(x.dtype)).to(y.dtype)
         return y
     for slot in torch.unique(slot_of_token).tolist():
         if slot < 0:
             continue
         rows = torch.nonzero(slot_of_token == slot, as_tuple=True)[0]
         shrunk = x.index_select(0, rows) @ a[slot].T.to(x.dtype)  # [tokens of slot, rank]
-        expanded = (shrunk @ b[slot].T.to(x.dtype)) * scaling[slot].to(x.dtype)
+        expanded = (shrunk @ b_t[slot].to(x.dtype)) * scaling[slot].to(x.dtype)
         y.index_add_(0, rows, expanded.to(y.dtype))
     return y

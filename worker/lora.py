@@ -170,19 +170,19 @@ def add_lora(
     x: torch.Tensor,
     slot_of_token: torch.Tensor,
     a: torch.Tensor,
-    b: torch.Tensor,
+    b_t: torch.Tensor,
     scaling: torch.Tensor,
 ) -> torch.Tensor:
     """``y`` plus each token's adapter on one module, in place: for a token of slot ``s``,
-    ``scaling[s] * b[s] @ (a[s] @ x)``; a token of slot -1 (the base model) is left as it is.
-    ``x`` [tokens, in], ``y`` [tokens, out]; ``a`` [slots, rank, in] and ``b`` [slots, out,
-    rank], adapters of a lower rank zero-padded; ``scaling`` [slots]. On CUDA the Triton
-    kernels (``kernels.lora``), elsewhere their torch reference."""
+    ``scaling[s] * B_s @ (A_s @ x)``; a token of slot -1 (the base model) is left as it is.
+    ``x`` [tokens, in], ``y`` [tokens, out]; ``a`` [slots, rank, in] (A) and ``b_t`` [slots,
+    rank, out] (B transposed), adapters of a lower rank zero-padded; ``scaling`` [slots]. On
+    CUDA the Triton kernels (``kernels.lora``), elsewhere their torch reference."""
     if use_triton(y.device):
         from kvswitch.kernels.lora import add_lora as add_lora_kernel
 
-        return add_lora_kernel(y, x, slot_of_token, a, b, scaling)
-    return add_lora_ref(y, x, slot_of_token, a, b, scaling)
+        return add_lora_kernel(y, x, slot_of_token, a, b_t, scaling)
+    return add_lora_ref(y, x, slot_of_token, a, b_t, scaling)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -219,7 +219,7 @@ class LoraSlots:
     stacked by slot, and the step's slot of each token, which the model's projections read::
 
         a[layer, module]   [max_loras, max_rank, in]
-        b[layer, module]   [max_loras, out, max_rank]
+        b_t[layer, module] [max_loras, max_rank, out]  (B transposed)
         slot_of_token      [tokens]: a slot, or -1 for the base model; None: no adapter this step
     """
 
@@ -244,7 +244,7 @@ class LoraSlots:
             for module, (fan_in, fan_out) in module_shapes(config).items():
                 self.weights[(layer, module)] = (
                     torch.zeros((max_loras, max_rank, fan_in), dtype=dtype, device=device),
-                    torch.zeros((max_loras, fan_out, max_rank), dtype=dtype, device=device),
+                    torch.zeros((max_loras, max_rank, fan_out), dtype=dtype, device=device),
                 )
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.names: list[str | None] = [None] * max_loras
@@ -266,16 +266,16 @@ class LoraSlots:
         self.clear(slot)
         rank = adapter.rank
         for key, (a, b) in adapter.weights.items():
-            slot_a, slot_b = self.weights[key]
+            slot_a, slot_b_t = self.weights[key]
             slot_a[slot, :rank].copy_(a)
-            slot_b[slot, :, :rank].copy_(b)
+            slot_b_t[slot, :rank].copy_(b.T)
         self.scaling[slot] = adapter.scaling
         self.names[slot] = adapter.name
 
     def clear(self, slot: int) -> None:
-        for a, b in self.weights.values():
+        for a, b_t in self.weights.values():
             a[slot].zero_()
-            b[slot].zero_()
+            b_t[slot].zero_()
         self.scaling[slot] = 0.0
         self.names[slot] = None
 

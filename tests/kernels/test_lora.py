@@ -26,17 +26,17 @@ def check_add_lora(
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (scale * torch.randn(*shape, generator=generator)).to(device=device, dtype=dtype)
 
-    a, b = randn(3, rank, num_in, scale=0.1), randn(3, num_out, rank, scale=0.1)
-    a[1, rank // 2 :], b[1, :, rank // 2 :] = 0, 0
+    a, b_t = randn(3, rank, num_in, scale=0.1), randn(3, rank, num_out, scale=0.1)
+    a[1, rank // 2 :], b_t[1, rank // 2 :] = 0, 0
     scaling = torch.tensor([2.0, 0.5, 0.25], device=device)
     x, fused = randn(num_tokens, num_in), randn(num_tokens, num_out + 24)
     slot_of_token = torch.randint(-1, 3, (num_tokens,), generator=generator).to(device)
-    want = add_lora_ref(fused[:, 24:].clone(), x, slot_of_token, a, b, scaling)
-    got = add_lora(fused[:, 24:], x, slot_of_token, a, b, scaling)
+    want = add_lora_ref(fused[:, 24:].clone(), x, slot_of_token, a, b_t, scaling)
+    got = add_lora(fused[:, 24:], x, slot_of_token, a, b_t, scaling)
     assert got.data_ptr() == fused[:, 24:].data_ptr()  # in place, into the slice
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
     untouched = fused.clone()
-    add_lora(fused[:, 24:], x, torch.full_like(slot_of_token, -1), a, b, scaling)
+    add_lora(fused[:, 24:], x, torch.full_like(slot_of_token, -1), a, b_t, scaling)
     assert torch.equal(fused, untouched)  # the base model's tokens: nothing added
 
 
@@ -47,9 +47,9 @@ def test_add_lora_matches_its_reference(dtype: torch.dtype) -> None:
 
 def test_add_lora_refuses_shapes_that_disagree() -> None:
     y, x = torch.zeros(2, 5), torch.zeros(2, 3)
-    a, b, scaling = torch.zeros(1, 2, 4), torch.zeros(1, 5, 2), torch.ones(1)
+    a, b_t, scaling = torch.zeros(1, 2, 4), torch.zeros(1, 2, 5), torch.ones(1)
     with pytest.raises(ValueError, match="do not agree"):
-        add_lora(y, x, torch.zeros(2, dtype=torch.int64), a, b, scaling)
+        add_lora(y, x, torch.zeros(2, dtype=torch.int64), a, b_t, scaling)
 
 
 @gpu_test
@@ -63,13 +63,13 @@ def test_add_lora_compiled_at_a_1b_models_sizes(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("num_tokens", [7, 300], ids=["dense", "per-slot"])
 def test_the_reference_adds_each_tokens_own_adapter(num_tokens: int) -> None:
     """Both of the reference's ways (every slot at once for a few tokens, a product per slot
-    present for many) give each token ``scaling[s] * b[s] @ a[s] @ x`` and the base's nothing."""
+    present for many) give each token ``scaling[s] * B_s @ A_s @ x`` and the base's nothing."""
     generator = torch.Generator().manual_seed(2)
     a, b = torch.randn(4, 3, 10, generator=generator), torch.randn(4, 6, 3, generator=generator)
     scaling = torch.tensor([1.0, 2.0, 0.5, 3.0])
     x, base = torch.randn(num_tokens, 10, generator=generator), torch.randn(num_tokens, 6)
     slot_of_token = torch.randint(-1, 3, (num_tokens,), generator=generator)  # slot 3 unused
-    got = add_lora_ref(base.clone(), x, slot_of_token, a, b, scaling)
+    got = add_lora_ref(base.clone(), x, slot_of_token, a, b.transpose(1, 2).contiguous(), scaling)
     expected = base.clone()
     for t, slot in enumerate(slot_of_token.tolist()):
         if slot >= 0:

@@ -124,7 +124,7 @@ def test_one_step_mixes_adapters_and_the_base_token_by_token() -> None:
     x = torch.randn(5, num_in)
     base = torch.randn(5, num_out)
     slot_of_token = torch.tensor([0, 0, -1, 2, 2])
-    y = add_lora(base.clone(), x, slot_of_token, a, b, scaling)
+    y = add_lora(base.clone(), x, slot_of_token, a, b.transpose(1, 2), scaling)
     for t, slot in enumerate(slot_of_token.tolist()):
         expected = base[t].clone()
         if slot >= 0:
