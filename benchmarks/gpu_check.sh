@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one run, from the repository root:
-#   1. the GPU tests (pytest -m gpu): compiled kernels, bf16 included, and CUDA graphs (decode
-#      and piecewise prefill) against the plain path; a step per test file, each with its own JUnit XML
+#   1. the GPU tests (pytest -m gpu): compiled kernels (attention, norms, rotary, store_kv, the
+#      LoRA shrink/expand), bf16 included, and CUDA graphs (decode, one sequence's steps whole,
+#      piecewise prefill) against the plain path; a step per test file, each with its own JUnit XML
 #      (OUT_DIR/tests_paged_decode.xml for tests/kernels/test_paged_decode.py, ...);
 #   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
 #      tile sweep that tells which defaults to keep);

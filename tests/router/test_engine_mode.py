@@ -345,7 +345,10 @@ def test_one_fleet_mixes_engines_and_workers(shared: Fleet) -> None:
                 served, completion = ask(api, doc, question)
                 assert served == first[d], (d, question)
                 assert completion.usage.prompt_tokens_details.cached_tokens > 0
-        assert {"e0", "e1", address} <= set(first.values())
+        # Documents went to the worker and to engines alike. (Which engine takes a new document
+        # is the load's call, and the engines' loads here depend on the tests before this one:
+        # one of the two may take none.)
+        assert address in first.values() and {"e0", "e1"} & set(first.values())
     finally:
         stop(worker)
 
