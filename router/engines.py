@@ -29,6 +29,7 @@ from kvswitch.cache_index.engine_feed import EngineEndpoints, EngineEventFeed, s
 from kvswitch.cache_index.hashing import BlockNaming
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.cache_index.vllm_events import EngineBlockNames
+from kvswitch.options import named_values
 from kvswitch.router.engine_load import EngineMetricsError, parse_engine_load
 from kvswitch.security import FleetSecurity
 from kvswitch.v1 import worker_pb2
@@ -58,9 +59,9 @@ def parse_engines(
 ) -> list[EngineEndpoints]:
     """The engines ``--engine NAME=URL``, ``--engine-events NAME=ENDPOINT`` and
     ``--engine-replay NAME=ENDPOINT`` name; ValueError, saying which option is wrong."""
-    urls = _named(engines, "engine", "NAME=http://HOST:8000")
-    publishers = _named(events, "engine_events", "NAME=tcp://HOST:5557")
-    replay = _named(replays, "engine_replay", "NAME=tcp://HOST:5558")
+    urls = named_values(engines, "engine", "NAME=http://HOST:8000")
+    publishers = named_values(events, "engine_events", "NAME=tcp://HOST:5557")
+    replay = named_values(replays, "engine_replay", "NAME=tcp://HOST:5558")
     for option, names in (("engine_events", publishers), ("engine_replay", replay)):
         unknown = sorted(set(names) - set(urls))
         if unknown:
@@ -114,18 +115,6 @@ def read_engine_fleet(path: str) -> list[tuple[str, str, str, str]]:
             raise ValueError(f"engine_fleet: {path}: engine {i}'s fields must be strings")
         engines.append((entry["name"], entry["url"], entry["events"], entry.get("replay", "")))
     return engines
-
-
-def _named(values: Sequence[str], option: str, form: str) -> dict[str, str]:
-    named: dict[str, str] = {}
-    for value in values:
-        name, sep, target = value.partition("=")
-        if not sep or not name or not target:
-            raise ValueError(f"{option} takes {form}, not {value!r}")
-        if name in named:
-            raise ValueError(f"{option} names {name} twice")
-        named[name] = target
-    return named
 
 
 @dataclass(eq=False)  # a collector: registered by identity

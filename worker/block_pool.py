@@ -176,17 +176,9 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on prefix-hit blocks, reviving any waiting in the free queue."""
         free_queue = self.free_queue
-        # NOTE: a prompt's whole cached prefix passes here (256 blocks for 4,096 tokens):
-        # unlinked inline (FreeBlockQueue.remove's steps), not by a call per block.
         for block in blocks:
             if block.ref_cnt == 0:
-                prev, nxt = block.prev_free, block.next_free
-                if prev is None or nxt is None:
-                    raise ValueError(f"block {block.block_id} is not in the free queue")
-                prev.next_free = nxt
-                nxt.prev_free = prev
-                block.prev_free = block.next_free = None
-                free_queue.num_free_blocks -= 1
+                free_queue.remove(block)
             block.ref_cnt += 1
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:

@@ -158,25 +158,16 @@ class DecodeGraphs:
         # The per-row inputs, laid out once; each step writes them on the host side and uploads
         # them whole (24 bytes a row), with its block tables behind them.
         layout = [
-            ("input_ids", np.int64, 0),
-            ("positions", np.int64, 0),
-            ("slot_mapping", np.int32, -1),
-            ("seq_lens", np.int32, 1),
+            ("input_ids", np.int64, rows, 0),
+            ("positions", np.int64, rows, 0),
+            ("slot_mapping", np.int32, rows, -1),
+            ("seq_lens", np.int32, rows, 1),
+            ("block_tables", np.int32, rows * self.max_blocks, 0),
         ]
-        offsets, offset = [], 0
-        for _, dtype, _ in layout:
-            offsets.append(offset)
-            offset += aligned(rows * np.dtype(dtype).itemsize)
-        self._tables_offset = offset
-        self._upload = UploadBuffer(device, offset + 4 * rows * self.max_blocks)
-        self._fields: list[tuple[np.ndarray, int]] = []  # (host view, padding value)
-        device_views = {}
-        for (name, dtype, pad), offset in zip(layout, offsets, strict=True):
-            host = self._upload.host_view(offset, dtype, (rows,))
-            host[...] = pad
-            self._fields.append((host, pad))
-            device_views[name] = self._upload.device_view(offset, dtype, (rows,))
-        self._upload.upload(self._tables_offset)
+        self._upload, host, device_views, offsets = _static_inputs(device, layout)
+        self._tables_offset = offsets["block_tables"]
+        # (host view, padding value) of the per-row fields
+        self._fields = [(host[name], pad) for name, _, _, pad in layout[:-1]]
         self.input_ids = device_views["input_ids"]
         self.positions = device_views["positions"]
         self.slot_mapping = device_views["slot_mapping"]
@@ -285,6 +276,24 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self._graphs[size] = capture_graph(functools.partial(self._forward, size), pool)
         torch.cuda.synchronize()
+
+
+def _static_inputs(
+    device: torch.device, layout: list[tuple[str, type, int, int]]
+) -> tuple[UploadBuffer, dict[str, np.ndarray], dict[str, torch.Tensor], dict[str, int]]:
+    """One upload buffer holding the graphs' static inputs, ``layout`` being (name, dtype,
+    entries, padding) each, back to back: the buffer, each input's host and device views
+    (filled with its padding and uploaded once), and each one's offset."""
+    upload = UploadBuffer(device, sum(aligned(n * np.dtype(t).itemsize) for _, t, n, _ in layout))
+    host, device_views, offsets, offset = {}, {}, {}, 0
+    for name, dtype, entries, pad in layout:
+        offsets[name] = offset
+        host[name] = upload.host_view(offset, dtype, (entries,))
+        host[name][...] = pad
+        device_views[name] = upload.device_view(offset, dtype, (entries,))
+        offset += aligned(entries * np.dtype(dtype).itemsize)
+    upload.upload(offset)
+    return upload, host, device_views, offsets
 
 
 def _graph_device(model: CausalLM, capture: bool) -> torch.device:
@@ -535,20 +544,8 @@ class SequenceGraphs:
             ("logit_rows", np.int64, 1, 0),
             ("block_tables", np.int32, self.max_blocks, 0),
         ]
-        offset = 0
-        self._upload = UploadBuffer(
-            device, sum(aligned(n * np.dtype(t).itemsize) for _, t, n, _ in layout)
-        )
-        host, static = {}, {}
-        for name, dtype, entries, pad in layout:
-            host[name] = self._upload.host_view(offset, dtype, (entries,))
-            host[name][...] = pad
-            static[name] = self._upload.device_view(offset, dtype, (entries,))
-            offset += aligned(entries * np.dtype(dtype).itemsize)
-        self._tables_offset = offset - aligned(self.max_blocks * 4)
-        self._upload.upload(offset)
-        self._host = host
-        self.static = static
+        self._upload, self._host, self.static, offsets = _static_inputs(device, layout)
+        self._tables_offset = offsets["block_tables"]
         self.logits = torch.zeros((1, model.config.vocab_size), dtype=torch.float32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
+from kvswitch.options import named_values
 
 
 @dataclass(frozen=True)
@@ -86,18 +87,9 @@ class EngineConfig:
 
 
 def lora_paths(specs: tuple[str, ...]) -> dict[str, str]:
-    """``NAME=PATH`` specs as a dict; ValueError naming the spec that is not one, or a name
-    given twice."""
-    paths: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        name, path = name.strip(), path.strip()
-        if not sep or not name or not path:
-            raise ValueError(f"lora {spec!r}: give NAME=PATH (a PEFT adapter's folder)")
-        if name in paths:
-            raise ValueError(f"lora {name!r} is given twice")
-        paths[name] = path
-    return paths
+    """``lora``'s ``NAME=PATH`` specs as ``{NAME: PATH}``; ValueError for a malformed one or a
+    name given twice."""
+    return named_values(specs, "lora", "NAME=PATH (a PEFT adapter's folder)")
 
 
 def check_lora_name(lora: str | None, served: list[str] | tuple[str, ...]) -> None:

@@ -201,7 +201,7 @@ def test_unknown_adapters_are_refused_naming_the_served_ones(adapters: dict[str,
     with pytest.raises(ValueError, match="unknown adapter 'sql'; this worker serves none"):
         LLMEngine(EngineConfig()).add_request("r", [1, 2, 3], SamplingParams(), lora="sql")
     for bad in (("sql",), ("=x",), ("sql=",), ("a=x", "a=y")):
-        with pytest.raises(ValueError, match=r"NAME=PATH|given twice"):
+        with pytest.raises(ValueError, match=r"lora takes NAME=PATH|lora names a twice"):
             EngineConfig(lora=bad)
 
 
