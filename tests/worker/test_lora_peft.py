@@ -12,6 +12,7 @@ from kvswitch.worker.engine import EngineConfig, LLMEngine
 from kvswitch.worker.lora import MODULES
 from kvswitch.worker.request import SamplingParams
 from tests.worker.hf_reference import TOL, hf_logits, save_checkpoint
+from tests.worker.teacher_forcing import logits_after_every_token
 
 peft = pytest.importorskip("peft")
 
@@ -61,27 +62,8 @@ def test_greedy_tokens_and_logits_are_transformers_with_peft(tmp_path: Path) -> 
                 break
         assert output == sequence[len(tokens) :], request_id
         # The logits, not only their argmax: every position of the adapted sequence.
-        runner_logits = _logits_through_engine(engine, sequence)
+        runner_logits = logits_after_every_token(engine, sequence, lora="ft")
         torch.testing.assert_close(runner_logits, hf_logits(adapted, sequence), **TOL)
     adapted_logits = hf_logits(adapted, prompt)
     with adapted.disable_adapter():  # and the adapter makes a difference
         assert (hf_logits(adapted, prompt) - adapted_logits).abs().max() > 1e-2
-
-
-def _logits_through_engine(engine: LLMEngine, sequence: list[int]) -> torch.Tensor:
-    """Every position's logits of ``sequence`` under the adapter "ft", from the engine's
-    runner (teacher forcing, on the pool's last blocks, which no request of the test holds)."""
-    import numpy as np
-
-    from kvswitch.worker.model_runner import StepBatch
-
-    slot = engine.loras.slots_for({"ft"})["ft"]
-    num_blocks, last = -(-len(sequence) // 4), engine.kv_cache.pool.num_blocks
-    batch = StepBatch(
-        input_ids=np.array(sequence, np.int64),
-        start_pos=np.array([0]),
-        num_new=np.array([len(sequence)]),
-        block_tables=np.arange(last - num_blocks, last, dtype=np.int32)[None],
-        lora_slots=np.full(len(sequence), slot, np.int64),
-    )
-    return engine.runner.execute_batch(batch, every_token=True)
