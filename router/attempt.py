@@ -42,7 +42,14 @@ from kvswitch.router.outcome import (
     prefilled_stats,
 )
 from kvswitch.router.policy import Decision
-from kvswitch.router.router import FleetFullError, NoWorkerError, Route, RoutePlan, Router
+from kvswitch.router.router import (
+    FleetFullError,
+    NoWorkerError,
+    Route,
+    RoutePlan,
+    Router,
+    UnknownAdapterError,
+)
 from kvswitch.router.worker_call import (
     Refused,
     WorkerBusy,
@@ -382,6 +389,8 @@ class Attempts:
             await abort(
                 self._context, self._outcome, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}"
             )
+        except UnknownAdapterError as e:
+            await abort(self._context, self._outcome, grpc.StatusCode.NOT_FOUND, str(e))
         except FleetFullError as e:
             await overloaded(self._context, self._outcome, str(e), _FLEET_FULL_RETRY_AFTER_MS)
         except NoWorkerError as e:

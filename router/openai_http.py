@@ -59,7 +59,13 @@ from kvswitch.router.openai_protocol import (
     error_from_validation,
 )
 from kvswitch.router.openai_stream import RouterOutput, events, until_disconnected
-from kvswitch.router.router import FleetFullError, NoTokenizerError, NoWorkerError, Router
+from kvswitch.router.router import (
+    FleetFullError,
+    NoTokenizerError,
+    NoWorkerError,
+    Router,
+    UnknownAdapterError,
+)
 from kvswitch.router.servicer import WORKER_ID_KEY
 from kvswitch.router.stop_strings import StopStrings
 from kvswitch.security import FleetSecurity
@@ -120,6 +126,10 @@ class ServedModels(Protocol):
         """The models served now."""
         ...
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served now, each with the model it adapts."""
+        ...
+
     async def wait_for_change(self, timeout_s: float) -> None:
         """Return when the models served may have changed, or after ``timeout_s``."""
         ...
@@ -139,6 +149,15 @@ class RouterModels:
         if self._router.namespace:
             return [self._router.namespace]
         return sorted({h.info.namespace for h in self._router.directory.handles()})
+
+    def adapters(self) -> dict[str, str]:
+        namespace = self._router.namespace
+        return {
+            lora: h.info.namespace
+            for h in self._router.directory.handles()
+            if not namespace or h.info.namespace == namespace
+            for lora in h.loras
+        }
 
     async def wait_for_change(self, timeout_s: float) -> None:
         await self._router.directory.wait_for_change(timeout_s)
@@ -235,12 +254,14 @@ class OpenAIFront:
     async def models(self, request: Request) -> Response:
         self._check_key(request)
         data = [self._model_card(name) for name in self._served_models()]
+        adapters = self._models.adapters()
+        data += [self._model_card(name, adapters[name]) for name in sorted(adapters)]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request, model_id: str) -> Response:
         self._check_key(request)
         self._check_model(model_id)
-        return JSONResponse(self._model_card(model_id))
+        return JSONResponse(self._model_card(model_id, self._models.adapters().get(model_id)))
 
     # -- one request ---------------------------------------------------------------------------
 
@@ -303,6 +324,7 @@ class OpenAIFront:
         view = _validate(raw, EngineRequest)
         await self._check_model_soon(view.model)
         param = "messages" if chat else "prompt"
+        lora = self._lora_of(view.model, view.lora)
         try:
             token_ids = await self._engine_prompt(view, chat)
             max_tokens = view.output_limit()
@@ -314,7 +336,7 @@ class OpenAIFront:
             # router reads; the engine checks the rest.
             check = router_pb2.GenerateRequest(
                 sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
-                lora=view.lora or "",
+                lora=lora or "",
                 cache_salt=view.cache_salt or "",
             )
             policy, weights = "", None
@@ -328,7 +350,7 @@ class OpenAIFront:
                 request,
                 token_ids,
                 raw,
-                lora=view.lora,
+                lora=lora,
                 cache_salt=view.cache_salt,
                 num_output_tokens=min(max_tokens, MAX_UNKNOWN_OUTPUT_TOKENS),
                 stream=bool(view.stream),
@@ -339,6 +361,8 @@ class OpenAIFront:
             raise OpenAIError(
                 429, str(e), code="overloaded", headers={"retry-after": "1"}
             ) from None
+        except UnknownAdapterError as e:
+            raise OpenAIError(404, str(e), param="model", code="model_not_found") from None
         except NoWorkerError as e:
             raise OpenAIError(503, str(e), code="unavailable") from None
         except ValueError as e:  # a bad prompt, or routing
@@ -406,7 +430,7 @@ class OpenAIFront:
         call = router_pb2.GenerateRequest(
             request_id=request_id,
             sampling=sampling,
-            lora=body.lora or "",
+            lora=self._lora_of(body.model, body.lora) or "",
             cache_salt=body.cache_salt or "",
         )
         if body.routing is not None:
@@ -447,9 +471,9 @@ class OpenAIFront:
         return self._models.names()
 
     def _check_model(self, name: str) -> None:
-        """404 unless ``name`` is a model served here."""
+        """404 unless ``name`` is a model, or a LoRA adapter, served here."""
         served = self._served_models()
-        if name not in served:
+        if name not in served and name not in self._models.adapters():
             raise OpenAIError(
                 404,
                 f"the model {name!r} is not served here; "
@@ -473,6 +497,19 @@ class OpenAIFront:
             )
         self._check_model(name)
 
+    def _lora_of(self, model: str, lora: str | None) -> str | None:
+        """The adapter a request runs under: the one ``model`` names, else ``lora``'s (400
+        when both name one and differ)."""
+        if model not in self._models.adapters():
+            return lora
+        if lora is not None and lora != model:
+            raise OpenAIError(
+                400,
+                f"lora: {lora!r} differs from the adapter the model names ({model!r}); give one",
+                param="lora",
+            )
+        return model
+
     def _check_key(self, request: Request) -> None:
         """401 unless the request carries one of the keys, before anything is read or rendered
         for it."""
@@ -485,8 +522,12 @@ class OpenAIFront:
         if not any([hmac.compare_digest(sent, f"Bearer {key}".encode()) for key in keys]):
             raise _unauthenticated()
 
-    def _model_card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self._started, "owned_by": "kvswitch"}
+    def _model_card(self, name: str, parent: str | None = None) -> dict[str, Any]:
+        """The card of a model, or of a LoRA adapter of the model ``parent``."""
+        card = {"id": name, "object": "model", "created": self._started, "owned_by": "kvswitch"}
+        if parent is not None:
+            card["parent"] = parent
+        return card
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -309,14 +309,14 @@ def error_from_status(
                 "retry-after-ms": str(wait_ms),
                 "retry-after": str(math.ceil(wait_ms / 1000)),
             }
-    param = None
+    param, name = None, code.name.lower()
+    if code is grpc.StatusCode.NOT_FOUND and details.startswith("lora:"):
+        param, name = "model", "model_not_found"  # an adapter the fleet does not serve
     if status == 400:
         param = next((p for f, p in _FIELD_TO_PARAM.items() if details.startswith(f)), None)
         if param is None and details.startswith(_PROMPT_FIELDS):
             param = prompt_param
-    return OpenAIError(
-        status, details or code.name, param=param, code=code.name.lower(), headers=headers
-    )
+    return OpenAIError(status, details or code.name, param=param, code=name, headers=headers)
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -33,6 +33,13 @@ Tokens that no worker holds count the same everywhere, so only held ones sway th
 When nobody holds any of the prompt, every worker pays the same prefill, so the choice falls to
 load, then free cache space, then a rotation: misses spread instead of piling onto one worker.
 
+A request naming a LoRA adapter goes only to workers that serve it, and the cost adds what
+loading the adapter would take there, less its affinity (docs/LORA.md)::
+
+    + lora_load_tokens x (1 - affinity)    affinity: lora_loaded_weight where it is in a device
+                                           slot, lora_free_slot_weight where a slot is free,
+                                           0 where it must evict another adapter
+
 Peer block fetch (off unless ``fetch_token_cost`` is set): a worker may take the longest cached
 prefix from the worker that holds it, paying its transfer instead of its prefill::
 
@@ -43,12 +50,22 @@ prefix from the worker that holds it, paying its transfer instead of its prefill
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+
+class LoraResidence(enum.Enum):
+    """Where a request's LoRA adapter is on a worker."""
+
+    NONE = "none"  # the request names no adapter
+    LOADED = "loaded"  # in a device slot: it runs at once
+    FREE_SLOT = "free_slot"  # a slot is free: it loads there, evicting nothing
+    EVICT = "evict"  # every slot is taken: another adapter makes way
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +81,7 @@ class WorkerState:
     num_prefill_tokens: int = 0  # the part of the outstanding work that is prompt to prefill
     # Leading prompt blocks the index says it holds now (no guesses): what a peer could take.
     num_fetchable_blocks: int = 0
+    lora: LoraResidence = LoraResidence.NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +226,9 @@ class CostPolicy(RankedPolicy):
         "private_weight",
         "fetch_token_cost",
         "fetch_latency_tokens",
+        "lora_load_tokens",
+        "lora_loaded_weight",
+        "lora_free_slot_weight",
     )
 
     def __init__(
@@ -219,6 +240,9 @@ class CostPolicy(RankedPolicy):
         private_weight: float = 5.0,
         fetch_token_cost: float = 0.0,
         fetch_latency_tokens: float = 0.0,
+        lora_load_tokens: float = 256.0,
+        lora_loaded_weight: float = 1.0,
+        lora_free_slot_weight: float = 0.8,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__()
@@ -230,9 +254,16 @@ class CostPolicy(RankedPolicy):
             ("private_weight", private_weight),
             ("fetch_token_cost", fetch_token_cost),
             ("fetch_latency_tokens", fetch_latency_tokens),
+            ("lora_load_tokens", lora_load_tokens),
         ):
             if not value >= 0 or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        for name, value in (
+            ("lora_loaded_weight", lora_loaded_weight),
+            ("lora_free_slot_weight", lora_free_slot_weight),
+        ):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must be between 0 and 1, got {value}")
         self.prefill_weight = prefill_weight
         self.temperature = temperature
         self.decode_weight = decode_weight
@@ -240,6 +271,13 @@ class CostPolicy(RankedPolicy):
         self.private_weight = private_weight
         self.fetch_token_cost = fetch_token_cost  # 0: no peer block fetch
         self.fetch_latency_tokens = fetch_latency_tokens
+        self.lora_load_tokens = lora_load_tokens
+        self._lora_affinity = {
+            LoraResidence.NONE: 1.0,
+            LoraResidence.LOADED: lora_loaded_weight,
+            LoraResidence.FREE_SLOT: lora_free_slot_weight,
+            LoraResidence.EVICT: 0.0,
+        }
         self._rng = rng or random.Random()
 
     def cost(self, request: RouteRequest, worker: WorkerState) -> float:
@@ -256,6 +294,7 @@ class CostPolicy(RankedPolicy):
             + num_private * self.private_weight
             + worker.num_prefill_tokens
             + num_output_tokens * self.decode_weight
+            + self.lora_load_tokens * (1.0 - self._lora_affinity[worker.lora])
         )
 
     def fetch_cost(self, num_tokens: int) -> float:

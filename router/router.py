@@ -42,6 +42,10 @@ class NoWorkerError(Exception):
     """No live worker can take the request (none registered, or every one failed)."""
 
 
+class UnknownAdapterError(LookupError):
+    """No live worker serves the LoRA adapter a request names."""
+
+
 class FleetFullError(Exception):
     """Every worker that could take the request refused one lately at its queue limit."""
 
@@ -218,6 +222,8 @@ class Router:
         prefix from a peer: an engine neither gives one nor takes one."""
         chosen_policy = self._policy(policy, weights)
         handles = self._serving(plan, self.directory.routable(exclude, engines=engines))
+        if handles and plan.lora is not None:
+            handles = await self._serving_lora(plan.lora, handles)
         if not handles:
             raise NoWorkerError(
                 f"no live worker serves {plan.namespace!r}"
@@ -264,6 +270,7 @@ class Router:
                     num_shared_prefill_tokens=plan.block_size
                     * max(matches.get(worker_id, 0) - index_matches.get(worker_id, 0), 0),
                     num_fetchable_blocks=0 if engines else index_matches.get(worker_id, 0),
+                    lora=plan.lora,
                 )
                 for worker_id, h in candidates.items()
             ]
@@ -274,6 +281,10 @@ class Router:
         if disagg is None:
             return route
         prefill_handles = self._serving(plan, self.directory.routable(exclude, PREFILL_ROLES))
+        if plan.lora is not None:
+            prefill_handles = {
+                worker_id: h for worker_id, h in prefill_handles.items() if h.serves(plan.lora)
+            }
         prefill_decision = prefill_state = None
         if prefill_handles:
             prefill_states = states(prefill_handles)
@@ -325,6 +336,25 @@ class Router:
                 self._policies.pop(next(iter(self._policies)))
             self._policies[key] = found
         return found
+
+    async def _serving_lora(
+        self, lora: str, handles: dict[str, WorkerHandle]
+    ) -> dict[str, WorkerHandle]:
+        """Those of ``handles`` that serve the adapter ``lora``, as their load reports say;
+        UnknownAdapterError when none does."""
+        if not any(h.serves(lora) for h in handles.values()) and any(
+            h.load is None for h in handles.values()
+        ):
+            # NOTE: a worker that joined a moment ago has not reported what it serves yet.
+            await self.directory.poll_loads()
+        serving = {worker_id: h for worker_id, h in handles.items() if h.serves(lora)}
+        if not serving:
+            served = sorted({name for h in handles.values() for name in h.loras})
+            raise UnknownAdapterError(
+                f"lora: no live worker serves the adapter {lora!r}; "
+                + (f"adapters served: {', '.join(served)}" if served else "none serves one")
+            )
+        return serving
 
     @staticmethod
     def _serving(plan: RoutePlan, handles: list[WorkerHandle]) -> dict[str, WorkerHandle]:

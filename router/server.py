@@ -77,6 +77,11 @@ class RouterConfig:
     decode_weight: float = 6.0  # cost: what one output token still to decode costs
     min_match: float = 0.1  # cost: a match below this fraction of the prompt counts as none
     private_weight: float = 5.0  # cost: one uncached token of a conversation's own history
+    # LoRA adapter affinity (cost policy): what loading an adapter into a slot costs, in prompt
+    # tokens, and how much of it a worker is spared with the adapter in a slot or a slot free.
+    lora_load_tokens: float = 256.0
+    lora_loaded_weight: float = 1.0
+    lora_free_slot_weight: float = 0.8
     # Peer block fetch (cost policy): a worker may take a cached prefix from the worker holding
     # it where moving it costs less than computing it. Off while either speed is 0; both as
     # measured (kvswitch bench transfer: blocks_per_s x block size; kvswitch bench ttft).
@@ -259,6 +264,9 @@ class RouterConfig:
             "decode_weight": self.decode_weight,
             "min_match": self.min_match,
             "private_weight": self.private_weight,
+            "lora_load_tokens": self.lora_load_tokens,
+            "lora_loaded_weight": self.lora_loaded_weight,
+            "lora_free_slot_weight": self.lora_free_slot_weight,
         }
         if self.peer_fetch_tokens_per_s > 0 and self.prefill_tokens_per_s > 0:
             weights.update(

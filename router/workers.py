@@ -34,7 +34,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,7 +45,7 @@ from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
 from kvswitch.cache_index.index import TIER_ROLE, BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
 from kvswitch.router.engines import EngineDown, engine_client, is_engine, poll_engine
-from kvswitch.router.policy import WorkerState
+from kvswitch.router.policy import LoraResidence, WorkerState
 from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS, end_if_cancelled
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
@@ -106,11 +106,29 @@ class WorkerHandle:
         reported = load.num_running_requests + load.num_waiting_requests if load else 0
         return max(reported, self.num_in_flight)
 
+    @property
+    def loras(self) -> Sequence[str]:
+        """The LoRA adapters it serves, as its last load report says (none before one)."""
+        return self.load.loras if self.load is not None else ()
+
+    def serves(self, lora: str) -> bool:
+        return lora in self.loras
+
+    def lora_residence(self, lora: str) -> LoraResidence:
+        """Where the adapter ``lora`` is on this worker, as its last load report says."""
+        load = self.load
+        if load is not None and lora in load.loaded_loras:
+            return LoraResidence.LOADED
+        if load is not None and load.num_free_lora_slots:
+            return LoraResidence.FREE_SLOT
+        return LoraResidence.EVICT
+
     def state(
         self,
         num_matched_blocks: int,
         num_shared_prefill_tokens: int = 0,
         num_fetchable_blocks: int = 0,
+        lora: str | None = None,
     ) -> WorkerState:
         num_prefill_tokens = self.num_prefill_tokens_queued(num_shared_prefill_tokens)
         return WorkerState(
@@ -124,6 +142,7 @@ class WorkerHandle:
             num_requests=self.num_requests(),
             num_prefill_tokens=num_prefill_tokens,
             num_fetchable_blocks=num_fetchable_blocks,
+            lora=self.lora_residence(lora) if lora is not None else LoraResidence.NONE,
         )
 
 

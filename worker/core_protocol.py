@@ -117,6 +117,16 @@ class LoadReport:
     num_free_blocks: int
     num_total_blocks: int
     block_size: int
+    # The LoRA adapters: served, in a device slot, in host memory; and the slots holding none.
+    loras: tuple[str, ...] = ()
+    loaded_loras: tuple[str, ...] = ()
+    cpu_loras: tuple[str, ...] = ()
+    num_free_lora_slots: int = 0
+
+    @classmethod
+    def from_wire(cls, load: list[Any]) -> LoadReport:
+        *counts, loras, loaded, cpu, num_free_slots = load
+        return cls(*counts, tuple(loras), tuple(loaded), tuple(cpu), num_free_slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +146,8 @@ class CoreCounters:
     num_preemptions: int = 0
     num_failed_steps: int = 0
     num_integrity_checks: int = 0  # with EngineConfig.check_integrity: checks passed
+    num_lora_slot_loads: int = 0  # LoRA adapters put in a device slot
+    num_lora_disk_loads: int = 0  # LoRA adapters read from their folder again (not at start)
 
 
 def open_pipe_end(context: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Socket:

@@ -290,6 +290,14 @@ class LLMEngine:
             naming=self.config.block_naming,
         )
 
+    def lora_report(self) -> tuple[list[str], list[str], list[str], int]:
+        """The adapters served, those in a device slot, those in host memory, and the number
+        of slots that hold none."""
+        loras = self.loras
+        if loras is None:
+            return [], [], [], 0
+        return loras.names, loras.in_slots, loras.in_host_memory, loras.num_free_slots
+
     def check_lora(self, lora: str | None) -> None:
         """ValueError, naming the adapters served, unless ``lora`` is None or one of them."""
         check_lora_name(lora, self.loras.names if self.loras is not None else ())

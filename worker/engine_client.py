@@ -188,7 +188,9 @@ class EngineClient:
         self.num_dropped_event_batches = 0
         self._drop_warning = Throttled(logger)  # called on the receiver thread only
 
-        self.load = LoadReport(0, 0, 0, facts.num_blocks, facts.num_blocks, facts.block_size)
+        self.load = LoadReport(
+            0, 0, 0, facts.num_blocks, facts.num_blocks, facts.block_size, loras=facts.loras
+        )
         self.counters = CoreCounters()
         self._max_step_gap = StepGap()
         self._receiver = threading.Thread(target=self._receive, name="engine-receiver", daemon=True)
@@ -619,7 +621,7 @@ class EngineClient:
         kind = message[0]
         if kind == wire.STEP:
             _, outputs, failed, events, load, counters, (gap_s, commands_s) = message
-            self.load = LoadReport(*load)
+            self.load = LoadReport.from_wire(load)
             self.counters = CoreCounters(*counters)
             most = self._max_step_gap
             if gap_s > most.gap_s or commands_s > most.commands_s:

@@ -349,12 +349,15 @@ class EngineCore:
             engine.kv_cache.num_free_blocks,
             engine.kv_cache.pool.num_blocks,
             engine.config.block_size,
+            *engine.lora_report(),
         ]
         counters = [
             engine.stats.num_steps,
             engine.stats.num_preemptions,
             self._num_failed_steps,
             self._num_integrity_checks,
+            engine.loras.num_slot_loads if engine.loras is not None else 0,
+            engine.loras.num_disk_loads if engine.loras is not None else 0,
         ]
         events = wire.events_to_wire(engine.take_events())
         gap = [self._step_gap_s, self._commands_s]

@@ -343,6 +343,10 @@ class LoraManager:
     def in_host_memory(self) -> list[str]:
         return sorted(self._host)
 
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.max_loras - len(self._slot_of)
+
     def slots_for(self, names: set[str]) -> dict[str, int]:
         """A device slot for each adapter a step uses, loading those not in one (from host
         memory, or from their folder) into free slots or the least recently used ones it does

@@ -400,6 +400,16 @@ def _read_counters(
             lambda: engine.counters.num_preemptions,
         ),
         (
+            "kvswitch_worker_lora_slot_loads",
+            "LoRA adapters put in a device slot (from host memory or their folder)",
+            lambda: engine.counters.num_lora_slot_loads,
+        ),
+        (
+            "kvswitch_worker_lora_disk_loads",
+            "LoRA adapters read from their folder again, dropped from host memory before",
+            lambda: engine.counters.num_lora_disk_loads,
+        ),
+        (
             "kvswitch_worker_dropped_event_batches",
             "Batches of cache events dropped because the publisher fell behind (a resync follows)",
             lambda: engine.num_dropped_event_batches,

@@ -91,6 +91,10 @@ def load_to_proto(load: LoadReport, worker_id: str) -> worker_pb2.WorkerLoad:
         num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks,
         block_size=load.block_size,
+        loras=load.loras,
+        loaded_loras=load.loaded_loras,
+        cpu_loras=load.cpu_loras,
+        num_free_lora_slots=load.num_free_lora_slots,
     )
 
 

@@ -166,6 +166,12 @@ ROUTER_HELP = {
     "none, so a short shared system prompt does not pull new prompts onto one worker",
     "private_weight": "cost policy: what one uncached prompt token past the shared prefix (a "
     "conversation's own history) costs, in tokens of queued work (docs/ROUTING.md)",
+    "lora_load_tokens": "cost policy: what loading a request's LoRA adapter into a device slot "
+    "costs a worker, in prompt tokens (docs/LORA.md)",
+    "lora_loaded_weight": "cost policy: the share of --lora-load-tokens a worker with the "
+    "adapter in a slot is spared (its affinity, 0 to 1)",
+    "lora_free_slot_weight": "cost policy: the share of --lora-load-tokens a worker with a free "
+    "slot is spared (its affinity, 0 to 1); a worker that must evict an adapter is spared none",
     "peer_fetch_tokens_per_s": "peer block fetch (cost policy): tokens of KV moved a second "
     "between two workers, as measured (kvswitch bench transfer: blocks_per_s x block size); with "
     "--prefill-tokens-per-s, a worker may take a cached prefix from its holder instead of "

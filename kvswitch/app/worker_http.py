@@ -14,7 +14,7 @@ that reads vLLM's events, kvswitch's engine mode among them (docs/ENGINES.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -43,9 +43,12 @@ _INLINE_TOKENIZE_CHARS = 1024  # longer text prompts are tokenized on a thread
 class WorkerModels:
     """The one model a worker serves, under its name in the index."""
 
-    def __init__(self, name: str, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self, name: str, tokenizer: Tokenizer | None, loras: Callable[[], Sequence[str]] = tuple
+    ) -> None:
         self._name = name
         self.tokenizer = tokenizer
+        self._loras = loras  # the LoRA adapters the worker serves now
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -56,6 +59,9 @@ class WorkerModels:
 
     def names(self) -> list[str]:
         return [self._name]
+
+    def adapters(self) -> dict[str, str]:
+        return {lora: self._name for lora in self._loras()}
 
     async def wait_for_change(self, timeout_s: float) -> None:
         await asyncio.sleep(timeout_s)  # a worker's model never changes
@@ -170,7 +176,7 @@ async def start_worker_http(
         keys=config.http_keys(),
     )
     channel = front.security.channel(loopback_target(worker.address))
-    models = WorkerModels(worker.engine.namespace, tokenizer)
+    models = WorkerModels(worker.engine.namespace, tokenizer, lambda: worker.engine.load.loras)
     stub = WorkerAsRouter(worker_pb2_grpc.WorkerStub(channel), worker.worker_id, models)
     api = OpenAIFront(front, models, stub, new_front_key())  # type: ignore[arg-type]
     registry = worker.metrics.registry

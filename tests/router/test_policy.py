@@ -10,6 +10,7 @@ import pytest
 from kvswitch.router.policy import (
     CostPolicy,
     LeastLoaded,
+    LoraResidence,
     PrefixPolicy,
     RandomPolicy,
     RoundRobin,
@@ -108,6 +109,27 @@ def test_prefix_least_loaded_round_robin_random() -> None:
     rnd = RandomPolicy(random.Random(1))
     assert {rnd.choose(REQUEST, workers).worker_id for _ in range(50)} == {"w0", "w1", "w2"}
     assert PrefixPolicy().choose(REQUEST, fleet((0, 3), (0, 1))).reason.startswith("no cached")
+
+
+def test_cost_credits_the_adapters_affinity_on_top_of_the_prefix() -> None:
+    """Loaded 1.0, a free slot 0.8, evicting 0 of ``lora_load_tokens``; a cached prefix still
+    outweighs an adapter load, and a request without an adapter pays nothing."""
+    residences = [LoraResidence.EVICT, LoraResidence.FREE_SLOT, LoraResidence.LOADED]
+    workers = [WorkerState(f"w{i}", 0, 0, 100, 100, lora=r) for i, r in enumerate(residences)]
+    policy = CostPolicy(lora_load_tokens=1000)
+    costs = [policy.cost(REQUEST, w) for w in workers]
+    assert [c - 4096 for c in costs] == pytest.approx([1000, 200, 0])
+    assert policy.choose(REQUEST, workers).worker_id == "w2"
+    assert policy.choose(REQUEST, workers[:2]).worker_id == "w1"
+    # A worker that holds the prompt's prefix but must evict wins over a loaded empty one.
+    holder = WorkerState("w0", 200, 0, 100, 100, lora=LoraResidence.EVICT)
+    assert policy.choose(REQUEST, [holder, workers[2]]).worker_id == "w0"
+    # The weights tune the affinity; without an adapter a worker pays none of it.
+    flat = CostPolicy(lora_load_tokens=1000, lora_free_slot_weight=0.0, lora_loaded_weight=0.5)
+    assert [flat.cost(REQUEST, w) - 4096 for w in workers] == pytest.approx([1000, 1000, 500])
+    assert policy.cost(REQUEST, WorkerState("w3", 0, 0, 100, 100)) == 4096
+    with pytest.raises(ValueError, match="lora_free_slot_weight must be between 0 and 1"):
+        CostPolicy(lora_free_slot_weight=1.5)
 
 
 def test_make_policy_and_overrides() -> None:
