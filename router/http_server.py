@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import uvicorn
 
+from kvswitch.router.lora_updates import FleetAdapters
 from kvswitch.router.openai_http import FrontConfig, OpenAIFront, RouterModels
 from kvswitch.router.router import Router
 from kvswitch.serving import host_port
@@ -81,8 +82,14 @@ async def start_http_front(
     # checks the HTTP client's own token.
     security = dataclasses.replace(config.security, fleet_token="")
     channel = security.channel(loopback_target(router_address))
+    adapters = FleetAdapters(router) if config.lora_updates else None
     front = OpenAIFront(
-        config, RouterModels(router), router_pb2_grpc.RouterStub(channel), front_key, engines
+        config,
+        RouterModels(router),
+        router_pb2_grpc.RouterStub(channel),
+        front_key,
+        engines,
+        adapters,
     )
     return await serve_http(front.app, config, channel)
 

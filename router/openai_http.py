@@ -54,8 +54,10 @@ from kvswitch.router.limits import MAX_UNKNOWN_OUTPUT_TOKENS, check_prompt_lengt
 from kvswitch.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoraAdapterRequest,
     OpenAIError,
     Reply,
+    UnloadLoraAdapterRequest,
     error_from_validation,
 )
 from kvswitch.router.openai_stream import RouterOutput, events, until_disconnected
@@ -69,10 +71,12 @@ from kvswitch.router.router import (
 from kvswitch.router.servicer import WORKER_ID_KEY
 from kvswitch.router.stop_strings import StopStrings
 from kvswitch.security import FleetSecurity
+from kvswitch.serving import check_name
 from kvswitch.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from kvswitch.router.engine_forward import EngineForwarder
+    from kvswitch.router.lora_updates import FleetAdapters, LoraUpdate
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,7 @@ class FrontConfig:
     wait_for_worker_s: float  # a request finding no worker waits this long for one
     security: FleetSecurity
     keys: tuple[str, ...] = ()  # what a client must present as "Bearer KEY"; () = nothing
+    lora_updates: bool = False  # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @classmethod
     def of(cls, config: Any) -> FrontConfig:
@@ -174,8 +179,10 @@ class OpenAIFront:
         stub: router_pb2_grpc.RouterStub,
         front_key: str,
         engines: EngineForwarder | None = None,
+        adapters: FleetAdapters | None = None,
     ) -> None:
         self._config = config
+        self._adapters = adapters  # with config.lora_updates: loads and unloads them
         self._models = models
         self._engines = engines  # where the fleet has OpenAI-API engines
         self._stub = stub
@@ -197,6 +204,10 @@ class OpenAIFront:
         self.app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         self.app.add_api_route("/v1/models", self.models, methods=["GET"])
         self.app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        self.app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        self.app.add_api_route(
+            "/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]
+        )
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -257,6 +268,66 @@ class OpenAIFront:
         adapters = self._models.adapters()
         data += [self._model_card(name, adapters[name]) for name in sorted(adapters)]
         return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Load an adapter on the workers (``router/lora_updates.py``): 200 once one worker
+        or more serve it, naming them (and any that refused); 400 when none would."""
+        adapters = self._lora_updates(request)
+        body = _validate(await self._read_body(request), LoadLoraAdapterRequest)
+        name = body.lora_name
+        try:
+            check_name("lora_name", name)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="lora_name") from None
+        if name in self._served_models():
+            raise OpenAIError(
+                400, f"lora_name: {name!r} is the model's own name", param="lora_name"
+            )
+        update = await adapters.load(name, body.lora_path)
+        if not update.done:
+            raise OpenAIError(
+                503 if not update.refused else 400,
+                f"no worker loaded the adapter {name!r}: "
+                + (update.describe_refusals() or "no worker is live"),
+                param="lora_path" if update.refused else None,
+            )
+        return JSONResponse(_update_body(update))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Unload an adapter from the workers serving it: 200 naming them; 404 when none
+        does; 409 when some still run requests of it (those keep it)."""
+        adapters = self._lora_updates(request)
+        body = _validate(await self._read_body(request), UnloadLoraAdapterRequest)
+        name = body.lora_name
+        if name not in self._models.adapters():
+            raise OpenAIError(
+                404,
+                f"no worker serves the adapter {name!r}",
+                param="lora_name",
+                code="model_not_found",
+            )
+        update = await adapters.unload(name)
+        if update.refused:
+            raise OpenAIError(
+                409,
+                f"the adapter {name!r} was unloaded from "
+                f"{', '.join(update.done) or 'no worker'}; refused by "
+                f"{update.describe_refusals()}",
+                param="lora_name",
+                code="adapter_in_use",
+            )
+        return JSONResponse(_update_body(update))
+
+    def _lora_updates(self, request: Request) -> FleetAdapters:
+        self._check_key(request)
+        if self._adapters is None:
+            raise OpenAIError(
+                403,
+                "loading LoRA adapters at run time is off: a router started with "
+                "--lora-updates serves it",
+                code="lora_updates_off",
+            )
+        return self._adapters
 
     async def model(self, request: Request, model_id: str) -> Response:
         self._check_key(request)
@@ -560,6 +631,13 @@ def _route_headers(final: router_pb2.GenerateFinal | None) -> dict[str, str]:
     if disaggregated or stats.num_transferred_blocks:
         headers["x-kvswitch-kv-blocks-moved"] = str(stats.num_transferred_blocks)
     return headers
+
+
+def _update_body(update: LoraUpdate) -> dict[str, Any]:
+    body: dict[str, Any] = {"lora_name": update.lora_name, "workers": update.done}
+    if update.refused:
+        body["refused"] = {worker_id: why for worker_id, (_, why) in update.refused.items()}
+    return body
 
 
 def _validate(raw: bytes, model: type[T]) -> T:

@@ -106,6 +106,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """``POST /v1/load_lora_adapter``, as vLLM names its fields."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)  # a PEFT adapter's folder, on every worker's host
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str = Field(min_length=1)
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None  # a last chunk with the usage, and no choices
 

@@ -125,6 +125,8 @@ class RouterConfig:
     block_hash: str = ""
     metrics_port: int = -1  # Prometheus /metrics; -1 = none, 0 = a free port
     http_port: int = -1  # the OpenAI-compatible HTTP API (docs/OPENAI.md); -1 = none, 0 = free
+    # The HTTP API loads and unloads LoRA adapters on the workers (router/lora_updates.py).
+    lora_updates: bool = False
     # The HTTP API's keys, comma-separated: clients send "Authorization: Bearer KEY". Empty: the
     # client token (token), if there is one.
     api_key: str = ""
@@ -170,6 +172,8 @@ class RouterConfig:
         self.security()
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.lora_updates and self.http_port < 0:
+            raise ValueError("lora_updates is served by the HTTP API: give --http-port too")
         if parse_api_keys(self.api_key) and self.http_port < 0:
             raise ValueError("api_key is for the HTTP API: serve it with --http-port too")
         self.check_exposure()

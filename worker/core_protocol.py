@@ -26,6 +26,8 @@ Serving process to core::
     [KV_LANDED, call_id, request_id, num_written_blocks]
                                        its transfer is over; num_written_blocks: leading awaited
                                        blocks a transport wrote by id (the WRITEs count anyway)
+    [LOAD_LORA, call_id, name, path]   serve a LoRA adapter from now on
+    [UNLOAD_LORA, call_id, name]       stop serving one (refused while requests name it)
     [STOP]
 
 Core to serving process::
@@ -39,8 +41,9 @@ Core to serving process::
                                        frame, unless written to shm), HOLD_BLOCKS (block ids)
                                        the WRITEs (num written), NIXL_INFO (bytes),
                                        ADD_AWAITING_KV
-                                       ([num_cached_blocks, block ids, refused]) and
-                                       KV_LANDED (num landed);
+                                       ([num_cached_blocks, block ids, refused]),
+                                       KV_LANDED (num landed) and the LORA calls (the adapters
+                                       served);
                                        when not ok, value is the error's message
     [STOPPED]                          last
 
@@ -79,7 +82,7 @@ from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, St
     HOLD_BLOCKS,
     WRITE_BLOCKS_MAPPED,
 ) = range(10)
-ADD_AWAITING_KV, KV_LANDED, NIXL_INFO, WRITE_BLOCKS_NIXL = range(16, 20)
+ADD_AWAITING_KV, KV_LANDED, NIXL_INFO, WRITE_BLOCKS_NIXL, LOAD_LORA, UNLOAD_LORA = range(16, 22)
 # Core -> serving process.
 READY, START_FAILED, STEP, SNAPSHOT_TAKEN, STOPPED, REPLY = range(10, 16)
 

@@ -118,7 +118,7 @@ class LLMEngine:
         self.model_config = self.model.config
         # The adapters' device slots come before the KV cache, which takes what memory is left.
         self.loras: LoraManager | None = None
-        if config.lora:
+        if config.lora or config.enable_lora:
             slots = LoraSlots(
                 self.model_config,
                 max_loras=config.max_loras,
@@ -297,6 +297,35 @@ class LLMEngine:
         if loras is None:
             return [], [], [], 0
         return loras.names, loras.in_slots, loras.in_host_memory, loras.num_free_slots
+
+    def load_lora(self, name: str, path: str) -> list[str]:
+        """Serve the PEFT adapter in the folder ``path`` as ``name`` from now on; the adapters
+        served. ValueError when the engine has no adapter slots, the name is taken or the
+        adapter does not fit."""
+        if self.loras is None:
+            raise ValueError(
+                "this worker has no LoRA slots: start it with --enable-lora (or a --lora)"
+            )
+        if not name or "=" in name or name == self.namespace:
+            raise ValueError(
+                f"lora_name: {name!r} cannot name an adapter (empty, with '=' or the model's name)"
+            )
+        self.loras.register(name, path)
+        return self.loras.names
+
+    def unload_lora(self, name: str) -> list[str]:
+        """Stop serving the adapter ``name``; the adapters served. ValueError when it is not
+        served, or while requests that name it run or wait (they would lose it)."""
+        self.check_lora(name)
+        assert self.loras is not None
+        using = sum(r.hasher.lora == name for r in self.requests.values())
+        if using:
+            raise ValueError(
+                f"lora: adapter {name!r} has {using} request(s) running or waiting; unload it "
+                "once they end"
+            )
+        self.loras.unregister(name)
+        return self.loras.names
 
     def check_lora(self, lora: str | None) -> None:
         """ValueError, naming the adapters served, unless ``lora`` is None or one of them."""

@@ -165,6 +165,7 @@ class EngineClient:
         block_naming: BlockNaming = XXH3_NAMING,
     ) -> None:
         self.facts = facts
+        self.loras = facts.loras  # the adapters served now (those loaded at run time too)
         self.block_naming = block_naming  # the core's, from its config: how prompts are hashed
         self._context = context
         self._inbox = inbox  # commands to the core
@@ -310,6 +311,11 @@ class EngineClient:
         return len(self._streams)
 
     @property
+    def num_calls(self) -> int:
+        """Calls sent to the core and not answered yet."""
+        return len(self._calls)
+
+    @property
     def pid(self) -> int | None:
         """The engine core's process id; None when it runs on a thread."""
         return getattr(self._core, "pid", None)
@@ -417,6 +423,18 @@ class EngineClient:
         awaited blocks a transport wrote by block id."""
         return self._call([wire.KV_LANDED], request_id, num_written_blocks)
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in the folder ``path`` as ``name`` (``LLMEngine.load_lora``);
+        ValueError says why not."""
+        served = await asyncio.wrap_future(self._call([wire.LOAD_LORA], name, path))
+        self.loras = tuple(served)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving the adapter ``name`` (``LLMEngine.unload_lora``); ValueError says why
+        not."""
+        served = await asyncio.wrap_future(self._call([wire.UNLOAD_LORA], name))
+        self.loras = tuple(served)
+
     def checked_prompt(
         self,
         prompt_token_ids: np.ndarray | list[int],
@@ -430,7 +448,7 @@ class EngineClient:
         facts = self.facts
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, facts.vocab_size, facts.max_model_len, num_resumed_tokens)
-        check_lora_name(lora, facts.loras)
+        check_lora_name(lora, self.loras)
         check_hold(hold_s)
         # Checked, so in range: converted once, for the hashes and the wire alike.
         return prompt.astype("<u4", copy=False)

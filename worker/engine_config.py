@@ -45,8 +45,10 @@ class EngineConfig:
     # LoRA adapters served beside the base model, each "NAME=PATH" (a PEFT adapter's folder); a
     # request names one by its NAME (worker/lora.py). max_loras: adapters one step may use (the
     # device slots); max_lora_rank: the largest rank taken; max_cpu_loras: adapters kept read in
-    # host memory (0: max_loras or the number served, whichever is more).
+    # host memory (0: every adapter served). enable_lora: the slots are made without a lora
+    # too, for adapters loaded at run time (LLMEngine.load_lora).
     lora: tuple[str, ...] = ()
+    enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 0

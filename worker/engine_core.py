@@ -251,6 +251,10 @@ class EngineCore:
                 self._reply(message[1], self._add_awaiting_kv, message[2])
             elif kind == wire.KV_LANDED:
                 self._reply(message[1], self.engine.kv_landed, *message[2:])
+            elif kind == wire.LOAD_LORA:
+                self._reply(message[1], self.engine.load_lora, *message[2:])
+            elif kind == wire.UNLOAD_LORA:
+                self._reply(message[1], self.engine.unload_lora, *message[2:])
             elif kind == wire.STOP:
                 return False
             elif kind == _INPUT_FAILED:

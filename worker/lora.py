@@ -295,10 +295,11 @@ class LoraManager:
 
     def __init__(self, slots: LoraSlots, paths: dict[str, str], *, max_cpu_loras: int = 0) -> None:
         self.slots = slots
-        self.max_cpu_loras = max_cpu_loras or max(slots.max_loras, len(paths))
-        if self.max_cpu_loras < slots.max_loras:
+        # 0: every adapter served stays in host memory (those loaded at run time too).
+        self._max_cpu_loras = max_cpu_loras
+        if 0 < max_cpu_loras < slots.max_loras:
             raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras "
                 f"({slots.max_loras}): an adapter in a slot is also kept in host memory"
             )
         self.paths: dict[str, str] = {}
@@ -308,6 +309,11 @@ class LoraManager:
         self.num_slot_loads = 0
         for name, path in paths.items():
             self.register(name, path)
+
+    @property
+    def max_cpu_loras(self) -> int:
+        """How many adapters host memory keeps."""
+        return self._max_cpu_loras or max(self.slots.max_loras, len(self.paths))
 
     def register(self, name: str, path: str) -> LoraAdapter:
         """Serve the adapter in the folder ``path`` as ``name`` (read and checked now);

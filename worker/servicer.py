@@ -330,6 +330,42 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._engine.release(request.transfer_id)
         return worker_pb2.ReleaseBlocksResponse()
 
+    async def LoadLoraAdapter(
+        self, request: worker_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraAdaptersResponse:
+        name = request.lora_name
+        if name in self._engine.loras:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"lora_name: adapter {name!r} is served already"
+            )
+        try:
+            await self._engine.load_lora(name, request.lora_path)
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        logger.info("serving LoRA adapter %s from %s", name, request.lora_path)
+        return worker_pb2.LoraAdaptersResponse(loras=self._engine.loras)
+
+    async def UnloadLoraAdapter(
+        self, request: worker_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraAdaptersResponse:
+        name = request.lora_name
+        if name not in self._engine.loras:
+            served = ", ".join(self._engine.loras) or "none"
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"lora_name: adapter {name!r} is not served here; served: {served}",
+            )
+        try:
+            await self._engine.unload_lora(name)
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
+        except ValueError as e:  # requests name it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        logger.info("no longer serving LoRA adapter %s", name)
+        return worker_pb2.LoraAdaptersResponse(loras=self._engine.loras)
+
 
 async def _next_outputs(
     queue: asyncio.Queue[RequestOutput | EngineError],

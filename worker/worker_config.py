@@ -96,8 +96,9 @@ class WorkerConfig:
     # "" = the fleet token, if any.
     http_port: int = -1
     api_key: str = ""
-    # LoRA adapters (EngineConfig's lora, max_loras, max_lora_rank, max_cpu_loras).
+    # LoRA adapters (EngineConfig's lora, enable_lora, max_loras, max_lora_rank, max_cpu_loras).
     lora: tuple[str, ...] = ()
+    enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 0

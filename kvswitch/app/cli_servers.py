@@ -72,11 +72,13 @@ WORKER_HELP = {
     "lora": "serve a LoRA adapter beside the base model: NAME=PATH, PATH a PEFT adapter's "
     "folder (adapter_config.json, adapter_model.safetensors); repeat for more. A request names "
     "it in its lora field (docs/LORA.md)",
+    "enable_lora": "make the LoRA slots without a --lora too, for adapters loaded at run time "
+    "(the LoadLoraAdapter call; a router's POST /v1/load_lora_adapter)",
     "max_loras": "adapters one step may use (device slots for them); requests of another "
     "adapter wait for a slot",
     "max_lora_rank": "the largest adapter rank served (the slots are sized for it)",
     "max_cpu_loras": "adapters kept read in host memory, least recently used dropped first; "
-    "0 = --max-loras or the number of --lora, whichever is more",
+    "0 = every adapter served",
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
     "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
     "them all, they slow each other many times over",
@@ -172,6 +174,10 @@ ROUTER_HELP = {
     "adapter in a slot is spared (its affinity, 0 to 1)",
     "lora_free_slot_weight": "cost policy: the share of --lora-load-tokens a worker with a free "
     "slot is spared (its affinity, 0 to 1); a worker that must evict an adapter is spared none",
+    "lora_updates": "the HTTP API loads and unloads LoRA adapters on every worker: POST "
+    "/v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name}; the "
+    "path must be readable on each worker's host (docs/LORA.md). Whoever holds an API key may "
+    "make the workers read a folder of their disks",
     "peer_fetch_tokens_per_s": "peer block fetch (cost policy): tokens of KV moved a second "
     "between two workers, as measured (kvswitch bench transfer: blocks_per_s x block size); with "
     "--prefill-tokens-per-s, a worker may take a cached prefix from its holder instead of "

@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdaptersResponse(_message.Message):
+    __slots__ = ("loras",)
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loras: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lora", "cache_salt", "num_resumed_tokens", "prompt_token_ids_u32le", "hold_blocks_ms", "kv_source", "num_pending_text_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,16 @@ class WorkerStub:
                 request_serializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksRequest.SerializeToString,
                 response_deserializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/kvswitch.v1.Worker/LoadLoraAdapter',
+                request_serializer=kvswitch_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvswitch_dot_v1_dot_worker__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/kvswitch.v1.Worker/UnloadLoraAdapter',
+                request_serializer=kvswitch_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvswitch_dot_v1_dot_worker__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -119,6 +129,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serves a LoRA adapter from a folder on the worker's host from now on
+        (a worker started with --enable-lora or a --lora). ALREADY_EXISTS when the
+        name is served already, INVALID_ARGUMENT when the adapter cannot be.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving a LoRA adapter. NOT_FOUND when it is not served,
+        FAILED_PRECONDITION while requests naming it run or wait.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +178,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseBlocks,
                     request_deserializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksRequest.FromString,
                     response_serializer=kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=kvswitch_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=kvswitch_dot_v1_dot_worker__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=kvswitch_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=kvswitch_dot_v1_dot_worker__pb2.LoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +353,60 @@ class Worker:
             '/kvswitch.v1.Worker/ReleaseBlocks',
             kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksRequest.SerializeToString,
             kvswitch_dot_v1_dot_worker__pb2.ReleaseBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvswitch.v1.Worker/LoadLoraAdapter',
+            kvswitch_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            kvswitch_dot_v1_dot_worker__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvswitch.v1.Worker/UnloadLoraAdapter',
+            kvswitch_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            kvswitch_dot_v1_dot_worker__pb2.LoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,9 +6,12 @@ with the model they adapt as ``parent``."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+from pathlib import Path
 
 import grpc
+import httpx2
 import numpy as np
 import openai
 import pytest
@@ -17,7 +20,13 @@ from kvswitch.client import Client, KvswitchError
 from kvswitch.router.server import RouterServer
 from kvswitch.router.workers import WorkerHandle
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
-from tests.router.harness import ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster, wait_until
+from tests.router.harness import (
+    ROUTER_CONFIG,
+    WORKER_CONFIG,
+    BackgroundCluster,
+    paused_core,
+    wait_until,
+)
 from tests.worker.test_lora_serving import save_adapter
 
 WORKER = dataclasses.replace(WORKER_CONFIG, engine_in_process=True, max_loras=1)
@@ -134,3 +143,85 @@ def test_a_request_goes_where_its_adapter_is_loaded(adapters: dict[str, str]) ->
             )
     assert slot_loads[256.0] == 2
     assert slot_loads[0.0] > 2
+
+
+def test_adapters_load_and_unload_at_run_time(adapters: dict[str, str], tmp_path: Path) -> None:
+    """``--lora-updates``: POST /v1/load_lora_adapter puts an adapter on every worker (started
+    with --enable-lora and none), whose requests then run under it; a folder that holds no
+    adapter is refused by name; an unload waits for nothing: while a request of the adapter is
+    in the engine, it is refused (409) and the adapter still serves, then it goes."""
+    router = dataclasses.replace(ROUTER_CONFIG, http_port=0, lora_updates=True)
+    # NOTE: the engine core in a process of its own, so that a test can hold it still.
+    worker = dataclasses.replace(WORKER_CONFIG, enable_lora=True)
+    name, _, path = adapters["a"].partition("=")
+    with BackgroundCluster(2, router, worker) as cluster:
+        front = cluster.router.http_front
+        assert front is not None
+        with httpx2.Client(base_url=front.url, timeout=60) as http:
+
+            def post(endpoint: str, **body: str) -> httpx2.Response:
+                return http.post(f"/{endpoint}_lora_adapter", json=body)
+
+            models = http.get("/models")
+            assert [c["id"] for c in models.json()["data"]] == ["kvswitch-tiny"], models.text
+            loaded = post("load", lora_name=name, lora_path=path)
+            assert loaded.status_code == 200, loaded.text
+            assert sorted(loaded.json()["workers"]) == ["w0", "w1"]
+            cards = http.get("/models").json()["data"]
+            assert {c["id"]: c.get("parent") for c in cards} == {
+                "kvswitch-tiny": None,
+                name: "kvswitch-tiny",
+            }
+            (tmp_path / "empty").mkdir()
+            bad = post("load", lora_name="b", lora_path=str(tmp_path / "empty"))
+            assert bad.status_code == 400
+            assert "holds no adapter_config.json" in bad.json()["error"]["message"]
+
+            with Client(cluster.address) as client:
+                prompt = prompts(1, seed=5)[0]
+                adapted = client.generate(prompt_token_ids=prompt, max_tokens=4, lora=name)
+                base = client.generate(prompt_token_ids=prompt, max_tokens=4)
+                assert adapted.token_ids != base.token_ids
+                holder = cluster.worker(adapted.stats.worker_id)
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    with paused_core(holder):
+                        running = pool.submit(
+                            client.generate, prompt_token_ids=prompt, max_tokens=4, lora=name
+                        )
+                        wait_until(
+                            lambda: holder.engine.num_requests == 1 or running.done(),
+                            "the adapter's request submitted",
+                        )
+                        # Answered once the core takes the unload, after the request.
+                        unloading = pool.submit(post, "unload", lora_name=name)
+                        wait_until(
+                            lambda: holder.engine.num_calls == 1 or unloading.done(),
+                            "the unload sent to the engine core",
+                        )
+                    refused = unloading.result(timeout=60)
+                    assert running.result(timeout=60).token_ids == adapted.token_ids
+            assert refused.status_code == 409, refused.text
+            error = refused.json()["error"]
+            assert (error["code"], error["param"]) == ("adapter_in_use", "lora_name")
+            assert "has 1 request(s) running or waiting" in error["message"]
+            # The worker that refused still serves it; a second unload takes it.
+            assert name in [c["id"] for c in http.get("/models").json()["data"]]
+            unloaded = post("unload", lora_name=name)
+            assert unloaded.status_code == 200, unloaded.text
+            assert [c["id"] for c in http.get("/models").json()["data"]] == ["kvswitch-tiny"]
+            gone = post("unload", lora_name=name)
+            assert (gone.status_code, gone.json()["error"]["code"]) == (404, "model_not_found")
+        with Client(cluster.address) as client, pytest.raises(KvswitchError) as unknown:
+            client.generate(prompt_token_ids=prompt, max_tokens=4, lora=name)
+        assert unknown.value.code is grpc.StatusCode.NOT_FOUND
+
+
+def test_runtime_adapter_loading_is_off_unless_asked() -> None:
+    with BackgroundCluster(1, dataclasses.replace(ROUTER_CONFIG, http_port=0), WORKER) as cluster:
+        front = cluster.router.http_front
+        assert front is not None
+        answer = httpx2.post(
+            f"{front.url}/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}
+        )
+    assert answer.status_code == 403
+    assert "--lora-updates" in answer.json()["error"]["message"]
