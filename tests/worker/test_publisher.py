@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 
 import pytest
 import redis
@@ -388,6 +390,22 @@ def test_a_stalled_index_write_never_lets_the_registration_lapse() -> None:
         engine.stop()
 
 
+async def until_busy(admin: redis.Redis, timeout_s: float = 60.0) -> None:
+    """Until a script holds the Redis busy: it answers BUSY to everyone else."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            admin.ping()
+        except redis.exceptions.BusyLoadingError:
+            return
+        except redis.exceptions.ResponseError as e:
+            if str(e).startswith("BUSY"):
+                return
+            raise
+        assert time.monotonic() < deadline, "the script never started"
+        await asyncio.sleep(0.01)
+
+
 def test_a_busy_redis_makes_no_worker_register_or_resync_again() -> None:
     """A script holds a real Redis busy (it answers everyone else BUSY): the publisher's calls
     fail and are tried again, and once it is free the same registration goes on with the same
@@ -409,13 +427,20 @@ def test_a_busy_redis_makes_no_worker_register_or_resync_again() -> None:
                 with redis.Redis(port=server.port) as client:
                     client.eval("while true do end", 0)  # until SCRIPT KILL
 
+            num_errors = publisher.num_errors
             busy = asyncio.get_running_loop().run_in_executor(None, hold_busy)
-            await generate(engine, "r1", [256, *b"while it is busy " * 4])
-            while publisher.num_errors < 3:  # its calls are answered BUSY
-                await asyncio.sleep(0.01)
-            admin.script_kill()
+            try:
+                await until_busy(admin)
+                await generate(engine, "r1", [256, *b"while it is busy " * 4])
+                while publisher.num_errors < num_errors + 3:  # its calls are answered BUSY
+                    await asyncio.sleep(0.01)
+            finally:
+                # NOTE: also when the test fails: a script left running holds the executor's
+                # thread, and asyncio.run waits for that thread for ever.
+                with contextlib.suppress(redis.exceptions.ResponseError):
+                    admin.script_kill()
         with pytest.raises(redis.exceptions.ResponseError, match="killed"):
-            await busy
+            await asyncio.wait_for(busy, 60)
         await index_matches_worker(index, engine)
         assert publisher.num_registers == 1 and publisher.num_resyncs == 1
         await publisher.stop()
