@@ -12,6 +12,11 @@ For each request, in arrival order, on a simulated clock::
                                                      the prefix's traffic counted)
     the chosen worker queues it; the router counts its uncached prompt and output tokens there
 
+A request of a LoRA adapter (the trace's ``lora``) is admitted once its adapter is in one of
+the worker's ``max_loras`` slots: the step that loads it takes ``lora_load_s`` longer, and evicts
+the least recently used adapter no running request uses; with none to evict it waits at the head
+of the queue, as the worker's scheduler makes it. Every worker serves every adapter.
+
 What is not modelled: the network and the router's own time (a decision takes no simulated time),
 index events in flight (the index learns a step's blocks as the step ends), failures and
 failover, several routers, output blocks being hit (a trace names prompt blocks only). Worker
@@ -69,12 +74,16 @@ class SimConfig:
     # transfer costs besides. The cost policy weighs it against the profile's prefill speed.
     fetch_tokens_per_s: float = 0.0
     fetch_latency_s: float = 0.001
+    max_loras: int = 4  # LoRA adapter slots per worker
+    lora_load_s: float = 0.005  # what putting an adapter in a slot adds to its step
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
-        for name in ("fetch_tokens_per_s", "fetch_latency_s"):
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        for name in ("fetch_tokens_per_s", "fetch_latency_s", "lora_load_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         make_policy("cost", self.weights())  # refuses an unknown weight or a bad value now
@@ -169,6 +178,7 @@ def prepare(requests: Sequence[TraceRequest], block_tokens: int) -> list[SimRequ
                 TRACE_NAMESPACE,
                 block_tokens,
                 block_hashes(r, block_tokens),
+                lora=r.lora,
             ),
         )
         for r in requests
@@ -247,6 +257,11 @@ class PolicyRun:
     # Blocks taken from a peer's cache (peer block fetch); they count as cached tokens too.
     num_fetched_blocks: int = 0
     block_tokens: int = 0
+    num_lora_loads: int = 0  # LoRA adapters put in a worker's slot
+
+    @property
+    def lora_loads_per_minute(self) -> float:
+        return self.num_lora_loads / self.makespan_s * 60 if self.makespan_s else 0.0
 
     @property
     def utilization(self) -> float:
@@ -298,6 +313,7 @@ async def _simulate(
     clock = _Clock()
     index = MemoryIndex(clock)
     width = len(str(config.workers - 1))  # w00 ... w15: ids sort as numbers do
+    loras = sorted({r.request.lora for r in requests} - {None})  # type: ignore[type-var]
     workers: list[SimWorker] = []
     for k in range(config.workers):
         info = WorkerInfo(
@@ -312,7 +328,14 @@ async def _simulate(
         handle = WorkerHandle(info, channel=None, stub=None)  # type: ignore[arg-type]
         workers.append(
             SimWorker(
-                handle, profile, config.capacity_blocks, config.block_tokens, config.load_poll_s
+                handle,
+                profile,
+                config.capacity_blocks,
+                config.block_tokens,
+                config.load_poll_s,
+                loras=loras,
+                max_loras=config.max_loras,
+                lora_load_s=config.lora_load_s,
             )
         )
     by_id = {w.handle.worker_id: w for w in workers}
@@ -377,6 +400,7 @@ async def _simulate(
             request.num_output_tokens,
             plan.block_hashes,
             num_uncached,
+            lora=request.lora,
         )
         worker = by_id[decision.worker_id]
         if decision.fetch_from:
@@ -412,4 +436,5 @@ async def _simulate(
         num_preempted=sum(w.num_preempted for w in workers),
         num_fetched_blocks=num_fetched_blocks,
         block_tokens=config.block_tokens,
+        num_lora_loads=sum(w.num_lora_loads for w in workers),
     )

@@ -8,7 +8,9 @@ The figures, per policy:
 - ``fetched_token_share``: prompt tokens taken from a peer's cache, over all prompt tokens;
 - ``ttft_mean_s``, ``ttft_p50_s``, ``ttft_p99_s``: arrival to first token, queueing included;
 - ``load_imbalance``: the busiest worker's prompt tokens computed over the mean worker's;
-- ``utilization``: the mean over workers of time spent in steps over the makespan.
+- ``utilization``: the mean over workers of time spent in steps over the makespan;
+- ``lora_loads_per_minute``: LoRA adapters put in a worker's slot, a minute of the run (0 for a
+  trace without adapters).
 
 ``global_cache`` is the hit rate of one cache with the whole fleet's capacity serving every
 request, ``infinite_cache`` that of a cache that never evicts (loadtest/cache_bounds.py).
@@ -51,6 +53,7 @@ def policy_figures(run: PolicyRun) -> dict[str, float]:
         "ttft_p99_s": float(p99),
         "load_imbalance": load_imbalance(prefill),
         "utilization": run.utilization,
+        "lora_loads_per_minute": run.lora_loads_per_minute,
     }
 
 
@@ -104,6 +107,9 @@ def format_table(result: dict[str, Any], runs: dict[str, PolicyRun]) -> str:
         f"{'policy':<14}{'hit rate':>9}{'TTFT mean':>11}{'p50':>10}{'p99':>10}"
         f"{'imbalance':>11}{'util':>7}{'preempted':>11}"
     )
+    with_loras = any(run.num_lora_loads for run in runs.values())
+    if with_loras:
+        header += f"{'lora loads/min':>16}"
     lines = [header]
     for policy, f in result["policies"].items():
         ttfts = "".join(
@@ -113,6 +119,7 @@ def format_table(result: dict[str, Any], runs: dict[str, PolicyRun]) -> str:
         lines.append(
             f"{policy:<14}{f['token_hit_rate']:>9.1%}{ttfts}{f['load_imbalance']:>11.2f}"
             f"{f['utilization']:>7.2f}{runs[policy].num_preempted:>11}"
+            + (f"{f['lora_loads_per_minute']:>16.1f}" if with_loras else "")
         )
     lines.append(f"{'global cache':<14}{result['global_cache']['token_hit_rate']:>9.1%}")
     lines.append(f"{'infinite cache':<14}{result['infinite_cache']['token_hit_rate']:>9.1%}")

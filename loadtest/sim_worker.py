@@ -21,7 +21,8 @@ time, and the load report the router last polled.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvswitch.cache_index.events import CacheEvent
@@ -40,6 +41,7 @@ class Job:
     num_output_tokens: int
     block_hashes: list[bytes]  # of the full prompt blocks
     num_routed_prefill_tokens: int  # the uncached tokens the router charged the worker with
+    lora: str | None = None  # the LoRA adapter it runs under
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose KV is computed
     num_produced: int = 0  # output tokens, as of decode step ``decode_mark`` of the worker
@@ -62,8 +64,17 @@ class SimWorker:
         num_blocks: int,
         block_tokens: int,
         load_poll_s: float,
+        *,
+        loras: Sequence[str] = (),
+        max_loras: int = 1,
+        lora_load_s: float = 0.0,
     ) -> None:
         self.handle = handle
+        self.loras = tuple(loras)  # the adapters it serves
+        self.max_loras = max_loras
+        self.lora_load_s = lora_load_s
+        self._slots: OrderedDict[str, None] = OrderedDict()  # adapters in a slot, LRU first
+        self.num_lora_loads = 0
         self.profile = profile
         self.blocks = KVBlocks(num_blocks, block_tokens)
         self.block_tokens = block_tokens
@@ -88,7 +99,7 @@ class SimWorker:
         self._events: list[CacheEvent] = []
         self._poll_index = -1  # of the last poll whose report is known
         self._report = self._current_load()  # at that poll
-        self._reported: tuple[int, ...] = ()  # what handle.load says
+        self._reported: tuple[object, ...] = ()  # what handle.load says
         self._polled_index = -1  # of the poll handle.load was last brought up to
         self.next_change_s = math.inf  # before this, advance_to has nothing to do
 
@@ -148,7 +159,7 @@ class SimWorker:
         report = self._report if self.load_poll_s > 0 else self._current_load()
         if report != self._reported:
             self._reported = report
-            running, waiting, queued, free = report
+            running, waiting, queued, free, loaded, free_slots = report
             self.handle.load = worker_pb2.WorkerLoad(
                 worker_id=self.handle.worker_id,
                 num_running_requests=running,
@@ -156,6 +167,9 @@ class SimWorker:
                 num_queued_prefill_tokens=queued,
                 num_free_blocks=free,
                 num_total_blocks=self.blocks.pool.num_blocks,
+                loras=self.loras,
+                loaded_loras=loaded,
+                num_free_lora_slots=free_slots,
             )
 
     def take_events(self) -> list[CacheEvent]:
@@ -201,13 +215,25 @@ class SimWorker:
                 continue
             break
         waiting = self.waiting
+        in_use = {j.lora for j in running}
+        num_lora_loads = 0
         while waiting and budget > 0 and len(running) < profile.max_num_seqs and not preempted:
             job = waiting[0]
+            victim = self._slot_for(job.lora, in_use)
+            if victim is None:
+                break  # its adapter waits for a slot, at the head of the line
             hit = blocks.lookup(job.block_hashes, job.num_tokens)
             num_cached = len(hit) * self.block_tokens
             num_new = min(job.num_tokens - num_cached, budget)
             if not blocks.allocate(job.table, job.block_hashes, num_cached + num_new, hit):
                 break  # head of line: keep arrival order
+            if job.lora is not None:
+                if job.lora not in self._slots:
+                    self._slots.pop(victim, None)
+                    num_lora_loads += 1
+                self._slots[job.lora] = None
+                self._slots.move_to_end(job.lora)
+                in_use.add(job.lora)
             waiting.popleft()
             if job.num_cached_tokens < 0:
                 job.num_cached_tokens = num_cached
@@ -222,8 +248,18 @@ class SimWorker:
         self._num_decodes = num_decodes
         self._step_start_s = start_s
         self._step_s = profile.step_time_s(num_prompt_tokens, num_pairs, num_decodes, num_context)
+        self._step_s += num_lora_loads * self.lora_load_s
+        self.num_lora_loads += num_lora_loads
         self._step_growth_s = num_decodes * profile.decode_s_per_context_token
         self._num_steps = 1 if chunks or preempted else self._stretch()
+
+    def _slot_for(self, lora: str | None, in_use: set[str | None]) -> str | None:
+        """What a request of ``lora`` evicts to run: "" when nothing (no adapter, its adapter
+        in a slot, a slot free), else the least recently used adapter that no running request
+        uses; None when every slot holds one in use."""
+        if lora is None or lora in self._slots or len(self._slots) < self.max_loras:
+            return ""
+        return next((name for name in self._slots if name not in in_use), None)
 
     def _stretch(self) -> int:
         """Decode-only steps from now until the first that finishes a request or needs a block."""
@@ -355,12 +391,14 @@ class SimWorker:
 
     # -- the load report -----------------------------------------------------------------------
 
-    def _current_load(self) -> tuple[int, int, int, int]:
+    def _current_load(self) -> tuple[int, int, int, int, tuple[str, ...], int]:
         return (
             len(self.running),
             len(self.waiting),
             self._num_queued_prefill_tokens,
             self.blocks.num_free_blocks,
+            tuple(self._slots),
+            self.max_loras - len(self._slots),
         )
 
     def _observe(self, now_s: float) -> None:

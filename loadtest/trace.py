@@ -4,6 +4,9 @@ A trace is JSON lines in the Mooncake format, one request a line::
 
     {"timestamp": 1200, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, ...]}
 
+An optional ``"lora"`` names the LoRA adapter the request runs under (absent or null: the base
+model); its blocks are another chain than the same ids' under another adapter, as a worker's.
+
 ``timestamp`` is the arrival in milliseconds from the start; ``hash_ids`` name the prompt's blocks
 of ``block_tokens`` tokens, one id per block, the last one possibly partial. Ids are chained:
 two requests share id k at position i only if their prompts agree up to the end of that block::
@@ -53,6 +56,7 @@ class TraceRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     hash_ids: tuple[int, ...]  # one per block of the prompt, the last one possibly partial
+    lora: str | None = None  # the LoRA adapter it runs under; None: the base model
 
     def num_full_blocks(self, block_tokens: int) -> int:
         """Prompt blocks a cache can hold: the full ones."""
@@ -64,7 +68,7 @@ def block_hashes(request: TraceRequest, block_tokens: int) -> list[bytes]:
     ids = request.hash_ids[: request.num_full_blocks(block_tokens)]
     # NOTE: one id stands for one block's tokens: a chain of 1-token "blocks" over the ids is
     # the chain a worker would compute over the tokens the ids name.
-    hasher = BlockHasher(TRACE_NAMESPACE, block_size=1)
+    hasher = BlockHasher(TRACE_NAMESPACE, block_size=1, lora=request.lora)
     return hasher.hash_blocks(np.asarray(ids, dtype=np.uint32))
 
 
@@ -97,7 +101,10 @@ def load_trace(source: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[Tr
 def distinct_blocks(requests: Iterable[TraceRequest], block_tokens: int) -> int:
     """Full prompt blocks the trace names, each counted once: what a cache that never evicts
     would hold of it."""
-    return len({i for r in requests for i in r.hash_ids[: r.num_full_blocks(block_tokens)]})
+    # NOTE: an id under two adapters names two blocks.
+    return len(
+        {(r.lora, i) for r in requests for i in r.hash_ids[: r.num_full_blocks(block_tokens)]}
+    )
 
 
 def _parse(line: str, block_tokens: int, where: str) -> TraceRequest:
@@ -126,8 +133,11 @@ def _parse(line: str, block_tokens: int, where: str) -> TraceRequest:
             f"{where}: {len(hash_ids)} hash ids for {row['input_length']} input tokens; "
             f"{num_blocks} expected at {block_tokens} tokens per block"
         )
+    lora = row.get("lora")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise TraceError(f"{where}: lora must be an adapter's name or null, got {lora!r}")
     return TraceRequest(
-        timestamp / 1000, row["input_length"], row["output_length"], tuple(hash_ids)
+        timestamp / 1000, row["input_length"], row["output_length"], tuple(hash_ids), lora
     )
 
 
@@ -151,6 +161,8 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
                 "output_length": r.num_output_tokens,
                 "hash_ids": list(r.hash_ids),
             }
+            if r.lora is not None:
+                row["lora"] = r.lora
             f.write(json.dumps(row) + "\n")
 
 
@@ -170,6 +182,10 @@ class TraceShape:
     message_tokens: int = 512  # mean new tokens a turn adds; uniform in [mean / 2, 3 mean / 2]
     output_tokens: int = 256  # mean generated tokens, drawn the same way
     think_time_s: float = 20.0  # mean gap between a conversation's turns (exponential)
+    # LoRA adapters the conversations run under (0: the base model alone); a conversation picks
+    # adapter k with weight 1 / (k + 1)^lora_skew, independently of its prefix.
+    num_loras: int = 0
+    lora_skew: float = 1.0
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     seed: int = 0
 
@@ -182,6 +198,10 @@ class TraceShape:
                 raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
         if self.prefix_tokens < 0:
             raise ValueError(f"prefix_tokens must be >= 0, got {self.prefix_tokens}")
+        if self.num_loras < 0 or not 0 <= self.lora_skew < math.inf:
+            raise ValueError(
+                f"num_loras and lora_skew must be >= 0, got {self.num_loras}, {self.lora_skew}"
+            )
         for name in ("requests_per_s", "think_time_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
@@ -229,6 +249,8 @@ def generate_trace(shape: TraceShape) -> list[TraceRequest]:
         ids.take(shape.prefix_tokens // shape.block_tokens) for _ in range(shape.num_prefixes)
     ]
     weights = [1 / (k + 1) for k in range(shape.num_prefixes)]
+    loras = [f"lora{k}" for k in range(shape.num_loras)]
+    lora_weights = [1 / (k + 1) ** shape.lora_skew for k in range(shape.num_loras)]
     conversation_rate = shape.requests_per_s / shape.turns_per_conversation
     # NOTE: a few conversations more than the requests need, so that the first num_requests
     # arrivals are not short of the late turns of early conversations.
@@ -238,7 +260,8 @@ def generate_trace(shape: TraceShape) -> list[TraceRequest]:
     for _ in range(num_conversations):
         start_s += rng.expovariate(conversation_rate)
         prefix = rng.choices(prefixes, weights)[0]
-        requests += _conversation(shape, rng, ids, start_s, prefix)
+        lora = rng.choices(loras, lora_weights)[0] if loras else None
+        requests += _conversation(shape, rng, ids, start_s, prefix, lora)
     requests.sort(key=lambda r: r.arrival_s)
     first_s = requests[0].arrival_s
     # NOTE: whole milliseconds from the first arrival, as a Mooncake trace has them.
@@ -248,13 +271,19 @@ def generate_trace(shape: TraceShape) -> list[TraceRequest]:
             r.num_prompt_tokens,
             r.num_output_tokens,
             r.hash_ids,
+            r.lora,
         )
         for r in requests[: shape.num_requests]
     ]
 
 
 def _conversation(
-    shape: TraceShape, rng: random.Random, ids: _IdCounter, start_s: float, prefix: list[int]
+    shape: TraceShape,
+    rng: random.Random,
+    ids: _IdCounter,
+    start_s: float,
+    prefix: list[int],
+    lora: str | None,
 ) -> list[TraceRequest]:
     block = shape.block_tokens
     arrival_s = start_s
@@ -267,7 +296,7 @@ def _conversation(
         kept = hash_ids[: num_tokens // block]
         prompt_ids = kept + ids.take(-(-num_prompt // block) - len(kept))
         num_output = _around(rng, shape.output_tokens)
-        turns.append(TraceRequest(arrival_s, num_prompt, num_output, tuple(prompt_ids)))
+        turns.append(TraceRequest(arrival_s, num_prompt, num_output, tuple(prompt_ids), lora))
         num_tokens = num_prompt + num_output
         hash_ids = prompt_ids[: num_prompt // block]
         arrival_s += rng.expovariate(1 / shape.think_time_s)

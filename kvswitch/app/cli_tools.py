@@ -57,12 +57,16 @@ SIM_HELP = {
     "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the index "
     "confirms it",
     "cost_weights": "the cost policy's weights, 'key=value,...' (prefill_weight, decode_weight, "
-    "min_match, private_weight, temperature, fetch_token_cost, fetch_latency_tokens); empty = "
+    "min_match, private_weight, temperature, fetch_token_cost, fetch_latency_tokens, "
+    "lora_load_tokens, lora_loaded_weight, lora_free_slot_weight); empty = "
     "its defaults",
     "fetch_tokens_per_s": "peer block fetch: tokens of KV moved a second between two workers; "
     "the cost policy weighs moving a cached prefix against computing it at the profile's "
     "prefill speed; 0 = no peer fetch",
     "fetch_latency_s": "peer block fetch: what one transfer costs besides its bytes, in seconds",
+    "max_loras": "LoRA adapter slots per worker, for a trace whose requests name adapters "
+    "(generated:...,num_loras=N)",
+    "lora_load_s": "what putting a LoRA adapter in a worker's slot adds to its step, in seconds",
     "seed": "random seed of the policies that sample",
 }
 

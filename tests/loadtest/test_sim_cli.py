@@ -14,7 +14,7 @@ from tests.loadtest.helpers import chat_trace
 from tests.test_extras import CLI, _run
 
 FIGURES = {"token_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "load_imbalance"}
-FIGURES |= {"utilization", "fetched_token_share"}
+FIGURES |= {"utilization", "fetched_token_share", "lora_loads_per_minute"}
 
 
 @pytest.fixture(scope="module")
