@@ -160,12 +160,14 @@ def _generate(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None
 
 
 def test_a_step_mixing_adapters_and_the_base_gives_each_its_output_alone(
-    adapters: dict[str, Path],
+    adapters: dict[str, Path], tmp_path: Path
 ) -> None:
+    """Four adapters and the base in one batch: each request's tokens are those it gets alone."""
+    adapters = {**adapters, "code": save_adapter(tmp_path / "code", seed=4, rank=16)}
     rng = np.random.default_rng(0)
     requests = {
         f"r{i}": (rng.integers(0, 257, int(rng.integers(5, 30))).tolist(), lora)
-        for i, lora in enumerate(["sql", None, "chat", "math", None, "sql"])
+        for i, lora in enumerate(["sql", None, "chat", "math", "code", None, "sql", "code"])
     }
     together = _generate(_engine(adapters), requests)
     for request_id, request in requests.items():
@@ -175,9 +177,9 @@ def test_a_step_mixing_adapters_and_the_base_gives_each_its_output_alone(
     prompt = requests["r0"][0]
     outputs = {
         lora: _generate(_engine(adapters), {"x": (prompt, lora)})["x"]
-        for lora in ["sql", "chat", "math", None]
+        for lora in ["sql", "chat", "math", "code", None]
     }
-    assert len({tuple(o) for o in outputs.values()}) == 4
+    assert len({tuple(o) for o in outputs.values()}) == 5
 
 
 def test_two_adapters_never_share_a_cached_block(adapters: dict[str, Path]) -> None:
