@@ -180,7 +180,33 @@ def rotary_ref(
 
 
 # Steps of at most this many tokens multiply them by every slot's adapter (see add_lora_ref).
-_DENSE_TOKENS = 256
+DENSE_TOKENS = 256
+
+
+def lora_token_weight(
+    slot_of_token: torch.Tensor, scaling: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """[tokens, slots, 1]: each token's slot's scaling in that slot's column, 0 elsewhere
+    (the base model's tokens, slot -1: 0 everywhere). One step's, for every module alike."""
+    slots = torch.arange(scaling.shape[0], device=slot_of_token.device)
+    weight = (slot_of_token[:, None] == slots[None, :]) * scaling[None, :]
+    return weight[:, :, None].to(dtype)
+
+
+def add_lora_dense(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    token_weight: torch.Tensor,
+    a_flat: torch.Tensor,
+    b_flat: torch.Tensor,
+) -> torch.Tensor:
+    """``add_lora_ref`` for a step of few tokens, every slot at once: ``a_flat`` [slots *
+    rank, in] and ``b_flat`` [slots * rank, out] are ``a`` and ``b_t`` with their slots laid
+    end to end, ``token_weight`` the step's ``lora_token_weight``."""
+    num_tokens, num_slots = token_weight.shape[:2]
+    h = (x @ a_flat.T).view(num_tokens, num_slots, -1)
+    y += ((h * token_weight).flatten(1) @ b_flat).to(y.dtype)
+    return y
 
 
 def add_lora_ref(
@@ -205,14 +231,11 @@ def add_lora_ref(
         y += h @ [b_t_0; b_t_1; ...]     [tokens, out]
     """
     num_tokens = x.shape[0]
-    if num_tokens <= _DENSE_TOKENS:
+    if num_tokens <= DENSE_TOKENS:
         num_slots, rank, num_in = a.shape
-        h = x @ a.reshape(num_slots * rank, num_in).T.to(x.dtype)
-        slots = torch.arange(num_slots, device=x.device)
-        weight = (slot_of_token[:, None] == slots[None, :]) * scaling[None, :]
-        h = (h.view(num_tokens, num_slots, rank) * weight[:, :, None].to(x.dtype)).flatten(1)
-        y += (h @ b_t.reshape(num_slots * rank, -1).to(x.dtype)).to(y.dtype)
-        return y
+        weight = lora_token_weight(slot_of_token, scaling, x.dtype)
+        a_flat, b_flat = a.reshape(num_slots * rank, num_in), b_t.reshape(num_slots * rank, -1)
+        return add_lora_dense(y, x, weight, a_flat.to(x.dtype), b_flat.to(x.dtype))
     for slot in torch.unique(slot_of_token).tolist():
         if slot < 0:
             continue

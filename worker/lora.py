@@ -28,7 +28,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from kvswitch.kernels.reference import add_lora_ref
+from kvswitch.kernels.reference import (
+    DENSE_TOKENS,
+    add_lora_dense,
+    add_lora_ref,
+    lora_token_weight,
+)
 from kvswitch.worker.attention import use_triton
 from kvswitch.worker.model_config import ModelConfig
 
@@ -239,6 +244,7 @@ class LoraSlots:
         self.config = config
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.dtype = dtype
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(config.num_layers):
             for module, (fan_in, fan_out) in module_shapes(config).items():
@@ -249,6 +255,15 @@ class LoraSlots:
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.names: list[str | None] = [None] * max_loras
         self.slot_of_token: torch.Tensor | None = None
+        # Off CUDA, a step of few tokens multiplies by every slot at once (add_lora_dense): the
+        # slots' weights laid end to end (views: a slot's load shows in them) and the step's
+        # weight per token and slot, made once for every module.
+        self._dense = not use_triton(torch.device(device))
+        self._flat = {
+            key: (a.view(max_loras * max_rank, -1), b_t.view(max_loras * max_rank, -1))
+            for key, (a, b_t) in self.weights.items()
+        }
+        self._token_weight: torch.Tensor | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -279,11 +294,21 @@ class LoraSlots:
         self.scaling[slot] = 0.0
         self.names[slot] = None
 
+    def begin_step(self, slot_of_token: torch.Tensor | None) -> None:
+        """The step's slot of each token, -1 for the base model; None: no adapter this step."""
+        self.slot_of_token = slot_of_token
+        self._token_weight = None
+        if slot_of_token is not None and self._dense and len(slot_of_token) <= DENSE_TOKENS:
+            self._token_weight = lora_token_weight(slot_of_token, self.scaling, self.dtype)
+
     def apply(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, the module's output for the rows ``x``, with each token's adapter added in
         place (nothing when the step has none)."""
         if self.slot_of_token is None:
             return y
+        if self._token_weight is not None:
+            a_flat, b_flat = self._flat[(layer, module)]
+            return add_lora_dense(y, x, self._token_weight, a_flat, b_flat)
         a, b = self.weights[(layer, module)]
         return add_lora(y, x, self.slot_of_token, a, b, self.scaling)
 

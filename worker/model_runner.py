@@ -243,13 +243,13 @@ class ModelRunner:
             raise ValueError("a step's lora_slots must give one slot per token")
         if (slots < 0).all():  # the base model alone: the usual paths
             return self.execute_batch(_without_loras(batch), every_token=every_token)
-        self._lora_tokens = self.loras.slot_of_token = torch.from_numpy(
-            np.ascontiguousarray(slots, np.int64)
-        ).to(self.device)
+        self._lora_tokens = torch.from_numpy(np.ascontiguousarray(slots, np.int64)).to(self.device)
+        self.loras.begin_step(self._lora_tokens)
         try:
             return self.execute_batch(_without_loras(batch), every_token=every_token)
         finally:
-            self._lora_tokens = self.loras.slot_of_token = None
+            self._lora_tokens = None
+            self.loras.begin_step(None)
 
 
 def _without_loras(batch: StepBatch) -> StepBatch:
