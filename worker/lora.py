@@ -28,12 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from kvswitch.kernels.reference import (
-    DENSE_TOKENS,
-    add_lora_dense,
-    add_lora_ref,
-    lora_token_weight,
-)
+from kvswitch.kernels.reference import DENSE_TOKENS, add_lora_ref, lora_token_weight
 from kvswitch.worker.attention import use_triton
 from kvswitch.worker.model_config import ModelConfig
 
@@ -190,6 +185,12 @@ def add_lora(
     return add_lora_ref(y, x, slot_of_token, a, b_t, scaling)
 
 
+# Modules that read the same rows: a step shrinks the rows for a group's adapters at once.
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+SHARED_INPUTS = (QKV, ("o_proj",), GATE_UP, ("down_proj",))
+
+
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each module an adapter may target, for ``config``'s layers."""
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -245,25 +246,33 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
+        shapes = module_shapes(config)
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Off CUDA, a step of few tokens multiplies by every slot at once (add_lora_dense). The
+        # modules that read the same rows (q, k, v; gate, up) keep their A's in one tensor, so
+        # one matmul shrinks the rows for all of them: ``_shrink[(layer, modules)]`` is that
+        # tensor with its modules and slots laid end to end, each module's A a view of it (and
+        # each module alone has its own view).
+        self._shrink: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+        self._b_flat: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(config.num_layers):
-            for module, (fan_in, fan_out) in module_shapes(config).items():
-                self.weights[(layer, module)] = (
-                    torch.zeros((max_loras, max_rank, fan_in), dtype=dtype, device=device),
-                    torch.zeros((max_loras, max_rank, fan_out), dtype=dtype, device=device),
+            for group in SHARED_INPUTS:
+                fan_in = shapes[group[0]][0]
+                a_group = torch.zeros(
+                    (len(group), max_loras, max_rank, fan_in), dtype=dtype, device=device
                 )
+                self._shrink[(layer, group)] = a_group.view(-1, fan_in)
+                for a, module in zip(a_group, group, strict=True):
+                    self._shrink[(layer, (module,))] = a.view(-1, fan_in)
+                    fan_out = shapes[module][1]
+                    b_t = torch.zeros((max_loras, max_rank, fan_out), dtype=dtype, device=device)
+                    self.weights[(layer, module)] = (a, b_t)
+                    self._b_flat[(layer, module)] = b_t.view(max_loras * max_rank, fan_out)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.names: list[str | None] = [None] * max_loras
         self.slot_of_token: torch.Tensor | None = None
-        # Off CUDA, a step of few tokens multiplies by every slot at once (add_lora_dense): the
-        # slots' weights laid end to end (views: a slot's load shows in them) and the step's
-        # weight per token and slot, made once for every module.
         self._dense = not use_triton(torch.device(device))
-        self._flat = {
-            key: (a.view(max_loras * max_rank, -1), b_t.view(max_loras * max_rank, -1))
-            for key, (a, b_t) in self.weights.items()
-        }
-        self._token_weight: torch.Tensor | None = None
+        self._token_weight: torch.Tensor | None = None  # the step's, for add_lora_dense
 
     @property
     def num_bytes(self) -> int:
@@ -304,13 +313,31 @@ class LoraSlots:
     def apply(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, the module's output for the rows ``x``, with each token's adapter added in
         place (nothing when the step has none)."""
+        (y,) = self.apply_shared(layer, (module,), (y,), x)
+        return y
+
+    def apply_shared(
+        self,
+        layer: int,
+        modules: tuple[str, ...],
+        ys: tuple[torch.Tensor, ...],
+        x: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """``apply`` for modules that read the same rows ``x`` (a group of ``SHARED_INPUTS``,
+        whole and in its order, or any module alone), their outputs ``ys``."""
         if self.slot_of_token is None:
-            return y
-        if self._token_weight is not None:
-            a_flat, b_flat = self._flat[(layer, module)]
-            return add_lora_dense(y, x, self._token_weight, a_flat, b_flat)
-        a, b = self.weights[(layer, module)]
-        return add_lora(y, x, self.slot_of_token, a, b, self.scaling)
+            return ys
+        weight = self._token_weight
+        if weight is None:
+            return tuple(
+                add_lora(y, x, self.slot_of_token, *self.weights[(layer, m)], self.scaling)
+                for m, y in zip(modules, ys, strict=True)
+            )
+        shrunk = x @ self._shrink[(layer, modules)].T  # [tokens, modules * slots * rank]
+        shrunk = shrunk.view(x.shape[0], len(modules), self.max_loras, -1) * weight[:, None]
+        for i, (module, y) in enumerate(zip(modules, ys, strict=True)):
+            y += (shrunk[:, i].flatten(1) @ self._b_flat[(layer, module)]).to(y.dtype)
+        return ys
 
 
 class LoraManager:

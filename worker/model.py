@@ -18,6 +18,7 @@ from torch import nn
 
 from kvswitch.kernels.reference import rms_norm_ref, rotary_ref
 from kvswitch.worker.attention import AttentionMetadata, PagedAttention, use_triton
+from kvswitch.worker.lora import GATE_UP, QKV
 from kvswitch.worker.model_config import ModelConfig
 from kvswitch.worker.rope import RopeConfig
 
@@ -147,12 +148,7 @@ class Attention(nn.Module):
         loras = self.loras
         if loras is not None:
             # NOTE: in place, into the slices: before the rotary, as the adapter was trained.
-            layer = self.layer_index
-            q, k, v = (
-                loras.apply(layer, "q_proj", q, x),
-                loras.apply(layer, "k_proj", k, x),
-                loras.apply(layer, "v_proj", v, x),
-            )
+            q, k, v = loras.apply_shared(self.layer_index, QKV, (q, k, v), x)
         q = q.view(num_tokens, self.num_q_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -185,8 +181,7 @@ class MLP(nn.Module):
         if loras is None:
             return self.down_proj(nn.functional.silu(gate) * up)
         layer = self.layer_index
-        gate = loras.apply(layer, "gate_proj", gate, x)
-        up = loras.apply(layer, "up_proj", up, x)
+        gate, up = loras.apply_shared(layer, GATE_UP, (gate, up), x)
         hidden = nn.functional.silu(gate) * up
         return loras.apply(layer, "down_proj", self.down_proj(hidden), hidden)
 
