@@ -28,14 +28,16 @@ def assert_nothing_charged(cluster: BackgroundCluster) -> None:
 
 def test_a_request_the_worker_refuses_as_invalid_leaves_no_guess() -> None:
     with BackgroundCluster(num_workers=1) as cluster:
-        prompt = [256, 1, *DOCUMENT]
+        # NOTE: the router does not know the vocabulary; the worker refuses the last token.
+        prompt = [256, 1, *DOCUMENT, 257]
         with (
             Client(cluster.address, max_retries=0) as client,
             pytest.raises(KvswitchError) as error,
         ):
-            client.generate(prompt_token_ids=prompt, max_tokens=4, lora="absent", timeout_s=60)
+            client.generate(prompt_token_ids=prompt, max_tokens=4, timeout_s=60)
         assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert guessed(cluster, prompt, lora="absent") == {}
+        assert "token id 257 is outside the vocabulary" in error.value.details
+        assert guessed(cluster, prompt) == {}
         assert_nothing_charged(cluster)
 
 

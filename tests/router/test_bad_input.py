@@ -44,6 +44,7 @@ ROUTER = dataclasses.replace(
 VERDICTS = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,  # a LoRA adapter no worker serves
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 FUZZ = settings(
@@ -207,6 +208,14 @@ def ids(*values: int) -> router_pb2.TokenIds:
 NAN = math.nan
 
 
+def test_an_adapter_no_worker_serves_is_not_found_by_name(router_channel: grpc.Channel) -> None:
+    request = router_request(lora="sql-adapter")
+    answer = call(router_channel, ROUTER_GENERATE, request.SerializeToString())
+    assert answer.code == grpc.StatusCode.NOT_FOUND, answer
+    assert "lora: no live worker serves the adapter 'sql-adapter'" in answer.details
+    assert answer.num_messages == 0
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -223,7 +232,6 @@ NAN = math.nan
         ({"sampling": {"top_p": 1.5}}, "sampling.top_p must be in (0, 1]"),
         ({"sampling": {"top_p": -NAN}}, "sampling.top_p must be in (0, 1]"),
         ({"sampling": common_pb2.SamplingParams(stop_token_ids=range(17))}, "stop_token_ids"),
-        ({"lora": "sql-adapter"}, "lora: unknown adapter 'sql-adapter'"),
         ({"request_id": "a\nforged log line"}, "request_id must be printable characters"),
         ({"request_id": "r" * 300}, "request_id must be at most 256 characters, got 300"),
         ({"cache_salt": "s" * 257}, "cache_salt must be at most 256 characters"),
