@@ -454,24 +454,20 @@ def test_a_decode_worker_that_leaves_during_the_prefill_is_replaced_without_a_fa
 def test_a_refused_disaggregated_request_leaves_no_guess_and_no_load_behind(
     cluster: BackgroundCluster,
 ) -> None:
-    """The prefill worker refuses the request (INVALID_ARGUMENT: an adapter it lacks): neither
-    it nor the decode worker chosen with it is guessed to hold the prompt, nor charged for it,
-    and the client reads its own request id in the error."""
-    prompt = prompt_of(60)
+    """The prefill worker refuses the request (INVALID_ARGUMENT: a token outside its vocabulary,
+    which the router does not know): neither it nor the decode worker chosen with it is guessed
+    to hold the prompt, nor charged for it, and the client reads its own request id in the
+    error."""
+    prompt = [*prompt_of(60), 257]
     with Client(cluster.address, max_retries=0) as client, pytest.raises(KvswitchError) as error:
         client.generate(
-            prompt_token_ids=prompt,
-            max_tokens=MAX_TOKENS,
-            lora="absent",
-            request_id="mine",
-            timeout_s=60,
+            prompt_token_ids=prompt, max_tokens=MAX_TOKENS, request_id="mine", timeout_s=60
         )
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert str(error.value) == (
-        "request mine failed with INVALID_ARGUMENT: "
-        "lora: unknown adapter 'absent'; this worker serves none"
+        "request mine failed with INVALID_ARGUMENT: token id 257 is outside the vocabulary [0, 257)"
     )
-    assert guessed(cluster, prompt, lora="absent") == {}
+    assert guessed(cluster, prompt) == {}
     directory = cluster.router.router.directory
     assert all(
         (h.num_in_flight, h.num_prefill_tokens, h.num_output_tokens) == (0, 0, 0)
