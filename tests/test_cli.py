@@ -668,7 +668,7 @@ def test_generate_takes_the_prompt_as_ids_from_a_file_or_stdin_with_stops_and_lo
         assert code == 0 and err.startswith("[stop]"), err
         assert f" {num_tokens} output tokens" in err
         code, _, err = generate("--prompt", "Hi", "--lora", "no-such-adapter")
-        assert code == 1 and "unknown adapter 'no-such-adapter'" in err
+        assert code == 1 and "NOT_FOUND: lora: no live worker serves the adapter" in err
 
 
 def test_an_unset_bool_or_none_option_stays_none() -> None:
