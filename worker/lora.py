@@ -246,32 +246,27 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
-        shapes = module_shapes(config)
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Off CUDA, a step of few tokens multiplies by every slot at once (add_lora_dense). The
-        # modules that read the same rows (q, k, v; gate, up) keep their A's in one tensor, so
-        # one matmul shrinks the rows for all of them: ``_shrink[(layer, modules)]`` is that
-        # tensor with its modules and slots laid end to end, each module's A a view of it (and
-        # each module alone has its own view).
-        self._shrink: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
-        self._b_flat: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(config.num_layers):
-            for group in SHARED_INPUTS:
-                fan_in = shapes[group[0]][0]
-                a_group = torch.zeros(
-                    (len(group), max_loras, max_rank, fan_in), dtype=dtype, device=device
+            for module, (fan_in, fan_out) in module_shapes(config).items():
+                self.weights[(layer, module)] = (
+                    torch.zeros((max_loras, max_rank, fan_in), dtype=dtype, device=device),
+                    torch.zeros((max_loras, max_rank, fan_out), dtype=dtype, device=device),
                 )
-                self._shrink[(layer, group)] = a_group.view(-1, fan_in)
-                for a, module in zip(a_group, group, strict=True):
-                    self._shrink[(layer, (module,))] = a.view(-1, fan_in)
-                    fan_out = shapes[module][1]
-                    b_t = torch.zeros((max_loras, max_rank, fan_out), dtype=dtype, device=device)
-                    self.weights[(layer, module)] = (a, b_t)
-                    self._b_flat[(layer, module)] = b_t.view(max_loras * max_rank, fan_out)
+        self.ranks = [0] * max_loras  # of the adapter in each slot
+        # Off CUDA, a step of few tokens multiplies by every slot at once (add_lora_dense), by
+        # copies of the slots cut to the highest rank loaded (the slots' padding up to max_rank
+        # would be multiplied too) and laid end to end: ``_shrink[(layer, modules)]`` the A's of
+        # modules that read the same rows (q, k, v; gate, up), so that one matmul shrinks the
+        # rows for all of them; ``_expand[(layer, module)]`` a module's B. Made again after a
+        # slot changes.
+        self._dense = not use_triton(torch.device(device))
+        self._dense_rank = 0  # 0: the copies are to be made
+        self._shrink: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+        self._expand: dict[tuple[int, str], torch.Tensor] = {}
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.names: list[str | None] = [None] * max_loras
         self.slot_of_token: torch.Tensor | None = None
-        self._dense = not use_triton(torch.device(device))
         self._token_weight: torch.Tensor | None = None  # the step's, for add_lora_dense
 
     @property
@@ -295,6 +290,7 @@ class LoraSlots:
             slot_b_t[slot, :rank].copy_(b.T)
         self.scaling[slot] = adapter.scaling
         self.names[slot] = adapter.name
+        self.ranks[slot] = rank
 
     def clear(self, slot: int) -> None:
         for a, b_t in self.weights.values():
@@ -302,6 +298,8 @@ class LoraSlots:
             b_t[slot].zero_()
         self.scaling[slot] = 0.0
         self.names[slot] = None
+        self.ranks[slot] = 0
+        self._dense_rank = 0
 
     def begin_step(self, slot_of_token: torch.Tensor | None) -> None:
         """The step's slot of each token, -1 for the base model; None: no adapter this step."""
@@ -309,6 +307,20 @@ class LoraSlots:
         self._token_weight = None
         if slot_of_token is not None and self._dense and len(slot_of_token) <= DENSE_TOKENS:
             self._token_weight = lora_token_weight(slot_of_token, self.scaling, self.dtype)
+            if not self._dense_rank:
+                self._lay_out_dense()
+
+    def _lay_out_dense(self) -> None:
+        rank = self._dense_rank = max(max(self.ranks), 1)
+        for layer in range(self.config.num_layers):
+            for group in SHARED_INPUTS:
+                a_group = [self.weights[(layer, m)][0][:, :rank] for m in group]
+                self._shrink[(layer, group)] = torch.cat(a_group).flatten(0, 1)
+                for module, a in zip(group, a_group, strict=True):
+                    self._shrink[(layer, (module,))] = a.flatten(0, 1)
+                    self._expand[(layer, module)] = self.weights[(layer, module)][1][
+                        :, :rank
+                    ].flatten(0, 1)
 
     def apply(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, the module's output for the rows ``x``, with each token's adapter added in
@@ -336,7 +348,7 @@ class LoraSlots:
         shrunk = x @ self._shrink[(layer, modules)].T  # [tokens, modules * slots * rank]
         shrunk = shrunk.view(x.shape[0], len(modules), self.max_loras, -1) * weight[:, None]
         for i, (module, y) in enumerate(zip(modules, ys, strict=True)):
-            y += (shrunk[:, i].flatten(1) @ self._b_flat[(layer, module)]).to(y.dtype)
+            y += (shrunk[:, i].flatten(1) @ self._expand[(layer, module)]).to(y.dtype)
         return ys
 
 
