@@ -484,8 +484,10 @@ class Attempts:
     async def _refused(self, e: Refused) -> None:
         """The worker judged the request: the client hears its verdict (the call ends)."""
         # NOTE: refused, the request leaves no guess there (nor on the decode worker it never
-        # reached: ``_end_attempt``).
+        # reached: ``_end_attempt``), and no charge: all given back before the client hears the
+        # verdict, so that nothing it sends next is routed around what is already gone.
         self._take_back_guess(self._current(), e.handle)
+        self._end_attempt()
         await abort(self._context, self._outcome, e.code, e.details)
 
     def _take_back_guess(self, attempt: _Attempt, handle: WorkerHandle) -> None:

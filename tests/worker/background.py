@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import glob
+import os
 import threading
 import time
 from pathlib import Path
@@ -10,7 +12,25 @@ from pathlib import Path
 import grpc
 
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, SHM_PREFIX
 from kvswitch.worker.server import WorkerConfig, WorkerServer, start_worker
+
+
+def shm_files(*workers: BackgroundWorker, prefixes: tuple[str, ...] = (SHM_PREFIX,)) -> set[str]:
+    """The files of ``prefixes`` in /dev/shm made by this process or by the engine cores of
+    ``workers`` (a file's name carries its maker's pid): tests running beside this one, in
+    other processes, make theirs there too."""
+    owners = {os.getpid(), *(w.server.engine.pid for w in workers)}
+    found = set()
+    for prefix in prefixes:
+        for path in glob.glob(f"{SHM_DIR}/{prefix}*"):
+            pid = os.path.basename(path).removeprefix(prefix).partition("-")[0]
+            if pid.isdigit() and int(pid) in owners:
+                found.add(path)
+    return found
+
+
+TRANSFER_AND_CACHE = (SHM_PREFIX, CACHE_PREFIX)
 
 
 class BackgroundWorker:

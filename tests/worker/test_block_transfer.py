@@ -21,7 +21,7 @@ from kvswitch.worker.block_transfer import ShmFiles, ShmRefused
 from kvswitch.worker.kv_layout import CACHE_PREFIX, SHM_DIR, SHM_PREFIX, KVLayout
 from kvswitch.worker.kv_transfer import PeerCache
 from kvswitch.worker.server import WorkerConfig
-from tests.worker.background import BackgroundWorker
+from tests.worker.background import TRANSFER_AND_CACHE, BackgroundWorker, shm_files
 from tests.worker.test_nixl_kv import needs_nixl
 
 BLOCK_SIZE = 16
@@ -67,7 +67,7 @@ def pull(
     "transport", ["grpc", "shm", "mapped", pytest.param("nixl", marks=needs_nixl)]
 )
 def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(transport: str) -> None:
-    before = transfer_files()
+    before = shm_files(prefixes=TRANSFER_AND_CACHE)
     config = dataclasses.replace(CONFIG, kv_cache_shm=transport == "mapped")
     holder, taker = BackgroundWorker(config), BackgroundWorker(config)
     try:
@@ -75,11 +75,8 @@ def test_a_pulled_prefix_serves_the_prompt_as_its_holder_did(transport: str) -> 
     finally:
         holder.close()
         taker.close()
-    assert transfer_files() <= before  # the shared-memory file went with the worker
-
-
-def transfer_files() -> set[str]:
-    return set(glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")) | set(glob.glob(f"{SHM_DIR}/{CACHE_PREFIX}*"))
+    # The shared-memory files went with the workers.
+    assert shm_files(holder, taker, prefixes=TRANSFER_AND_CACHE) <= before
 
 
 def pull_and_serve(holder: BackgroundWorker, taker: BackgroundWorker, transport: str) -> None:
@@ -267,17 +264,17 @@ def test_a_holder_killed_mid_pull_leaves_the_taker_whole_blocks_in_chain_order(
 
 
 def test_no_room_in_shared_memory_is_refused_before_a_peer_writes() -> None:
-    before = transfer_files()
+    before = shm_files()
     files = ShmFiles()
     try:
         with pytest.raises(ShmRefused, match="no room for"), files.take(1 << 50):
             pass
-        assert transfer_files() <= before  # the refused file is gone at once
+        assert shm_files() <= before  # the refused file is gone at once
         with files.take(BLOCK_BYTES) as path:
             assert os.path.getsize(path) == BLOCK_BYTES
     finally:
         files.close()
-    assert transfer_files() <= before
+    assert shm_files() <= before
 
 
 def test_a_mapped_fetch_holds_the_blocks_until_the_asker_releases_them() -> None:

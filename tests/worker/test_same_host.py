@@ -5,7 +5,6 @@ Ids faked in one process, and real ones: a holder in a mount namespace with its 
 from __future__ import annotations
 
 import dataclasses
-import glob
 from collections.abc import Iterator
 
 import grpc
@@ -16,7 +15,7 @@ from kvswitch.serving import start_server_process
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.kv_layout import SHM_DIR, SHM_PREFIX
 from kvswitch.worker.server import WorkerConfig
-from tests.worker.background import BackgroundWorker
+from tests.worker.background import BackgroundWorker, shm_files
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
@@ -45,10 +44,6 @@ def pull(taker: BackgroundWorker, address: str, hashes: list[bytes], transport: 
     return taker.stub.PullBlocks(request, timeout=30)
 
 
-def transfer_files() -> set[str]:
-    return set(glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*"))
-
-
 def test_a_peer_with_another_host_id_gets_grpc_at_once_and_an_equal_one_shared_memory(
     pair,
 ) -> None:
@@ -60,7 +55,7 @@ def test_a_peer_with_another_host_id_gets_grpc_at_once_and_an_equal_one_shared_m
     address = holder.server.address
     holder.server.transfers.host_id = "host-a"
     taker.server.transfers.host_id = "host-b"
-    before = transfer_files()
+    before = shm_files(holder, taker)
 
     reply = pull(taker, address, hashes)
     assert (reply.transport, reply.num_transferred_blocks) == ("grpc", 18)
@@ -72,7 +67,7 @@ def test_a_peer_with_another_host_id_gets_grpc_at_once_and_an_equal_one_shared_m
     reply = pull(taker, address, other[:4])  # the holder is known now: not even asked
     assert (reply.transport, reply.num_transferred_blocks) == ("grpc", 4)
     assert taker.server.transfers.shm_files.num_files_made == 0
-    assert transfer_files() == before
+    assert shm_files(holder, taker) == before
 
     taker.server.transfers.host_id = "host-a"  # the holder's own id now: mapped again
     reply = pull(taker, address, other)
@@ -129,7 +124,7 @@ def test_a_pull_over_the_takers_shared_memory_cap_goes_over_grpc() -> None:
         holder.generate(OTHER, max_tokens=2)
         namespace = holder.server.engine.namespace
         taker.server.transfers.shm_files.max_bytes = 4 * BLOCK_BYTES
-        before = transfer_files()
+        before = shm_files(holder, taker)
         with pytest.raises(grpc.RpcError) as error:
             pull(
                 taker,
@@ -143,7 +138,7 @@ def test_a_pull_over_the_takers_shared_memory_cap_goes_over_grpc() -> None:
             taker, holder.server.address, hash_prompt_blocks(PROMPT, BLOCK_SIZE, namespace)
         )
         assert (reply.transport, reply.num_transferred_blocks) == ("grpc", 18)
-        assert transfer_files() == before
+        assert shm_files(holder, taker) == before
     finally:
         holder.close()
         taker.close()
