@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # A CPU build of torch is enough for everything but the GPU benchmarks.
 TORCH ?= torch==2.13.0
+# Test processes: most tests wait on the processes they start more than they compute, so two
+# share two cores well. A test file runs whole in one of them (its fixtures made once).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint proto bench images clean
 
@@ -22,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
