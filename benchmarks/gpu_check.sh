@@ -4,7 +4,8 @@
 #      LoRA shrink/expand), bf16 included, and CUDA graphs (decode, one sequence's steps whole,
 #      piecewise prefill) against the plain path; a step per test file, each with its own JUnit XML
 #      (OUT_DIR/tests_paged_decode.xml for tests/kernels/test_paged_decode.py, ...);
-#   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, and the
+#   2. kvswitch bench kernels --sweep (decode bandwidth, prefill against SDPA, store_kv, add_lora
+#      (the adapters' shrink and expand: lora_bytes_per_s), and the
 #      tile sweep that tells which defaults to keep);
 #   3. the worker's time to first token on the GPU, prompt mostly cached against cold, and a
 #      profile of each (torch ops and kernels launched, host and device time), without CUDA

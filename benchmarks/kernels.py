@@ -65,6 +65,11 @@ class KernelBenchConfig:
     head_dim: int = 128
     block_size: int = 16
     store_tokens: int = 16384
+    # add_lora (kernels/lora.py): a decode batch's tokens over lora_slots adapters of rank
+    # lora_rank, on a projection of num_q_heads x head_dim in and out.
+    lora_tokens: int = 64
+    lora_slots: int = 8
+    lora_rank: int = 16
     dtype: str = "bfloat16"
     device: str = "cuda"
     sweep: bool = False
@@ -73,7 +78,15 @@ class KernelBenchConfig:
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
-        for name in ("decode_batch", "decode_context", "prefill_batch", "prefill_tokens"):
+        for name in (
+            "decode_batch",
+            "decode_context",
+            "prefill_batch",
+            "prefill_tokens",
+            "lora_tokens",
+            "lora_slots",
+            "lora_rank",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.dtype not in DTYPES:
@@ -173,6 +186,7 @@ def run(config: KernelBenchConfig) -> dict:
     results.update(_decode(bench, name))
     results.update(_prefill(bench))
     results.update(_store(bench))
+    results.update(_lora(bench))
     return results
 
 
@@ -374,3 +388,33 @@ def _store(bench: _Bench) -> dict[str, Any]:
     store_ms = bench.time_ms(lambda: store_kv(key, value, k_cache, v_cache, slots))
     moved = 2 * 2 * key.numel() * key.element_size()  # K and V, each read once and written once
     return {"store_ms": store_ms, "store_bytes_per_s": moved / (store_ms * 1e-3)}
+
+
+def _lora(bench: _Bench) -> dict[str, Any]:
+    """add_lora: each token's adapter shrunk and expanded (every slot in use); the bytes it
+    must move are the adapters' weights, read once, and the rows in and out."""
+    import torch
+
+    from kvswitch.kernels.lora import add_lora
+    from kvswitch.kernels.reference import add_lora_ref
+
+    config = bench.config
+    num_tokens, num_slots, rank = config.lora_tokens, config.lora_slots, config.lora_rank
+    width = config.num_q_heads * config.head_dim
+    x = bench.randn(num_tokens, width)
+    y = bench.randn(num_tokens, width)
+    a = bench.randn(num_slots, rank, width) * 0.05
+    b_t = bench.randn(num_slots, rank, width) * 0.05
+    scaling = torch.full((num_slots,), 2.0, device=bench.device)
+    slot_of_token = (torch.arange(num_tokens, device=bench.device) % num_slots).to(torch.int64)
+    # NOTE: into a copy of y: in float32 y.float() is y itself, and both add in place.
+    want = add_lora_ref(
+        y.float().clone(), x.float(), slot_of_token, a.float(), b_t.float(), scaling
+    )
+    got = add_lora(y.clone(), x, slot_of_token, a, b_t, scaling)
+    torch.testing.assert_close(got.float(), want, **bench.tolerance)
+    out = y.clone()
+    lora_ms = bench.time_ms(lambda: add_lora(out, x, slot_of_token, a, b_t, scaling))
+    element = x.element_size()
+    moved = (a.numel() + b_t.numel() + 3 * x.numel()) * element  # weights; x; y read + written
+    return {"lora_ms": lora_ms, "lora_bytes_per_s": moved / (lora_ms * 1e-3)}

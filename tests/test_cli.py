@@ -271,13 +271,15 @@ def test_bench_kernels_runs_every_step_through_the_interpreter(tmp_path: Path) -
 
     out = tmp_path / "kernels.json"
     tiny = "--decode-batch 2 --decode-context 40 --prefill-batch 2 --prefill-tokens 24 "
-    tiny += "--num-q-heads 4 --num-kv-heads 2 --head-dim 16 --block-size 4 --store-tokens 8"
+    tiny += "--num-q-heads 4 --num-kv-heads 2 --head-dim 16 --block-size 4 --store-tokens 8 "
+    tiny += "--lora-tokens 5 --lora-slots 2 --lora-rank 4"
     args = ["bench", "kernels", "--device", "cpu", "--dtype", "float32", "--sweep"]
     assert main([*args, *tiny.split(), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["device"] == "cpu (interpreter)"
     assert figures["datasheet_bytes_per_s"] is None
-    for key in ("decode_bytes_per_s", "prefill_tflops", "sdpa_tflops", "store_bytes_per_s"):
+    figures_per_s = ("decode_bytes_per_s", "prefill_tflops", "sdpa_tflops", "store_bytes_per_s")
+    for key in (*figures_per_s, "lora_bytes_per_s"):
         assert figures[key] > 0
     assert figures["prefix_hit_ms"] > 0 and figures["prefix_hit_unsplit_ms"] > 0
     decode_rows = figures["decode_sweep"]

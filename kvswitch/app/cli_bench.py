@@ -41,6 +41,9 @@ KERNEL_HELP = {
     "head_dim": "dimension of each head",
     "block_size": "tokens per KV page",
     "store_tokens": "store_kv: tokens written per call",
+    "lora_tokens": "add_lora: tokens of one call (a decode batch), each of one adapter",
+    "lora_slots": "add_lora: adapters in use, the tokens spread over them in turn",
+    "lora_rank": "add_lora: the adapters' rank",
     "dtype": "bfloat16, float16 or float32",
     "device": "cuda; or cpu, through Triton's interpreter (TRITON_INTERPRET=1, tiny shapes): "
     "checks the benchmark's steps, times nothing worth reading",

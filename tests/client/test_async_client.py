@@ -111,7 +111,7 @@ def test_a_passed_deadline_is_a_timeout_error(router: ScriptedRouter) -> None:
         asyncio.run(main())
     assert 0.25 < time.monotonic() - start_s < 2.0
     assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert router.calls[0].cancelled.wait(timeout=5)
+    assert router.calls[0].cancelled.wait(timeout=60)
 
 
 async def _break_after_one_chunk(client: AsyncClient) -> None:
@@ -154,7 +154,7 @@ def test_stopping_a_stream_cancels_the_call(router: ScriptedRouter, stop) -> Non
     async def main() -> None:
         async with AsyncClient(router.address) as client:
             await stop(client)
-            assert await asyncio.to_thread(router.calls[0].cancelled.wait, 5)
+            assert await asyncio.to_thread(router.calls[0].cancelled.wait, 60)
             # The connection still serves the next request.
             router.script.hang_after_chunks = None
             assert (await client.generate("b")).text == "Hello"
