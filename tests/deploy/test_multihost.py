@@ -199,10 +199,11 @@ def test_a_cut_link_is_left_out_within_2_s_and_no_request_is_lost(
     resumed = [r for r in results if r["reason"].startswith("failover")]
     assert resumed and "w2" not in {r["worker_id"] for r in resumed}
     # NOTE: a resumed stream ends once another worker has generated the rest of its 400 tokens,
-    # which takes what the machine takes (up to 9.7 s after the cut on a busy 2-core one); a
-    # stream nobody moved off w2 would wait out its 60 s deadline.
+    # which takes what the machine takes (up to 9.7 s after the cut on a busy 2-core one, more
+    # with other tests running beside this one); a stream nobody moved off w2 would wait out its
+    # 60 s deadline (and fail, which the first check above would catch too).
     late = [(r["sent_s"] - cut_s, r["done_s"] - cut_s) for r in resumed]
-    assert all(done_s < 30 for _, done_s in late), late
+    assert all(done_s < 55 for _, done_s in late), late
 
     # Its link back, it serves again; quiet, no worker keeps a block of the streams it lost, and
     # the index agrees with every worker (w2 registered again once its link was back).
