@@ -62,6 +62,10 @@ class ClusterConfig:
     # workers' --max-loras.
     lora: tuple[str, ...] = ()
     max_loras: int = 4
+    # The workers make their slots without a lora too (--enable-lora), and the router's HTTP API
+    # loads adapters on them at run time (--lora-updates; it needs http_port).
+    enable_lora: bool = False
+    lora_updates: bool = False
     policy: str = "cost"
     kv_transport: str = "auto"  # disaggregated prefill: how KV blocks travel (the router's)
     host: str = "127.0.0.1"
@@ -115,6 +119,13 @@ class ClusterConfig:
         lora_paths(self.lora)  # a malformed spec is refused before any process starts
         if self.max_loras <= 0:
             raise ValueError(f"max_loras must be positive, got {self.max_loras}")
+        if self.lora_updates and self.http_port < 0:
+            raise ValueError("lora_updates is served by the router's HTTP API: give --http-port")
+        if self.lora_updates and not (self.lora or self.enable_lora):
+            raise ValueError(
+                "lora_updates loads adapters into the workers' slots: give --enable-lora or "
+                "a --lora"
+            )
 
     def metrics_port_of(self, name: str) -> int:
         """The /metrics port of the process ``name`` ("router" or a worker's); -1 = none."""
@@ -427,6 +438,7 @@ class LocalCluster:
             "--policy", config.policy,
             "--kv-transport", config.kv_transport,
             *(["--http-port", str(config.http_port)] if http and config.http_port >= 0 else []),
+            *(["--lora-updates"] if http and config.lora_updates else []),
             *(["--metrics-port", str(config.metrics_port_of("router"))] if http else []),
             *(["--insecure"] if config.insecure else []),
         ]  # fmt: skip
@@ -450,7 +462,8 @@ class LocalCluster:
             "--metrics-port", str(config.metrics_port_of(name)),
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
             *[arg for spec in config.lora for arg in ("--lora", spec)],
-            *(["--max-loras", str(config.max_loras)] if config.lora else []),
+            *(["--enable-lora"] if config.enable_lora else []),
+            *(["--max-loras", str(config.max_loras)] if config.lora or config.enable_lora else []),
             *({True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}.get(config.cuda_graphs, [])),
             *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),
             *(["--insecure"] if config.insecure else []),

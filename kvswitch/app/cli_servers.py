@@ -273,6 +273,8 @@ UP_HELP = {
     "cuda_graphs": WORKER_HELP["cuda_graphs"],
     "lora": "a LoRA adapter every worker serves, NAME=PATH (each worker's --lora); repeat for more",
     "max_loras": WORKER_HELP["max_loras"],
+    "enable_lora": WORKER_HELP["enable_lora"],
+    "lora_updates": ROUTER_HELP["lora_updates"] + " (needs --http-port)",
     "policy": ROUTER_HELP["policy"],
     "kv_transport": ROUTER_HELP["kv_transport"],
     "host": "address every process listens on",

@@ -353,9 +353,21 @@ def test_up_passes_its_adapters_to_every_worker(tmp_path: Path) -> None:
     ]
     assert argv[argv.index("--max-loras") + 1] == "2"
     plain = LocalCluster(ClusterConfig(), log_dir=tmp_path)._worker_argv("worker-0", "both")
-    assert "--lora" not in plain and "--max-loras" not in plain
+    assert "--lora" not in plain and "--max-loras" not in plain and "--enable-lora" not in plain
     with pytest.raises(ValueError, match="NAME=PATH"):
         ClusterConfig(lora=("sql",))
+    # Adapters loaded at run time: slots on every worker, the router's HTTP API loading them.
+    updates = LocalCluster(
+        ClusterConfig(enable_lora=True, lora_updates=True, http_port=0), log_dir=tmp_path
+    )
+    argv = updates._worker_argv("worker-0", "both")
+    assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "4"
+    assert "--lora-updates" in updates._router_args("memory://")
+    assert "--lora-updates" not in updates._router_args("memory://", http=False)
+    with pytest.raises(ValueError, match="give --http-port"):
+        ClusterConfig(enable_lora=True, lora_updates=True)
+    with pytest.raises(ValueError, match="give --enable-lora or a --lora"):
+        ClusterConfig(lora_updates=True, http_port=0)
 
 
 def free_port_run(length: int) -> int:
