@@ -38,6 +38,10 @@ class LoraUpdate:
     def describe_refusals(self) -> str:
         return "; ".join(f"{worker_id}: {why}" for worker_id, (_, why) in self.refused.items())
 
+    def describe(self) -> str:
+        done = ", ".join(self.done) or "no worker"
+        return f"{done}; refused by {self.describe_refusals()}" if self.refused else done
+
 
 class FleetAdapters:
     """Loads and unloads adapters on the workers a router routes to."""
@@ -58,46 +62,38 @@ class FleetAdapters:
     async def load(self, name: str, path: str) -> LoraUpdate:
         """Load the adapter in the folder ``path`` as ``name`` on every worker."""
         request = worker_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
-        workers = self._workers()
-        results = await asyncio.gather(
-            *(self._call(h, "LoadLoraAdapter", request) for h in workers)
+        # NOTE: a worker that serves it already counts as done: a load again fills the gaps.
+        update = await self._ask(
+            self._workers(), "LoadLoraAdapter", request, grpc.StatusCode.ALREADY_EXISTS
         )
-        update = LoraUpdate(name)
-        for handle, error in zip(workers, results, strict=True):
-            if error is None or error[0] is grpc.StatusCode.ALREADY_EXISTS:
-                update.done.append(handle.worker_id)
-            else:
-                update.refused[handle.worker_id] = error
-        await self._router.directory.poll_loads()  # routed by what the workers serve now
-        logger.info(
-            "LoRA adapter %s from %s: loaded on %s%s",
-            name,
-            path,
-            ", ".join(update.done) or "no worker",
-            f"; refused by {update.describe_refusals()}" if update.refused else "",
-        )
+        logger.info("LoRA adapter %s from %s: loaded on %s", name, path, update.describe())
         return update
 
     async def unload(self, name: str) -> LoraUpdate:
         """Unload the adapter ``name`` from every worker that serves it."""
         request = worker_pb2.UnloadLoraAdapterRequest(lora_name=name)
         workers = [h for h in self._workers() if h.serves(name)]
-        results = await asyncio.gather(
-            *(self._call(h, "UnloadLoraAdapter", request) for h in workers)
-        )
-        update = LoraUpdate(name)
+        update = await self._ask(workers, "UnloadLoraAdapter", request, grpc.StatusCode.NOT_FOUND)
+        logger.info("LoRA adapter %s: unloaded from %s", name, update.describe())
+        return update
+
+    async def _ask(
+        self,
+        workers: list[WorkerHandle],
+        method: str,
+        request: worker_pb2.LoadLoraAdapterRequest | worker_pb2.UnloadLoraAdapterRequest,
+        already: grpc.StatusCode,
+    ) -> LoraUpdate:
+        """Call ``method`` on every worker at once; a worker answering ``already`` had it done.
+        Then polls the loads, so that requests are routed by what the workers serve now."""
+        results = await asyncio.gather(*(self._call(h, method, request) for h in workers))
+        update = LoraUpdate(request.lora_name)
         for handle, error in zip(workers, results, strict=True):
-            if error is None or error[0] is grpc.StatusCode.NOT_FOUND:
+            if error is None or error[0] is already:
                 update.done.append(handle.worker_id)
             else:
                 update.refused[handle.worker_id] = error
         await self._router.directory.poll_loads()
-        logger.info(
-            "LoRA adapter %s: unloaded from %s%s",
-            name,
-            ", ".join(update.done) or "no worker",
-            f"; refused by {update.describe_refusals()}" if update.refused else "",
-        )
         return update
 
     async def _call(

@@ -315,12 +315,12 @@ class LoraSlots:
         for layer in range(self.config.num_layers):
             for group in SHARED_INPUTS:
                 a_group = [self.weights[(layer, m)][0][:, :rank] for m in group]
-                self._shrink[(layer, group)] = torch.cat(a_group).flatten(0, 1)
+                if len(group) > 1:
+                    self._shrink[(layer, group)] = torch.cat(a_group).flatten(0, 1)
                 for module, a in zip(group, a_group, strict=True):
+                    b_t = self.weights[(layer, module)][1]
                     self._shrink[(layer, (module,))] = a.flatten(0, 1)
-                    self._expand[(layer, module)] = self.weights[(layer, module)][1][
-                        :, :rank
-                    ].flatten(0, 1)
+                    self._expand[(layer, module)] = b_t[:, :rank].flatten(0, 1)
 
     def apply(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, the module's output for the rows ``x``, with each token's adapter added in
