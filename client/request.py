@@ -18,6 +18,7 @@ from kvswitch.v1 import common_pb2, router_pb2
 
 _UINT32_END = 1 << 32
 _UINT64_END = 1 << 64
+_MAX_LOGPROBS = 20
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -35,6 +36,9 @@ class GenerateOptions(TypedDict, total=False):
     policy: str | None
     weights: Mapping[str, float] | None
     request_id: str | None
+    logprobs: int | None
+    prompt_logprobs: int | None
+    pooling: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,12 @@ class GenerateParams:
     policy: str | None = None  # routing policy name; None = the router's default
     weights: Mapping[str, float] | None = None  # the policy's scoring weights by term name
     request_id: str | None = None  # None = a fresh uuid4 hex per request
+    # Each output token's logprob and this many alternatives (0-20); None = none.
+    logprobs: int | None = None
+    # The same for every prompt token but the first, in the first chunk; None = none.
+    prompt_logprobs: int | None = None
+    # "last" or "mean": the prompt's embedding in the first chunk; None = none.
+    pooling: str | None = None
 
     @classmethod
     def from_options(cls, prompt: str | None, options: Mapping[str, object]) -> GenerateParams:
@@ -97,6 +107,12 @@ class GenerateParams:
         for term, weight in (self.weights or {}).items():
             if not math.isfinite(weight):
                 raise ValueError(f"weights[{term!r}] must be a finite number, got {weight}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in [0, {_MAX_LOGPROBS}], got {value!r}")
+        if self.pooling not in (None, "last", "mean"):
+            raise ValueError(f"pooling must be 'last', 'mean' or None, got {self.pooling!r}")
         if self.request_id is not None and not self.request_id:
             raise ValueError("request_id is empty; pass None to have one generated")
         for name in ("request_id", "lora", "cache_salt"):
@@ -112,7 +128,10 @@ class GenerateParams:
                 top_p=self.top_p,
                 seed=self.seed,
                 stop_token_ids=self.stop_token_ids,
+                logprobs=self.logprobs,
+                prompt_logprobs=self.prompt_logprobs,
             ),
+            pooling=self.pooling or "",
             lora=self.lora or "",
             cache_salt=self.cache_salt or "",
             routing=router_pb2.RoutingOverrides(

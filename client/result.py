@@ -33,11 +33,26 @@ _FINISH_REASON_FROM_PROTO = {
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A token's log-probability under the model, and the most likely tokens at its position
+    with theirs, most likely first."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Chunk:
-    """Newly generated tokens and their text (empty while a multi-byte character is incomplete)."""
+    """Newly generated tokens and their text (empty while a multi-byte character is incomplete).
+    With ``logprobs`` asked, one entry per token; the first chunk carries the prompt's logprobs
+    and embedding when they were asked."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,6 +107,9 @@ class GenerateResult:
     finish_reason: FinishReason
     stats: Stats
     route: RouteInfo
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token but the first
+    embedding: list[float] | None = None
 
 
 class ResultBuilder:
@@ -103,6 +121,9 @@ class ResultBuilder:
         self.result: GenerateResult | None = None
         self._token_ids: list[int] = []
         self._texts: list[str] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._prompt_logprobs: list[TokenLogprobs] | None = None
+        self._embedding: list[float] | None = None
 
     def add(self, response: router_pb2.GenerateResponse) -> Chunk | None:
         """The chunk a message carries, or None for the final message (which sets ``result``)."""
@@ -111,7 +132,17 @@ class ResultBuilder:
             raise self._protocol_error("the router sent a message after the final one")
         kind = response.WhichOneof("kind")
         if kind == "chunk":
-            chunk = Chunk(token_ids=list(response.chunk.token_ids), text=response.chunk.text)
+            message = response.chunk
+            chunk = Chunk(token_ids=list(message.token_ids), text=message.text)
+            if message.logprobs:
+                chunk = dataclasses.replace(chunk, logprobs=_logprobs(message.logprobs))
+                self._logprobs += chunk.logprobs
+            if message.prompt_logprobs:
+                self._prompt_logprobs = _logprobs(message.prompt_logprobs)
+                chunk = dataclasses.replace(chunk, prompt_logprobs=self._prompt_logprobs)
+            if message.embedding:
+                self._embedding = list(message.embedding)
+                chunk = dataclasses.replace(chunk, embedding=self._embedding)
             self._token_ids.extend(chunk.token_ids)
             self._texts.append(chunk.text)
             return chunk
@@ -157,8 +188,17 @@ class ResultBuilder:
                 num_matched_blocks=route.num_matched_blocks,
                 score=route.score,
             ),
+            logprobs=self._logprobs or None,
+            prompt_logprobs=self._prompt_logprobs,
+            embedding=self._embedding,
         )
 
     def _protocol_error(self, details: str) -> KvswitchError:
         # NOTE: a broken stream is the server's fault, like gRPC's own INTERNAL errors.
         return KvswitchError(grpc.StatusCode.INTERNAL, details, self.request_id)
+
+
+def _logprobs(entries) -> list[TokenLogprobs]:
+    return [
+        TokenLogprobs(e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in entries
+    ]

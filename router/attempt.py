@@ -150,6 +150,9 @@ class Attempts:
         self._directory: WorkerDirectory = router.directory
         self._metrics = metrics
         self._disagg = disagg
+        # Prompt logprobs or an embedding: computed where the prompt is, never taken from a
+        # peer (whose blocks bring no hidden states).
+        self._wants_prompt = bool(request.pooling) or request.sampling.HasField("prompt_logprobs")
         self._max_failovers = max_failovers
         self._request = request
         self._context = context
@@ -300,6 +303,8 @@ class Attempts:
             cache_salt=self._request.cache_salt,
             num_resumed_tokens=len(progress.sent),
             num_pending_text_tokens=progress.num_pending_text_tokens,
+            # The first chunk carried the embedding: a resumed stream asks for none.
+            pooling=self._request.pooling if not progress.sent else "",
         )
         source = self._blocks_from(attempt.route)
         if source is not None:
@@ -374,7 +379,8 @@ class Attempts:
                 weights=dict(request.routing.weights),
                 exclude=progress.excluded(),
                 # NOTE: only a prompt not prefilled yet is: a resumed stream goes to one worker.
-                disagg=self._disagg if not progress.sent else None,
+                # Prompt logprobs and embeddings are computed where the prompt is.
+                disagg=self._disagg if not progress.sent and not self._wants_prompt else None,
             )
 
         try:
@@ -437,7 +443,7 @@ class Attempts:
         prefilled = self._progress.prefilled
         if prefilled is not None and prefilled[0].worker_id not in self._progress.failed:
             return kv_source(prefilled[0], self._fleet_request_id, self._disagg)
-        if route.fetch_handle is not None:
+        if route.fetch_handle is not None and not self._wants_prompt:
             # Peer block fetch: the prefix from the worker that holds it, not computed.
             source = kv_source(route.fetch_handle, "", self._disagg)
             source.on_failure = "recompute"
@@ -541,4 +547,6 @@ def _remaining_sampling(
     remaining = common_pb2.SamplingParams()
     remaining.CopyFrom(sampling)
     remaining.max_tokens = max_tokens - num_sent
+    if num_sent:  # the first chunk carried them
+        remaining.ClearField("prompt_logprobs")
     return remaining

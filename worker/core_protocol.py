@@ -7,7 +7,7 @@ sent, which the cache-event numbering relies on.
 Serving process to core::
 
     [ADD, request_id, prompt (little-endian uint32 bytes), block_hashes, params, cache_salt,
-     num_resumed_tokens, hold_s, lora]
+     num_resumed_tokens, hold_s, lora, pooling]
     [ABORT, request_id]
     [RELEASE, lease_id]                a finished request's blocks, held for a peer, can go
     [SNAPSHOT, call_id]
@@ -21,7 +21,8 @@ Serving process to core::
     [NIXL_INFO, call_id]               this engine's NIXL peer info (its agent made on first use)
     [WRITE_BLOCKS_NIXL, call_id, block_hashes, peer's NIXL peer info, peer block ids, timeout_s]
     [ADD_AWAITING_KV, call_id, request_id, prompt, block_hashes, params, cache_salt,
-     num_resumed_tokens, hold_s, lora] ADD for a request whose prompt's KV a transfer brings:
+     num_resumed_tokens, hold_s, lora, pooling]
+                                       ADD for a request whose prompt's KV a transfer brings:
                                        its blocks are held, it waits for KV_LANDED
     [KV_LANDED, call_id, request_id, num_written_blocks]
                                        its transfer is over; num_written_blocks: leading awaited
@@ -47,9 +48,14 @@ Core to serving process::
                                        when not ok, value is the error's message
     [STOPPED]                          last
 
-A STEP's outputs are columns (``StepOutputs``): [request_ids, token_ids, first, finished],
-``first`` holding [request_id, num_prompt_tokens, num_cached_tokens, ttft_s] and ``finished``
-[request_id, finish reason] for the few requests they concern.
+A STEP's outputs are columns (``StepOutputs``): [request_ids, token_ids, first, finished,
+logprobs, prompt_logprobs, embeddings], ``first`` holding [request_id, num_prompt_tokens,
+num_cached_tokens, ttft_s] and ``finished`` [request_id, finish reason] for the few requests they
+concern; ``logprobs`` [request_id, token logprobs] for the requests that asked for them,
+``prompt_logprobs`` [request_id, [token logprobs, ...]] and ``embeddings`` [request_id, floats]
+for those whose prompt the step finished. Token logprobs travel as [logprob, top token ids, top
+logprobs]. ``params`` are [max_tokens, temperature, top_p, seed, stop_token_ids, logprobs,
+prompt_logprobs]; a reader takes the fields it knows and the defaults of those not sent.
 
 Only ids, token ids, hashes and numbers travel; a prompt travels as one byte string, and so do
 the KV blocks a worker sends or takes (``kv_transfer``'s layout).
@@ -67,7 +73,13 @@ import zmq
 
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from kvswitch.worker.kv_layout import KVLayout
-from kvswitch.worker.request import FinishReason, FirstToken, SamplingParams, StepOutputs
+from kvswitch.worker.request import (
+    FinishReason,
+    FirstToken,
+    SamplingParams,
+    StepOutputs,
+    TokenLogprobs,
+)
 
 # Serving process -> core.
 (
@@ -206,12 +218,26 @@ def params_to_wire(params: SamplingParams) -> list[Any]:
         params.top_p,
         params.seed,
         list(params.stop_token_ids),
+        params.logprobs,
+        params.prompt_logprobs,
     ]
 
 
 def params_from_wire(fields: list[Any]) -> SamplingParams:
-    max_tokens, temperature, top_p, seed, stop_token_ids = fields
-    return SamplingParams(max_tokens, temperature, top_p, seed, tuple(stop_token_ids))
+    max_tokens, temperature, top_p, seed, stop_token_ids, *asks = fields
+    logprobs, prompt_logprobs = (*asks, None, None)[:2]
+    return SamplingParams(
+        max_tokens, temperature, top_p, seed, tuple(stop_token_ids), logprobs, prompt_logprobs
+    )
+
+
+def _logprobs_to_wire(entry: TokenLogprobs) -> list[Any]:
+    return [entry.logprob, list(entry.top_token_ids), list(entry.top_logprobs)]
+
+
+def _logprobs_from_wire(fields: list[Any]) -> TokenLogprobs:
+    logprob, top_token_ids, top_logprobs = fields
+    return TokenLogprobs(logprob, tuple(top_token_ids), tuple(top_logprobs))
 
 
 _EVENT_TAGS = {BlockStored: 0, BlockRemoved: 1, AllBlocksCleared: 2}
@@ -253,16 +279,26 @@ def outputs_to_wire(outputs: StepOutputs) -> list[Any]:
         outputs.token_ids,
         [[r, f.num_prompt_tokens, f.num_cached_tokens, f.ttft_s] for r, f in outputs.first.items()],
         [[r, _FINISH_REASONS.index(reason)] for r, reason in outputs.finished.items()],
+        [[r, _logprobs_to_wire(entry)] for r, entry in outputs.logprobs.items()],
+        [
+            [r, [_logprobs_to_wire(entry) for entry in entries]]
+            for r, entries in outputs.prompt_logprobs.items()
+        ],
+        [[r, vector] for r, vector in outputs.embeddings.items()],
     ]
 
 
 def outputs_from_wire(fields: list[Any]) -> StepOutputs:
-    request_ids, token_ids, first, finished = fields
+    request_ids, token_ids, first, finished, *extras = fields
+    logprobs, prompt_logprobs, embeddings = (*extras, [], [], [])[:3]
     return StepOutputs(
         request_ids,
         token_ids,
         {r: FirstToken(*figures) for r, *figures in first},
         {r: _FINISH_REASONS[reason] for r, reason in finished},
+        {r: _logprobs_from_wire(entry) for r, entry in logprobs},
+        {r: [_logprobs_from_wire(e) for e in entries] for r, entries in prompt_logprobs},
+        dict(embeddings),
     )
 
 

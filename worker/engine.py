@@ -30,6 +30,7 @@ from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.hashing import BlockHasher
 from kvswitch.worker.cuda_graphs import graph_memory_bytes
 from kvswitch.worker.engine_config import EngineConfig, check_lora_name, lora_paths
+from kvswitch.worker.hidden_cache import HiddenStateCache
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.kv_transfer import (
@@ -42,6 +43,7 @@ from kvswitch.worker.kv_transfer import (
     shared_file,
     write_blocks,
 )
+from kvswitch.worker.logprobs import pool, prompt_logprobs, token_logprobs
 from kvswitch.worker.lora import LoraManager, LoraSlots
 from kvswitch.worker.model_runner import (
     ModelRunner,
@@ -50,6 +52,7 @@ from kvswitch.worker.model_runner import (
     num_blocks_for_budget,
 )
 from kvswitch.worker.request import (
+    POOLINGS,
     FinishReason,
     FirstToken,
     PullSlots,
@@ -161,6 +164,22 @@ class LLMEngine:
         )
         if self.loras is not None:
             self.runner.attach_loras(self.loras.slots)
+        self.hidden_cache: HiddenStateCache | None = None
+        if config.cache_hidden_states:
+            self.hidden_cache = self.runner.hidden_cache = HiddenStateCache(
+                num_blocks,
+                config.block_size,
+                self.model_config.hidden_size,
+                dtype,
+                max_bytes=config.hidden_cache_bytes or None,
+            )
+            logger.info(
+                "hidden-state cache: %d KiB a block, %d blocks of %d (%.0f MiB of host memory)",
+                self.hidden_cache.bytes_per_block // 1024,
+                self.hidden_cache.num_blocks,
+                num_blocks,
+                self.hidden_cache.num_bytes / 2**20,
+            )
         # The CUDA graphs' memory: (set aside for them, what capturing them took).
         self.graph_memory_bytes: tuple[int, int] | None = None
         if config.cuda_graphs:
@@ -186,8 +205,16 @@ class LLMEngine:
             ),
             self.kv_cache,
         )
+        # A request that wants its prompt's hidden states counts a cached prefix only as far as
+        # the hidden-state cache holds its rows (none without the cache): the rest is computed.
+        hidden_cache = self.hidden_cache
+        self.scheduler.num_hidden_blocks = (
+            hidden_cache.num_cached_blocks if hidden_cache is not None else lambda blocks: 0
+        )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        # Running requests still gathering their prompt's hidden states.
+        self._hidden_requests: dict[str, Request] = {}
         self.stats = EngineStats()
         # The rows of the latest step's requests, with the block tables' version they held in.
         self._last_rows: tuple[int, list[Request], np.ndarray] = (-1, [], np.empty(0, np.int64))
@@ -224,6 +251,7 @@ class LLMEngine:
         num_resumed_tokens: int = 0,
         block_hashes: list[bytes] | None = None,
         hold_s: float = 0.0,
+        pooling: str | None = None,
     ) -> Request:
         """The request ``add_request`` would queue, checked (ValueError) but not queued. It reads
         only what never changes in the engine, so any thread may call it.
@@ -233,8 +261,12 @@ class LLMEngine:
         ``block_hashes``: the prompt's chain (``self.hasher(cache_salt)``), when the caller
         hashed it already. ``hold_s``: once finished, the request's cached blocks are held this
         long under a lease named by its id, for a peer to copy (``release_lease``).
+        ``pooling``: give the prompt's embedding, its final hidden states pooled this way
+        (``POOLINGS``), with its first token.
         """
         check_hold(hold_s)
+        if pooling is not None and pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
         prompt = np.asarray(prompt_token_ids)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len, num_resumed_tokens)
         self.check_lora(lora)
@@ -248,6 +280,7 @@ class LLMEngine:
         )
         request.num_resumed_tokens = num_resumed_tokens
         request.hold_s = hold_s
+        request.pooling = pooling
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         request.stop_token_ids |= self._eos_token_ids
         return request
@@ -257,6 +290,8 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        if request.needs_prompt_hidden:
+            self._hidden_requests[request.request_id] = request
         self.scheduler.add(request)
 
     def add_awaiting_kv(self, request: Request) -> PullSlots:
@@ -268,6 +303,11 @@ class LLMEngine:
         ``add``."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if request.needs_prompt_hidden:
+            raise ValueError(
+                "prompt logprobs and embeddings are computed where the prompt is: a request "
+                "that asks for them cannot take its prompt's KV from a peer"
+            )
         slots = self.scheduler.add_awaiting_kv(request)
         self.requests[request.request_id] = request
         return slots
@@ -337,6 +377,8 @@ class LLMEngine:
         if request is None:
             return False
         request.finish_reason = FinishReason.ABORT
+        self._hidden_requests.pop(request_id, None)
+        request.prompt_hidden = None
         self.scheduler.remove(request)
         return True
 
@@ -584,10 +626,18 @@ class LLMEngine:
         if not scheduled.requests:
             return StepOutputs()
         try:
-            logits = self.runner.execute_batch(self._batch(scheduled))
+            batch = self._batch(scheduled)
+            if self.hidden_cache is None and not self._hidden_requests:
+                logits = self.runner.execute_batch(batch)
+            else:
+                logits, hidden = self.runner.execute_batch_hidden(batch)
+                if self._hidden_requests:
+                    self._gather_prompt_hidden(scheduled, hidden)
         except Exception as e:
             raise self._fail_step([r.request_id for r in scheduled.requests], e) from e
         self.kv_cache.commit()
+        if self.hidden_cache is not None:
+            self._record_hidden_rows(scheduled)
         self.stats.num_steps += 1
         self.stats.num_step_tokens += scheduled.num_tokens
         self.stats.max_step_tokens = max(self.stats.max_step_tokens, scheduled.num_tokens)
@@ -647,6 +697,70 @@ class LLMEngine:
         per_request = [-1 if name is None else slot_of[name] for name in adapters]
         return np.repeat(np.array(per_request, np.int64), scheduled.num_new_tokens)
 
+    def _gather_prompt_hidden(self, scheduled: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Copy the step's rows of prompts that want their hidden states into each request's
+        buffer, after the rows of its cached prefix (from the hidden-state cache)::
+
+            | cached prefix: rows from the cache | rows of earlier steps | this step's |
+        """
+        offset = 0
+        for request, start, num_new in zip(
+            scheduled.requests, scheduled.start_pos, scheduled.num_new_tokens, strict=True
+        ):
+            if request.request_id in self._hidden_requests:
+                num_prompt = request.num_prompt_tokens
+                if request.prompt_hidden is None:
+                    request.prompt_hidden = torch.empty(
+                        num_prompt, hidden.shape[1], dtype=hidden.dtype, device=hidden.device
+                    )
+                filled = request.num_hidden_rows
+                if start > filled:
+                    self._read_hidden_rows(request, filled, start)
+                end = min(start + num_new, num_prompt)
+                if end > start:
+                    request.prompt_hidden[start:end] = hidden[offset : offset + end - start]
+                request.num_hidden_rows = max(filled, end)
+            offset += num_new
+
+    def _read_hidden_rows(self, request: Request, start: int, end: int) -> None:
+        """Rows [start, end) of the request's prompt, whole blocks of its cached prefix, from
+        the hidden-state cache (the scheduler counted them cached only if it holds them)."""
+        cache, size = self.hidden_cache, self.config.block_size
+        if cache is None or start % size or end % size:
+            raise RuntimeError(
+                f"request {request.request_id!r}: prompt rows [{start}, {end}) are neither "
+                "computed nor cached"
+            )
+        block_ids = self.kv_cache.get_block_ids(request.request_id)[start // size : end // size]
+        assert request.prompt_hidden is not None
+        request.prompt_hidden[start:end] = cache.read(block_ids).to(request.prompt_hidden.device)
+
+    def _record_hidden_rows(self, scheduled: SchedulerOutput) -> None:
+        """The blocks the step filled have every row in the hidden-state cache now."""
+        assert self.hidden_cache is not None
+        size = self.config.block_size
+        for request, start, num_new in zip(
+            scheduled.requests, scheduled.start_pos, scheduled.num_new_tokens, strict=True
+        ):
+            first, end = start // size, (start + num_new) // size
+            if end > first:
+                block_ids = self.kv_cache.get_block_ids(request.request_id)[first:end]
+                self.hidden_cache.record(block_ids, request.block_hashes[first:end])
+
+    def _prompt_extras(self, request: Request, outputs: StepOutputs) -> None:
+        """The prompt logprobs and embedding of a request whose prompt is now computed."""
+        del self._hidden_requests[request.request_id]
+        hidden, request.prompt_hidden = request.prompt_hidden, None
+        assert hidden is not None and request.num_hidden_rows == request.num_prompt_tokens
+        prompt = request.token_ids[: request.num_prompt_tokens]
+        num_top = request.params.prompt_logprobs
+        if num_top is not None:
+            outputs.prompt_logprobs[request.request_id] = prompt_logprobs(
+                self.model, hidden[:-1], prompt, num_top
+            )
+        if request.pooling is not None:
+            outputs.embeddings[request.request_id] = pool(hidden, request.pooling)
+
     def _fail_step(self, request_ids: list[str], cause: Exception) -> StepFailed:
         """Abort the step's requests, and any other that shares a block whose KV the step did
         not write, after taking those blocks' hashes back."""
@@ -684,7 +798,19 @@ class LLMEngine:
             return outputs
         if len(sampling) < len(requests):
             logits = logits[sampling_rows]
-        outputs.token_ids = token_ids = self.sampler.sample(logits, params, generators).tolist()
+        sampled = self.sampler.sample(logits, params, generators)
+        outputs.token_ids = token_ids = sampled.tolist()
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if logprob_rows:
+            rows = torch.tensor(logprob_rows, device=logits.device)
+            for i, logprobs in zip(
+                logprob_rows,
+                token_logprobs(
+                    logits[rows], sampled[rows], [params[i].logprobs for i in logprob_rows]
+                ),
+                strict=True,
+            ):
+                outputs.logprobs[sampling[i].request_id] = logprobs
         now = time.monotonic()
         # A request ends on a stop token or EOS (STOP), or at max_tokens or the context length
         # (LENGTH), both folded into ``stop_token_ids`` and ``max_num_tokens`` on admission.
@@ -697,6 +823,8 @@ class LLMEngine:
                 )
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
                 self.stats.num_cached_tokens += request.num_cached_tokens
+                if request.request_id in self._hidden_requests:
+                    self._prompt_extras(request, outputs)
             request.append_token(token_id)
             if token_id in request.stop_token_ids:
                 reason = FinishReason.STOP

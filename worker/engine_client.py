@@ -51,6 +51,7 @@ from kvswitch.worker.engine_config import check_lora_name
 from kvswitch.worker.engine_core import build_and_run, core_process_main
 from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import (
+    POOLINGS,
     PullSlots,
     RequestOutput,
     SamplingParams,
@@ -352,11 +353,13 @@ class EngineClient:
         num_resumed_tokens: int = 0,
         hold_s: float = 0.0,
         block_hashes: list[bytes] | None = None,
+        pooling: str | None = None,
     ) -> asyncio.Queue[RequestOutput | EngineError]:
         """Queue a request in the engine and return the queue its outputs will arrive on.
         ``hold_s``: once it finished, hold its cached blocks this long for a peer to fetch, under
         a lease named by ``request_id`` (``release``). ``block_hashes``: the prompt's chain
-        (``self.hasher(cache_salt, lora)``), when the caller hashed it already.
+        (``self.hasher(cache_salt, lora)``), when the caller hashed it already. ``pooling``: the
+        prompt's embedding comes with its first token (``LLMEngine.make_request``).
 
         Raises ValueError (a message for the user) if the request can never run, and
         ``EngineStopped`` if the engine is stopping or gone; nothing is queued then.
@@ -364,10 +367,12 @@ class EngineClient:
         prompt = self.checked_prompt(
             prompt_token_ids, lora=lora, num_resumed_tokens=num_resumed_tokens, hold_s=hold_s
         )
+        if pooling is not None and pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
         if block_hashes is None:
             block_hashes = self.hasher(cache_salt, lora).hash_blocks(prompt)
         fields = [prompt.tobytes(), block_hashes, wire.params_to_wire(params)]
-        fields += [cache_salt, num_resumed_tokens, hold_s, lora]
+        fields += [cache_salt, num_resumed_tokens, hold_s, lora, pooling]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_running()
@@ -398,8 +403,13 @@ class EngineClient:
         prompt = self.checked_prompt(
             prompt_token_ids, lora=lora, num_resumed_tokens=num_resumed_tokens, hold_s=hold_s
         )
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt logprobs are computed where the prompt is: a request that asks for them "
+                "cannot take its prompt's KV from a peer"
+            )
         fields = [prompt.tobytes(), block_hashes, wire.params_to_wire(params)]
-        fields += [cache_salt, num_resumed_tokens, hold_s, lora]
+        fields += [cache_salt, num_resumed_tokens, hold_s, lora, None]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         future: Future[list[Any]] = Future()
         with self._lock:

@@ -52,6 +52,12 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 0
+    # Keep every full block's final hidden states in host memory beside its KV
+    # (worker/hidden_cache.py), so that prompt logprobs and embeddings of a cached prefix are
+    # not recomputed. hidden_cache_bytes caps it (0: a row for every KV block). Every step then
+    # runs without CUDA graphs (they give no hidden states).
+    cache_hidden_states: bool = False
+    hidden_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
@@ -74,8 +80,18 @@ class EngineConfig:
             )
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs captures steps on a GPU: use it with a cuda device")
+        if self.hidden_cache_bytes < 0:
+            raise ValueError(
+                f"hidden_cache_bytes must be >= 0 (0: no cap), got {self.hidden_cache_bytes}"
+            )
+        if self.cache_hidden_states and self.cuda_graphs:
+            raise ValueError(
+                "cache_hidden_states needs every step's hidden states, which CUDA graphs do not "
+                "give: turn cuda_graphs off to cache them"
+            )
         if self.cuda_graphs is None:
-            object.__setattr__(self, "cuda_graphs", self.device.startswith("cuda"))
+            on_gpu = self.device.startswith("cuda")
+            object.__setattr__(self, "cuda_graphs", on_gpu and not self.cache_hidden_states)
         lora_paths(self.lora)  # refuses a malformed or repeated name
         if self.max_loras <= 0 or self.max_lora_rank <= 0 or self.max_cpu_loras < 0:
             raise ValueError(

@@ -188,6 +188,8 @@ class EngineCore:
         num_resumed_tokens: int,
         hold_s: float,
         lora: str | None,
+        pooling: str | None = None,
+        *unknown: Any,
     ) -> Request | tuple[str, str]:
         """The request, or ``(request_id, why it cannot run)``."""
         try:
@@ -200,6 +202,7 @@ class EngineCore:
                 num_resumed_tokens=num_resumed_tokens,
                 block_hashes=block_hashes,
                 hold_s=hold_s,
+                pooling=pooling,
             )
         except ValueError as e:
             return request_id, str(e)

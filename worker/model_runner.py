@@ -11,6 +11,7 @@ import torch
 
 from kvswitch.worker.attention import AttentionMetadata
 from kvswitch.worker.cuda_graphs import DecodeGraphs, PrefillGraphs, SequenceGraphs
+from kvswitch.worker.hidden_cache import HiddenStateCache
 from kvswitch.worker.kv_transfer import allocate_shared_caches
 from kvswitch.worker.lora import LoraSlots
 from kvswitch.worker.model import CausalLM
@@ -97,6 +98,8 @@ class ModelRunner:
                 for _ in range(config.num_layers)
             ]
         self.graphs: DecodeGraphs | None = None
+        # Every step's final hidden states are written here at their KV slots, when set.
+        self.hidden_cache: HiddenStateCache | None = None
         self.loras: LoraSlots | None = None
         self._lora_tokens: torch.Tensor | None = None  # the running step's, while it has any
         self.prefill_graphs: PrefillGraphs | None = None
@@ -145,19 +148,33 @@ class ModelRunner:
         )
         return self.execute_batch(batch, every_token=every_token)
 
-    @torch.inference_mode()
     def execute_batch(self, batch: StepBatch, *, every_token: bool = False) -> torch.Tensor:
         """``execute`` for a batch already in arrays (the engine's path): positions and slots
         are computed with numpy, and all inputs reach the device in one copy (``InputStager``).
         With ``cuda_graphs`` a decode step replays a graph instead (``DecodeGraphs``), one
         sequence's step of few enough tokens too (``SequenceGraphs``), and another such step
         replays all but attention (``PrefillGraphs``)."""
+        return self._execute(batch, every_token, with_hidden=False)[0]
+
+    def execute_batch_hidden(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``execute_batch``'s logits, and the step's final hidden states (after the last norm)
+        of every token [num_tokens, hidden_size], on the device; never from CUDA graphs."""
+        logits, hidden = self._execute(batch, False, with_hidden=True)
+        assert hidden is not None
+        return logits, hidden
+
+    @torch.inference_mode()
+    def _execute(
+        self, batch: StepBatch, every_token: bool, with_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         num_new, start_pos = batch.num_new, batch.start_pos
         num_seqs = len(num_new)
         if num_seqs == 0:
             raise ValueError("nothing to run")
         if batch.lora_slots is not None:
-            return self._execute_with_loras(batch, every_token)
+            return self._execute_with_loras(batch, every_token, with_hidden)
+        hidden_cache = self.hidden_cache
+        with_hidden = with_hidden or hidden_cache is not None
         num_tokens = len(batch.input_ids)
         if num_tokens == num_seqs:  # all decodes: one token per sequence, at its start position
             # NOTE: the steady state; every numpy call here costs the step a few microseconds.
@@ -177,27 +194,27 @@ class ModelRunner:
         seq_lens = (start_pos + num_new).astype(np.int32)
         pages, offsets = np.divmod(positions, self.block_size)
         slots = (batch.block_tables[token_seq, pages] * self.block_size + offsets).astype(np.int32)
+        # NOTE: the graphs give logits only; a step that keeps hidden states runs plain.
+        plain = every_token or with_hidden or self._lora_tokens is not None
         graphs = self.graphs
-        if self._lora_tokens is not None:
-            graphs = None
         if (
             max_q_len == 1
-            and not every_token
+            and not plain
             and graphs is not None
             and graphs.can_run(num_seqs, batch.block_tables.shape[1])
         ):
-            return graphs.run(batch.input_ids, positions, slots, seq_lens, batch.block_tables)
+            return graphs.run(batch.input_ids, positions, slots, seq_lens, batch.block_tables), None
         sequence_graphs = self.sequence_graphs
         if (
-            self._lora_tokens is None
+            not plain
             and num_seqs == 1
-            and not every_token
             and sequence_graphs is not None
             and sequence_graphs.can_run(num_tokens, batch.block_tables.shape[1])
         ):
             return sequence_graphs.run(
                 batch.input_ids, positions, slots, int(seq_lens[0]), batch.block_tables[0]
-            )
+            ), None
+        host_slots = slots
 
         arrays = (
             batch.input_ids,
@@ -220,21 +237,23 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         prefill_graphs = self.prefill_graphs
-        if (
-            not every_token
-            and prefill_graphs is not None
-            and prefill_graphs.can_run(num_tokens)
-            and self._lora_tokens is None
-        ):
-            return prefill_graphs.run(input_ids, positions, meta, logit_rows)
-        return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        if not plain and prefill_graphs is not None and prefill_graphs.can_run(num_tokens):
+            return prefill_graphs.run(input_ids, positions, meta, logit_rows), None
+        if not with_hidden:
+            return self.model(input_ids, positions, self.kv_caches, meta, logit_rows), None
+        hidden = self.model.model(input_ids, positions, self.kv_caches, meta)
+        if hidden_cache is not None:
+            hidden_cache.write(host_slots, hidden)
+        return self.model.logits(hidden, logit_rows), hidden
 
     def attach_loras(self, slots: LoraSlots) -> None:
         """Serve adapters from ``slots``: a step whose batch names them adds each token's."""
         self.loras = slots
         self.model.attach_loras(slots)
 
-    def _execute_with_loras(self, batch: StepBatch, every_token: bool) -> torch.Tensor:
+    def _execute_with_loras(
+        self, batch: StepBatch, every_token: bool, with_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A step with adapters, on the plain path (the graphs are captured without them)."""
         if self.loras is None:
             raise ValueError("this runner serves no adapters")
@@ -242,11 +261,11 @@ class ModelRunner:
         if slots is None or len(slots) != len(batch.input_ids):
             raise ValueError("a step's lora_slots must give one slot per token")
         if (slots < 0).all():  # the base model alone: the usual paths
-            return self.execute_batch(_without_loras(batch), every_token=every_token)
+            return self._execute(_without_loras(batch), every_token, with_hidden)
         self._lora_tokens = torch.from_numpy(np.ascontiguousarray(slots, np.int64)).to(self.device)
         self.loras.begin_step(self._lora_tokens)
         try:
-            return self.execute_batch(_without_loras(batch), every_token=every_token)
+            return self._execute(_without_loras(batch), every_token, with_hidden)
         finally:
             self._lora_tokens = None
             self.loras.begin_step(None)

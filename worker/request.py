@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed, as the protocol does
 MAX_HOLD_S = 600.0  # the longest a finished request's blocks may be held for a peer
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's top_logprobs)
+POOLINGS = ("last", "mean")  # how a prompt's hidden states pool into its embedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,9 @@ class SamplingParams:
 
     ``temperature`` 0 means greedy (argmax); ``top_p`` keeps the smallest set of most likely
     tokens whose probability reaches it; ``seed`` makes a sampled request reproducible.
+    ``logprobs``: give each output token's log-probability under the model (before temperature
+    and top-p) and this many most likely alternatives; ``prompt_logprobs`` the same for every
+    prompt token but the first. None: not asked.
     """
 
     max_tokens: int = 16
@@ -37,6 +42,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -55,6 +62,10 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def is_greedy(self) -> bool:
@@ -100,11 +111,14 @@ class Request:
         "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_hidden_rows",
         "num_preemptions",
         "num_prompt_tokens",
         "num_resumed_tokens",
         "num_tokens",
         "params",
+        "pooling",
+        "prompt_hidden",
         "request_id",
         "status",
         "stop_token_ids",
@@ -156,6 +170,21 @@ class Request:
         self.hold_s = 0.0
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
+        # Pool the prompt's final hidden states into an embedding this way (POOLINGS); None: no.
+        self.pooling: str | None = None
+        # The prompt's final hidden states, gathered step by step (and from the hidden-state
+        # cache) while prompt logprobs or an embedding wait for them; rows [0, num_hidden_rows)
+        # are filled. None: the request needs none.
+        self.prompt_hidden: torch.Tensor | None = None
+        self.num_hidden_rows = 0
+
+    @property
+    def needs_prompt_hidden(self) -> bool:
+        """Whether the request wants its prompt's hidden states: prompt logprobs or an embedding
+        (its cached prefix counts only where the hidden-state cache holds that prefix's rows)."""
+        return self.pooling is not None or (
+            self.params is not None and self.params.prompt_logprobs is not None
+        )
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -248,10 +277,21 @@ class PullSlots:
     refused: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A token's log-probability under the model, and the most likely tokens at its position
+    with theirs (most likely first; as many as the request asked)."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one request produced in one step. ``ttft_s``, ``num_prompt_tokens`` and
-    ``num_cached_tokens`` are set on the output that carries its first token only."""
+    ``num_cached_tokens`` are set on the output that carries its first token only, and so are
+    ``prompt_logprobs`` (one per prompt token but the first) and ``embedding`` when asked."""
 
     request_id: str
     new_token_ids: list[int]
@@ -260,6 +300,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     ttft_s: float | None = None  # set on the step that produced the first token
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +320,8 @@ class StepOutputs:
     request once.
 
     The few requests that produced their first token (``first``) or finished (``finished``) are
-    listed apart, so a step of decodes builds no object per request. Iterating gives one
+    listed apart, so a step of decodes builds no object per request; so are the token logprobs,
+    prompt logprobs and embeddings of the requests that asked for them. Iterating gives one
     ``RequestOutput`` per request, in order.
     """
 
@@ -285,12 +329,15 @@ class StepOutputs:
     token_ids: list[int] = field(default_factory=list)
     first: dict[str, FirstToken] = field(default_factory=dict)
     finished: dict[str, FinishReason] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        first, finished = self.first, self.finished
+        first, finished, logprobs = self.first, self.finished, self.logprobs
         for request_id, token_id in zip(self.request_ids, self.token_ids, strict=True):
             reason = finished.get(request_id)
             output = RequestOutput(request_id, [token_id], reason is not None, reason)
@@ -299,6 +346,12 @@ class StepOutputs:
                 output.num_prompt_tokens = figures.num_prompt_tokens
                 output.num_cached_tokens = figures.num_cached_tokens
                 output.ttft_s = figures.ttft_s
+                output.prompt_logprobs = self.prompt_logprobs.get(request_id)
+                output.embedding = self.embeddings.get(request_id)
+            if logprobs:
+                token_logprobs = logprobs.get(request_id)
+                if token_logprobs is not None:
+                    output.logprobs = [token_logprobs]
             yield output
 
 

@@ -17,8 +17,10 @@ it holds its blocks already: a request behind it that waits for blocks must not 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvswitch.worker.block_pool import KVBlock
 from kvswitch.worker.kv_cache_manager import KVCacheManager
 from kvswitch.worker.request import PullSlots, Request, RequestStatus
 
@@ -64,6 +66,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
+        # How many leading blocks of a prefix hit have their hidden states cached: a request
+        # that wants its prompt's (``Request.needs_prompt_hidden``) reuses only those.
+        self.num_hidden_blocks: Callable[[Sequence[KVBlock]], int] = lambda blocks: 0
 
     @property
     def num_unfinished(self) -> int:
@@ -181,6 +186,9 @@ class Scheduler:
                 computed, num_cached = [], request.num_computed_tokens
             else:
                 computed, num_cached = kv_cache.get_computed_blocks(request)
+                if computed and request.needs_prompt_hidden:
+                    computed = computed[: self.num_hidden_blocks(computed)]
+                    num_cached = len(computed) * request.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if kv_cache.allocate_slots(request, num_new, computed) is None:
                 break  # head-of-line: keep arrival order

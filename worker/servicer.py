@@ -32,7 +32,7 @@ from kvswitch.worker.engine_client import (
 from kvswitch.worker.kv_pull import KVPuller, PullFailed, check_kv_source
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.peers import FleetPeers
-from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams
+from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from kvswitch.worker.worker_config import DEFAULT_MAX_TOKENS, MAX_HASHES_PER_CHUNK, RETRY_AFTER_MS
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,21 @@ def sampling_params_from_proto(sampling: common_pb2.SamplingParams) -> SamplingP
             top_p=sampling.top_p or 1.0,
             seed=sampling.seed if sampling.HasField("seed") else None,
             stop_token_ids=tuple(sampling.stop_token_ids),
+            logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+            prompt_logprobs=(
+                sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
+            ),
         )
     except ValueError as e:  # its messages start with the field's name
         raise ValueError(f"sampling.{e}") from None
+
+
+def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        logprob=entry.logprob,
+        top_token_ids=entry.top_token_ids,
+        top_logprobs=entry.top_logprobs,
+    )
 
 
 def prompt_from_proto(request: worker_pb2.WorkerGenerateRequest) -> np.ndarray:
@@ -157,6 +169,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if request.HasField("kv_source"):
                 # NOTE: a request that can never run is refused before anything moves for it.
                 check_kv_source(request.kv_source)
+                if request.pooling:
+                    raise ValueError(
+                        "an embedding is computed where the prompt is: a request with pooling "
+                        "cannot take its prompt's KV from a peer (kv_source)"
+                    )
                 prompt = self._engine.checked_prompt(
                     prompt_token_ids,
                     lora=request.lora or None,
@@ -186,6 +203,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     cache_salt=request.cache_salt or None,
                     num_resumed_tokens=request.num_resumed_tokens,
                     hold_s=request.hold_blocks_ms / 1000,
+                    pooling=request.pooling or None,
                 )
         except EngineStopped as e:
             self._metrics.requests.finished("rejected")
@@ -252,6 +270,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         stats.ttft_s = ttft_s = output.ttft_s
                         stats.num_cached_tokens = max(output.num_cached_tokens, 0)
                         chunk.num_cached_tokens = stats.num_cached_tokens
+                        if output.prompt_logprobs is not None:
+                            chunk.prompt_logprobs.extend(
+                                logprobs_to_proto(e) for e in output.prompt_logprobs
+                            )
+                        if output.embedding is not None:
+                            chunk.embedding.extend(output.embedding)
+                    if output.logprobs is not None:
+                        chunk.logprobs.extend(logprobs_to_proto(e) for e in output.logprobs)
                 await context.write(worker_pb2.WorkerGenerateResponse(chunk=chunk))
             assert last.finish_reason is not None
             finish_reason = last.finish_reason.value

@@ -102,6 +102,9 @@ class WorkerConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 0
+    # The final hidden states cached per block (EngineConfig's cache_hidden_states).
+    cache_hidden_states: bool = False
+    hidden_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

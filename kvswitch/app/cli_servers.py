@@ -79,6 +79,11 @@ WORKER_HELP = {
     "max_lora_rank": "the largest adapter rank served (the slots are sized for it)",
     "max_cpu_loras": "adapters kept read in host memory, least recently used dropped first; "
     "0 = every adapter served",
+    "cache_hidden_states": "keep every full block's final hidden states in host memory beside "
+    "its KV, so that prompt logprobs (echo) and embeddings of a cached prefix are not computed "
+    "again (docs/WORKER.md); every step then runs without CUDA graphs",
+    "hidden_cache_bytes": "cap the hidden-state cache at this many bytes; 0 = a row for every "
+    "KV block (the memory per block is logged at start)",
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "
     "several CPU workers on one host a share of the cores each (kvswitch up does): each taking "
     "them all, they slow each other many times over",

@@ -31,7 +31,7 @@ class RoutingOverrides(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "lora", "cache_salt", "routing")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "lora", "cache_salt", "routing", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -46,7 +47,8 @@ class GenerateRequest(_message.Message):
     lora: str
     cache_salt: str
     routing: RoutingOverrides
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., routing: _Optional[_Union[RoutingOverrides, _Mapping]] = ...) -> None: ...
+    pooling: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., routing: _Optional[_Union[RoutingOverrides, _Mapping]] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("worker_id", "policy", "reason", "num_matched_blocks", "score")

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from kvswitch.worker import core_protocol as wire
-from kvswitch.worker.request import FinishReason, FirstToken, RequestOutput, StepOutputs
+from kvswitch.worker.request import (
+    FinishReason,
+    FirstToken,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    TokenLogprobs,
+)
 
 
 def one_step() -> StepOutputs:
@@ -29,3 +36,26 @@ def test_outputs_cross_the_core_pipe_unchanged() -> None:
     back = wire.outputs_from_wire(wire.unpack(wire.pack(wire.outputs_to_wire(outputs))))
     assert back == outputs
     assert len(back) == 3
+
+
+def test_logprobs_and_embeddings_cross_the_core_pipe_and_reach_their_requests() -> None:
+    outputs = one_step()
+    outputs.logprobs = {"a": TokenLogprobs(-0.5, (7, 3), (-0.5, -1.25)), "b": TokenLogprobs(-2.0)}
+    outputs.prompt_logprobs = {"a": [TokenLogprobs(-3.0, (1,), (-0.1,))] * 99}
+    outputs.embeddings = {"c": [0.6, 0.8]}
+    back = wire.outputs_from_wire(wire.unpack(wire.pack(wire.outputs_to_wire(outputs))))
+    assert back == outputs
+    a, b, c = back
+    assert a.logprobs == [TokenLogprobs(-0.5, (7, 3), (-0.5, -1.25))]
+    assert a.prompt_logprobs == outputs.prompt_logprobs["a"] and a.embedding is None
+    assert b.logprobs == [TokenLogprobs(-2.0)] and b.prompt_logprobs is None
+    assert c.logprobs is None and c.embedding == [0.6, 0.8]
+
+
+def test_an_older_peers_messages_read_with_the_defaults() -> None:
+    # A STEP and params from before logprobs: the fields they lack read as not asked.
+    old = wire.outputs_to_wire(one_step())[:4]
+    assert wire.outputs_from_wire(old) == one_step()
+    assert wire.params_from_wire([4, 0.0, 1.0, None, []]) == SamplingParams(max_tokens=4)
+    params = SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=0)
+    assert wire.params_from_wire(wire.params_to_wire(params)) == params
