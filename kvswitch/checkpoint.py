@@ -39,3 +39,26 @@ def generation_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
         return ()
     generation = json.loads(path.read_text())
     return token_ids(generation.get("eos_token_id"), "generation_config.json: eos_token_id")
+
+
+def embedding_pooling(model_dir: str | Path | None) -> str | None:
+    """How a sentence-transformers checkpoint pools its hidden states into an embedding
+    (``modules.json``'s Pooling module: ``"mean"`` or ``"last"``); None where it does not say
+    or says another way (CLS, max), which kvswitch does not pool by."""
+    if is_random(model_dir):
+        return None
+    assert model_dir is not None
+    modules = Path(model_dir) / "modules.json"
+    if not modules.is_file():
+        return None
+    for module in json.loads(modules.read_text()):
+        if str(module.get("type", "")).endswith("Pooling"):
+            config = Path(model_dir) / module.get("path", "") / "config.json"
+            if not config.is_file():
+                return None
+            modes = json.loads(config.read_text())
+            if modes.get("pooling_mode_mean_tokens"):
+                return "mean"
+            if modes.get("pooling_mode_lasttoken"):
+                return "last"
+    return None

@@ -50,6 +50,11 @@ class Tokenizer(ABC):
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids``, special tokens left out."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which may be part of a character (a token's logprob
+        shows them); its text's UTF-8 where the tokenizer keeps no bytes."""
+        return self.decode([token_id]).encode("utf-8")
+
 
 class ByteTokenizer(Tokenizer):
     """The built-in model's tokenizer: token ``b`` (0..255) is the byte ``b``; 256 is BOS."""
@@ -67,6 +72,9 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.to_bytes(token_ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.to_bytes([token_id])
 
     def to_bytes(self, token_ids: Sequence[int]) -> bytes:
         """The bytes of ``token_ids``, BOS left out; ValueError for ids outside the vocabulary."""
@@ -152,6 +160,11 @@ class HFTokenizer(_CheckpointTokenizer):
         self._tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self._set_special_tokens(SpecialTokens.read(model_dir, self._tokenizer.token_to_id))
+        spec = _read_json(model_dir / "tokenizer.json")
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+        self._special_ids = frozenset(
+            t["id"] for t in spec.get("added_tokens", []) if t.get("special")
+        )
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         # NOTE: encode_batch lets go of the GIL while it works (encode does not), so a caller
@@ -166,6 +179,18 @@ class HFTokenizer(_CheckpointTokenizer):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        # NOTE: a byte-level BPE's token is its bytes spelt one printable character each
+        # (GPT-2's table); a byte-fallback token is "<0xE4>"; others are their text.
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self._special_ids:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return super().token_bytes(token_id)
 
 
 class SentencePieceTokenizer(_CheckpointTokenizer):
@@ -211,6 +236,23 @@ class SentencePieceTokenizer(_CheckpointTokenizer):
     def _piece_id(self, piece: str) -> int | None:
         piece_id = self._model.piece_to_id(piece)
         return piece_id if self._model.id_to_piece(piece_id) == piece else None
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: which byte each character of a byte-level BPE's tokens
+    stands for (printable bytes themselves, the rest shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    shifted = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

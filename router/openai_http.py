@@ -46,18 +46,27 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from kvswitch.cache_index.hashing import tokens_to_bytes
-from kvswitch.checkpoint import is_random
+from kvswitch.checkpoint import embedding_pooling, is_random
 from kvswitch.router.chat_template import ChatTemplateError, load_chat_template
 from kvswitch.router.engine_request import EngineRequest
 from kvswitch.router.forwarded import FORWARDED_CLIENT_HEADER, FRONT_KEY_HEADER, http_client
 from kvswitch.router.limits import MAX_UNKNOWN_OUTPUT_TOKENS, check_prompt_length, check_request
+from kvswitch.router.openai_logprobs import (
+    CompletionLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    join_completion_logprobs,
+)
 from kvswitch.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadLoraAdapterRequest,
     OpenAIError,
     Reply,
     UnloadLoraAdapterRequest,
+    Usage,
+    encode_embedding,
     error_from_validation,
 )
 from kvswitch.router.openai_stream import RouterOutput, events, until_disconnected
@@ -90,6 +99,7 @@ RANDOM_WEIGHTS_MAX_TOKENS = 64
 DEFAULT_MAX_TOKENS_HEADER = "x-kvswitch-default-max-tokens"
 _UINT32_MAX = (1 << 32) - 1
 _INLINE_RENDER_CHARS = 1024  # longer conversations are rendered and tokenized on a thread
+_EMBEDDING_CALLS = 16  # the inputs of one embeddings request routed at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +117,7 @@ class FrontConfig:
     security: FleetSecurity
     keys: tuple[str, ...] = ()  # what a client must present as "Bearer KEY"; () = nothing
     lora_updates: bool = False  # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    embedding_pooling: str = ""  # /v1/embeddings' pooling; "" = the checkpoint's, else "last"
 
     @classmethod
     def of(cls, config: Any) -> FrontConfig:
@@ -197,11 +208,16 @@ class OpenAIFront:
         self._random_weights = is_random(config.model or None)
         self._said_default_limit = False
         self._started = int(time.time())
+        self._token_texts = TokenTexts(models.tokenizer)
+        self._pooling = (
+            config.embedding_pooling or embedding_pooling(config.model or None) or "last"
+        )
         self.app = FastAPI(title="kvswitch", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(OpenAIError, _error_response)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
         self.app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         self.app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        self.app.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
         self.app.add_api_route("/v1/models", self.models, methods=["GET"])
         self.app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         self.app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
@@ -220,9 +236,13 @@ class OpenAIFront:
                 return answer
         body = _validate(raw, CompletionRequest)
         await self._check_model_soon(body.model)
-        call = self._grpc_request(
-            body, f"cmpl-{uuid.uuid4().hex}", body.max_tokens or COMPLETION_MAX_TOKENS
-        )
+        # NOTE: max_tokens 0 (echo only) still samples one token, which nobody is shown.
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        call = self._grpc_request(body, f"cmpl-{uuid.uuid4().hex}", max(max_tokens, 1))
+        if body.logprobs is not None:
+            call.sampling.logprobs = body.logprobs
+            if body.echo:
+                call.sampling.prompt_logprobs = body.logprobs
         prompt = body.prompt
         if isinstance(prompt, str):
             call.text = prompt
@@ -230,8 +250,20 @@ class OpenAIFront:
         else:
             call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(prompt, np.uint32))
             count_prompt = self._counter(lambda: len(prompt), 0)
+        echo = None
+        if body.echo:
+            echo = await self._echo(prompt)
         reply = Reply.of(call.request_id, body, chat=False)
-        return await self._answer(request, body, call, reply, "prompt", count_prompt)
+        return await self._answer(
+            request,
+            body,
+            call,
+            reply,
+            "prompt",
+            count_prompt,
+            echo=echo,
+            keep_output=max_tokens > 0,
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_key(request)
@@ -257,10 +289,69 @@ class OpenAIFront:
             raise OpenAIError(400, str(e), param="messages") from None
         max_tokens, headers = self._chat_output_limit(body)
         call = self._grpc_request(body, f"chatcmpl-{uuid.uuid4().hex}", max_tokens)
+        if body.logprobs:
+            call.sampling.logprobs = body.top_logprobs or 0
         call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(token_ids, np.uint32))
         reply = Reply.of(call.request_id, body, chat=True)
         count_prompt = self._counter(lambda: len(token_ids), 0)
         return await self._answer(request, body, call, reply, "messages", count_prompt, headers)
+
+    async def embeddings(self, request: Request) -> Response:
+        """Each input's embedding: its prompt's final hidden states, pooled, computed by a
+        worker as any prompt (routed where its prefix is cached, whose cached rows it reuses)."""
+        self._check_key(request)
+        body = _validate(await self._read_body(request), EmbeddingRequest)
+        await self._check_model_soon(body.model)
+        pooling = body.pooling or self._pooling
+        request_id = f"embd-{uuid.uuid4().hex}"
+        limit = asyncio.Semaphore(_EMBEDDING_CALLS)
+
+        async def embed(index: int, item: str | list[int]) -> tuple[list[float], Usage]:
+            call = router_pb2.GenerateRequest(
+                request_id=f"{request_id}-{index}",
+                sampling=common_pb2.SamplingParams(max_tokens=1),
+                pooling=pooling,
+                lora=self._lora_of(body.model, body.lora) or "",
+                cache_salt=body.cache_salt or "",
+            )
+            if body.routing is not None:
+                call.routing.policy = body.routing.policy
+                call.routing.weights.update(body.routing.weights)
+            if isinstance(item, str):
+                call.text = item
+            else:
+                call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(item, np.uint32))
+            async with limit:
+                rpc = self._stub.Generate(call, metadata=self._metadata(request))
+                output = RouterOutput(
+                    rpc, None, "input", self._counter(lambda: 0, 0), keep_output=False
+                )
+                try:
+                    await output.read_all()
+                    _, usage = await output.ending()
+                finally:
+                    rpc.cancel()
+            if not output.embedding:
+                raise OpenAIError(500, "the worker sent no embedding", code="server_error")
+            return output.embedding, usage
+
+        results = await until_disconnected(
+            request, asyncio.gather(*(embed(i, x) for i, x in enumerate(body.inputs())))
+        )
+        data = [
+            {"object": "embedding", "index": i, "embedding": encode_embedding(vector, body)}
+            for i, (vector, _) in enumerate(results)
+        ]
+        num_prompt_tokens = sum(usage.num_prompt_tokens for _, usage in results)
+        num_cached_tokens = sum(usage.num_cached_tokens or 0 for _, usage in results)
+        usage_body = {
+            "prompt_tokens": num_prompt_tokens,
+            "total_tokens": num_prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        }
+        return JSONResponse(
+            {"object": "list", "data": data, "model": body.model, "usage": usage_body}
+        )
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
@@ -345,10 +436,14 @@ class OpenAIFront:
         prompt_param: str,
         count_prompt: Callable[[], Awaitable[int]],
         headers: dict[str, str] | None = None,
+        *,
+        echo: tuple[str, list[int]] | None = None,
+        keep_output: bool = True,
     ) -> Response:
         """Send ``call`` to the router and answer with its output, with ``headers``: whole, or
         streamed once the router has sent the first token (so that a refusal is still an HTTP
-        status)."""
+        status). ``echo``: the prompt's text and token ids, which the answer starts with;
+        ``keep_output`` False: the answer is the echo alone (``max_tokens`` 0)."""
         headers = dict(headers or {})
         if call.ByteSize() > self._config.max_message_bytes:
             raise OpenAIError(
@@ -359,15 +454,23 @@ class OpenAIFront:
             )
         rpc = self._stub.Generate(call, metadata=self._metadata(request))
         stops = StopStrings(body.stop_strings()) if body.stop else None
-        output = RouterOutput(rpc, stops, prompt_param, count_prompt)
+        output = RouterOutput(rpc, stops, prompt_param, count_prompt, keep_output=keep_output)
+        shown = self._logprobs_shown(call, output, reply.chat, echo)
+        prefix = echo[0] if echo is not None else ""
         try:
             if not body.stream:
-                text = await until_disconnected(request, output.read_all())
+                text = prefix + await until_disconnected(request, output.read_all())
                 headers.update(_route_headers(output.final))
                 finish_reason, usage = await output.ending()
-                body_out = reply.whole(text, finish_reason, usage, output.token_ids)
+                body_out = reply.whole(
+                    text,
+                    finish_reason,
+                    usage,
+                    output.token_ids,
+                    shown(slice(0, len(output.token_ids))),
+                )
                 return JSONResponse(body_out, headers=headers)
-            first = await until_disconnected(request, output.first())
+            first = prefix + await until_disconnected(request, output.first())
             # NOTE: the router names the worker before its first token, in the call's headers.
             worker_id = dict(await rpc.initial_metadata() or ()).get(WORKER_ID_KEY, "")
         except BaseException:
@@ -381,7 +484,7 @@ class OpenAIFront:
             rpc.cancel()
 
         return StreamingResponse(
-            events(reply, output, first, body.include_usage()),
+            events(reply, output, first, body.include_usage(), shown),
             media_type="text/event-stream",
             headers=headers,
             background=BackgroundTask(cancel),
@@ -482,6 +585,51 @@ class OpenAIFront:
                 DEFAULT_MAX_TOKENS_HEADER,
             )
         return limit, {DEFAULT_MAX_TOKENS_HEADER: str(limit)}
+
+    async def _echo(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """The prompt's text and token ids, for an answer that echoes it."""
+        if isinstance(prompt, str):
+            return prompt, await self._off_loop_if_long(
+                lambda: self._models.tokenize(prompt), len(prompt)
+            )
+        tokenizer = self._models.tokenizer
+        text = tokenizer.decode(prompt) if tokenizer is not None else ""
+        return text, list(prompt)
+
+    def _logprobs_shown(
+        self,
+        call: router_pb2.GenerateRequest,
+        output: RouterOutput,
+        chat: bool,
+        echo: tuple[str, list[int]] | None,
+    ) -> Callable[[slice], dict[str, Any] | None]:
+        """What a response (or a chunk) shows as its ``logprobs``, given the span of output
+        tokens it carries: None unless asked; the echoed prompt's first."""
+        if not call.sampling.HasField("logprobs"):
+            return lambda span: None
+        texts = self._token_texts
+        if chat:
+            return lambda span: chat_logprobs(texts, output.token_ids[span], output.logprobs[span])
+        columns = CompletionLogprobs(texts)
+        prompt_ids = echo[1] if echo is not None else None
+
+        def shown(span: slice) -> dict[str, Any]:
+            nonlocal prompt_ids
+            parts = []
+            if prompt_ids is not None:
+                if len(output.prompt_logprobs) != len(prompt_ids) - 1:
+                    raise OpenAIError(
+                        500,
+                        f"the worker scored {len(output.prompt_logprobs)} prompt tokens of "
+                        f"{len(prompt_ids) - 1}",
+                        code="server_error",
+                    )
+                parts.append(columns.prompt(prompt_ids, output.prompt_logprobs))
+                prompt_ids = None
+            parts.append(columns.output(output.token_ids[span], output.logprobs[span]))
+            return join_completion_logprobs(parts)
+
+        return shown
 
     def _grpc_request(
         self,

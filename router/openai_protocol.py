@@ -1,7 +1,7 @@
 """The OpenAI API's shapes, as the HTTP front (``router/openai_http.py``) takes and gives them.
 
 Requests are pydantic models that refuse what kvswitch cannot do rather than ignore it: an
-unknown field, several prompts or choices, log probabilities, penalties, tools. Each refusal is
+unknown field, several prompts or choices, penalties, tools. Each refusal is
 an ``OpenAIError`` naming the parameter (HTTP 400). Responses are built as plain dicts. The
 error for a failed router call maps its gRPC status to an HTTP one (``error_from_status``).
 No I/O here.
@@ -9,6 +9,7 @@ No I/O here.
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import grpc
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -25,11 +27,15 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from kvswitch.serving import retry_after_ms
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs)
+POOLINGS = ("last", "mean")
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
 # The roles a chat message may have; OpenAI's "tool" and "function" answer tool calls, which
 # kvswitch never makes.
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -191,10 +197,19 @@ class CompletionRequest(_GenerateRequest):
 
     # A string, or token ids; a list of one of either is taken as that one.
     prompt: str | list[int]
-    echo: Annotated[bool, _null_is(False), _only(False)] = False
+    # The answer's text and logprobs start with the prompt's (scoring: max_tokens 0).
+    echo: Annotated[bool, _null_is(False)] = False
     best_of: Annotated[int | None, _only(None, 1)] = None
     suffix: Annotated[str | None, _only(None)] = None
-    logprobs: Annotated[int | None, _only(None)] = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # 0: no output, only the echoed prompt (with echo only).
+    max_tokens: int | None = Field(default=None, ge=0, le=_UINT32_MAX)
+
+    @model_validator(mode="after")
+    def _check_no_output(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is taken only with echo (to score the prompt)")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -241,16 +256,58 @@ class ChatCompletionRequest(_GenerateRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_UINT32_MAX)
-    logprobs: Annotated[bool | None, _only(None, False)] = None
-    top_logprobs: Annotated[int | None, _only(None)] = None
+    logprobs: Annotated[bool, _null_is(False)] = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Annotated[list[Any] | None, _only(None, [])] = None
     tool_choice: Annotated[str | None, _only(None, "none")] = None
     parallel_tool_calls: bool | None = None  # about tools, of which there are none
     response_format: Annotated[dict[str, Any] | None, _only(None, {"type": "text"})] = None
 
+    @model_validator(mode="after")
+    def _check_top_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: taken only with logprobs true")
+        return self
+
     def output_limit(self) -> int | None:
         """The most tokens to generate, if the request says (the newer field first)."""
         return self.max_completion_tokens or self.max_tokens
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: one input (text or token ids) or several."""
+
+    model: str
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Annotated[str, _null_is("float"), _only("float", "base64")] = "float"
+    dimensions: Annotated[int | None, _only(None)] = None
+    user: str | None = None
+    # kvswitch's own: how the hidden states pool (None: the router's --embedding-pooling), and
+    # as in the gRPC GenerateRequest.
+    pooling: Annotated[str | None, _only(None, *POOLINGS)] = None
+    lora: str | None = None
+    cache_salt: str | None = None
+    routing: RoutingOptions | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise ValueError("must not be empty")
+        if isinstance(value, list) and any(v == "" or v == [] for v in value):
+            raise ValueError("holds an empty input")
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"holds {len(value)} inputs; at most {MAX_EMBEDDING_INPUTS}")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input alone: a text or a list of token ids."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and isinstance(value[0], int):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
 
 
 def _is_token_id(value: Any) -> bool:
@@ -276,6 +333,10 @@ def error_from_validation(error: ValidationError) -> OpenAIError:
             code="unsupported_parameter",
         )
     message = first["msg"].removeprefix("Value error, ")
+    blamed, _, rest = message.partition(": ")
+    if not param and rest and blamed.isidentifier():
+        # A check of several fields: its message starts with the one it blames.
+        param, message = blamed, rest
     return OpenAIError(400, f"{param}: {message}", param=param or None, code="invalid_value")
 
 
@@ -374,29 +435,47 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _choice(
-        self, text: str, finish_reason: str | None, token_ids: list[int], *, delta: bool
+        self,
+        text: str,
+        finish_reason: str | None,
+        token_ids: list[int],
+        *,
+        delta: bool,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         else:
             key = "delta" if delta else "message"
             message = {"content": text} if delta else {"role": "assistant", "content": text}
             if delta and not text and finish_reason is not None:
                 message = {}
-            choice = {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                key: message,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         if self.token_ids:
             choice["token_ids"] = token_ids
         return choice
 
     def whole(
-        self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A response without streaming."""
-        return {
-            **self._envelope(chunk=False),
-            "choices": [self._choice(text, finish_reason, token_ids or [], delta=False)],
-            "usage": usage.body(),
-        }
+        choice = self._choice(text, finish_reason, token_ids or [], delta=False, logprobs=logprobs)
+        return {**self._envelope(chunk=False), "choices": [choice], "usage": usage.body()}
 
     def chunk(
         self,
@@ -405,13 +484,12 @@ class Reply:
         *,
         usage: bool,
         token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk; ``usage``: the stream ends with a usage chunk (then every chunk
         carries ``"usage": null``, as on OpenAI)."""
-        body = {
-            **self._envelope(chunk=True),
-            "choices": [self._choice(text, finish_reason, token_ids or [], delta=True)],
-        }
+        choice = self._choice(text, finish_reason, token_ids or [], delta=True, logprobs=logprobs)
+        body = {**self._envelope(chunk=True), "choices": [choice]}
         if usage:
             body["usage"] = None
         return body
@@ -424,3 +502,11 @@ class Reply:
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope(chunk=True), "choices": [], "usage": usage.body()}
+
+
+def encode_embedding(vector: list[float], body: EmbeddingRequest) -> list[float] | str:
+    """An embedding as the request's ``encoding_format`` asks: floats, or base64 of their
+    little-endian float32 bytes (what OpenAI's client decodes)."""
+    if body.encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode()
+    return vector

@@ -32,13 +32,21 @@ class RouterOutput:
         stops: StopStrings | None,
         prompt_param: str,
         count_prompt: Callable[[], Awaitable[int]],
+        *,
+        keep_output: bool = True,
     ) -> None:
+        """``keep_output`` False: the output is not the client's (a prompt scored with
+        ``max_tokens`` 0 still samples one token); only the prompt's logprobs are."""
         self._rpc = rpc
         self._stops = stops
         self._prompt_param = prompt_param
         self._count_prompt = count_prompt
+        self._keep_output = keep_output
         self.num_output_tokens = 0
         self.token_ids: list[int] = []  # of the messages read so far
+        self.logprobs: list[common_pb2.TokenLogprobs] = []  # one per token, when asked
+        self.prompt_logprobs: list[common_pb2.TokenLogprobs] = []  # from the first chunk
+        self.embedding: list[float] = []  # from the first chunk
         self.num_cached_tokens: int | None = None  # from the first chunk
         self.final: router_pb2.GenerateFinal | None = None
         self.done = False
@@ -47,14 +55,14 @@ class RouterOutput:
         """The text of the first message; raises ``OpenAIError`` if the call failed."""
         return await self._next()
 
-    async def rest(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """The text of the messages after the first, and the tokens it came with, until
-        ``done``."""
+    async def rest(self) -> AsyncIterator[tuple[str, slice]]:
+        """The text of the messages after the first, and the span of ``token_ids`` (and of
+        ``logprobs``, when asked) it came with, until ``done``."""
         while not self.done:
             num_read = len(self.token_ids)
             text = await self._next()
             if text or len(self.token_ids) > num_read:
-                yield text, self.token_ids[num_read:]
+                yield text, slice(num_read, len(self.token_ids))
 
     async def read_all(self) -> str:
         pieces = [await self.first()]
@@ -76,7 +84,8 @@ class RouterOutput:
             name = common_pb2.FinishReason.Name(final.finish_reason)
             raise OpenAIError(500, f"the request ended with {name}", code="server_error")
         stats = final.stats
-        usage = Usage(stats.num_prompt_tokens, stats.num_output_tokens, stats.num_cached_tokens)
+        num_output_tokens = stats.num_output_tokens if self._keep_output else 0
+        usage = Usage(stats.num_prompt_tokens, num_output_tokens, stats.num_cached_tokens)
         return finish_reason, usage
 
     def cancel(self) -> None:
@@ -99,13 +108,19 @@ class RouterOutput:
         if message.HasField("final"):
             self.final = message.final
             return ""
-        self.num_output_tokens += len(message.chunk.token_ids)
-        self.token_ids += message.chunk.token_ids
-        if message.chunk.HasField("num_cached_tokens"):
-            self.num_cached_tokens = message.chunk.num_cached_tokens
+        chunk = message.chunk
+        if chunk.HasField("num_cached_tokens"):
+            self.num_cached_tokens = chunk.num_cached_tokens
+            self.prompt_logprobs = list(chunk.prompt_logprobs)
+            self.embedding = list(chunk.embedding)
+        if not self._keep_output:
+            return ""
+        self.num_output_tokens += len(chunk.token_ids)
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
         if self._stops is None:
-            return message.chunk.text
-        text = self._stops.push(message.chunk.text)
+            return chunk.text
+        text = self._stops.push(chunk.text)
         if self._stops.stopped:
             self.done = True
             self._rpc.cancel()  # the worker stops generating what nobody will read
@@ -113,19 +128,41 @@ class RouterOutput:
 
 
 async def events(
-    reply: Reply, output: RouterOutput, first: str, include_usage: bool
+    reply: Reply,
+    output: RouterOutput,
+    first: str,
+    include_usage: bool,
+    logprobs: Callable[[slice], dict[str, Any] | None] = lambda span: None,
 ) -> AsyncIterator[bytes]:
-    """The server-sent events of a stream whose first message has come (its text ``first``)."""
+    """The server-sent events of a stream whose first message has come (its text ``first``);
+    ``logprobs(span)``: a chunk's, of the output tokens ``output.token_ids[span]``."""
     try:
         if reply.chat:
             yield _event(reply.first_chat_chunk(usage=include_usage))
         # NOTE: a chunk of tokens without text (a character still incomplete) goes out only
-        # where the client asked for the tokens.
-        if first or (reply.token_ids and output.token_ids):
-            yield _event(reply.chunk(first, usage=include_usage, token_ids=output.token_ids))
-        async for text, token_ids in output.rest():
-            if text or reply.token_ids:
-                yield _event(reply.chunk(text, usage=include_usage, token_ids=token_ids))
+        # where the client asked for the tokens, or their logprobs.
+        span = slice(0, len(output.token_ids))
+        shown = logprobs(span)
+        if first or (reply.token_ids and output.token_ids) or shown is not None:
+            yield _event(
+                reply.chunk(
+                    first,
+                    usage=include_usage,
+                    token_ids=output.token_ids,
+                    logprobs=shown,
+                )
+            )
+        async for text, span in output.rest():
+            shown = logprobs(span)
+            if text or reply.token_ids or shown is not None:
+                yield _event(
+                    reply.chunk(
+                        text,
+                        usage=include_usage,
+                        token_ids=output.token_ids[span],
+                        logprobs=shown,
+                    )
+                )
         finish_reason, usage = await output.ending()
         yield _event(reply.chunk("", finish_reason, usage=include_usage))
         if include_usage:

@@ -131,6 +131,9 @@ class RouterConfig:
     # client token (token), if there is one.
     api_key: str = ""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # the HTTP API's largest request body (413)
+    # How /v1/embeddings pools a prompt's hidden states ("last" or "mean") when a request does
+    # not say; "" = as the checkpoint's sentence-transformers config says, else "last".
+    embedding_pooling: str = ""
     grace_s: float = 5.0  # on shutdown, how long running requests may finish
     # OpenAI-API engines (stock vLLM servers; router/engines.py): NAME=URL each, their KV events
     # NAME=tcp://HOST:5557 and replay NAME=tcp://HOST:5558, and the blocks they hash in.
@@ -170,6 +173,11 @@ class RouterConfig:
         self.disagg_config()
         self.limits()
         self.security()
+        if self.embedding_pooling not in ("", "last", "mean"):
+            raise ValueError(
+                f"embedding_pooling must be last, mean or empty (the checkpoint's), got "
+                f"{self.embedding_pooling!r}"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.lora_updates and self.http_port < 0:

@@ -416,3 +416,18 @@ def test_a_tokenizer_file_that_cannot_be_read_is_named(tmp_path: Path, name: str
     (tmp_path / name).write_text("{not a tokenizer")
     with pytest.raises(TokenizerFileError, match=rf"{tmp_path / name} cannot be read: "):
         load_tokenizer(tmp_path)
+
+
+def test_token_bytes_are_what_each_token_stands_for_even_part_of_a_character(
+    tmp_path: Path,
+) -> None:
+    from tests.cjk_checkpoint import ANSWER, write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    pieces = [tokenizer.token_bytes(t) for t in checkpoint.answer_ids]
+    assert b"".join(pieces) == ANSWER.encode()
+    assert pieces[:3] == [b"\xe9\x97", b"\xae\xe9", b"\xa2\x98"]  # 问 and 题 split three ways
+    assert tokenizer.token_bytes(tokenizer.eos_token_id) == b""  # a special token stands for none
+    byte_tokenizer = load_tokenizer(None)
+    assert [byte_tokenizer.token_bytes(b) for b in "好".encode()] == [b"\xe5", b"\xa5", b"\xbd"]

@@ -235,6 +235,9 @@ ROUTER_HELP = {
     "api_key": "HTTP API: keys clients must send as 'Authorization: Bearer KEY', "
     "comma-separated; or set KVSWITCH_API_KEYS; empty = the client token (--token), if set",
     "max_body_bytes": "HTTP API: largest request body, in bytes (413 past it)",
+    "embedding_pooling": "HTTP API: how /v1/embeddings pools a prompt's final hidden states "
+    "when a request does not say: last (the last token's) or mean; empty = as the checkpoint's "
+    "sentence-transformers config (modules.json) says, else last",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
     **SECURITY_HELP,
     "block_hash": BLOCK_HASH_HELP,

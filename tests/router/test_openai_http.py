@@ -192,8 +192,7 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 40000}, "max_tokens"),  # the router's own limit, from its refusal
         ({"n": 2}, "n"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"echo": True}, "echo"),
+        ({"logprobs": 21}, "logprobs"),  # more alternatives than 20
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"temperature": -1}, "temperature"),
         ({"stop": [""]}, "stop"),
@@ -228,7 +227,8 @@ def test_a_bad_or_unsupported_parameter_is_refused_by_name(
         ({"messages": [{"role": "wizard", "content": "Hello?"}]}, "messages[0].role"),
         ({"messages": [MESSAGES[0], {"role": "tool", "content": "42"}]}, "messages[1].role"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_a_bad_chat_request_is_refused_by_name(
