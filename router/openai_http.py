@@ -307,16 +307,10 @@ class OpenAIFront:
         limit = asyncio.Semaphore(_EMBEDDING_CALLS)
 
         async def embed(index: int, item: str | list[int]) -> tuple[list[float], Usage]:
-            call = router_pb2.GenerateRequest(
-                request_id=f"{request_id}-{index}",
-                sampling=common_pb2.SamplingParams(max_tokens=1),
-                pooling=pooling,
-                lora=self._lora_of(body.model, body.lora) or "",
-                cache_salt=body.cache_salt or "",
+            call = self._call(
+                body, f"{request_id}-{index}", common_pb2.SamplingParams(max_tokens=1)
             )
-            if body.routing is not None:
-                call.routing.policy = body.routing.policy
-                call.routing.weights.update(body.routing.weights)
+            call.pooling = pooling
             if isinstance(item, str):
                 call.text = item
             else:
@@ -646,6 +640,15 @@ class OpenAIFront:
         )
         if body.seed is not None:
             sampling.seed = body.seed
+        return self._call(body, request_id, sampling)
+
+    def _call(
+        self,
+        body: CompletionRequest | ChatCompletionRequest | EmbeddingRequest,
+        request_id: str,
+        sampling: common_pb2.SamplingParams,
+    ) -> router_pb2.GenerateRequest:
+        """The gRPC request of ``body`` with ``sampling``: its adapter, salt and routing."""
         call = router_pb2.GenerateRequest(
             request_id=request_id,
             sampling=sampling,

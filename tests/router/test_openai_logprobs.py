@@ -20,9 +20,7 @@ from kvswitch.client import Client
 from tests.router.harness import ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
 from tests.router.test_openai_http import CHAT_PROMPT, MESSAGES
 from tests.worker.hf_reference import save_checkpoint
-
-TOL = 2e-4
-BLOCK = 16
+from tests.worker.test_logprobs import BLOCK, TOL, hf_logprobs, prompt
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +53,6 @@ def model_name(cluster: BackgroundCluster) -> str:
     assert front is not None
     (card,) = httpx2.get(f"{front.url}/models", timeout=10).json()["data"]
     return card["id"]
-
-
-def hf_logprobs(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([token_ids])).logits[0].float(), dim=-1)
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 101, length).tolist()
 
 
 def token_of(text: str) -> int:
