@@ -51,6 +51,17 @@ KERNEL_HELP = {
     "sweep": "also time decode and prefill under other tile sizes, warps, stages and splits",
 }
 
+SCORE_HELP = {
+    "model": "Hugging Face checkpoint directory; empty = the built-in tiny model",
+    "device": "cpu or cuda",
+    "dtype": "float32, float16 or bfloat16",
+    "num_prompt_tokens": "prompt length in tokens",
+    "num_cached_tokens": "leading prompt tokens already cached in the warm case",
+    "logprobs": "alternatives per prompt token scored (echo with logprobs: K)",
+    "num_trials": "cold/warm pairs to take the median of",
+    "seed": "random seed of the prompts",
+}
+
 TTFT_HELP = {
     "model": "Hugging Face checkpoint directory; empty = the built-in tiny model",
     "device": "cpu or cuda",
@@ -319,6 +330,7 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
     from kvswitch.benchmarks import pd as pd_bench
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import router as router_bench
+    from kvswitch.benchmarks import scoring as score_bench
     from kvswitch.benchmarks import serve as serve_bench
     from kvswitch.benchmarks import startup as startup_bench
     from kvswitch.benchmarks import step as step_bench
@@ -354,6 +366,13 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             engine_bench.TTFTBenchConfig,
             TTFT_HELP,
             "worker time to first token, prompt mostly cached against cold",
+        ),
+        (
+            "score",
+            score_bench.run,
+            score_bench.ScoreBenchConfig,
+            SCORE_HELP,
+            "worker prompt scoring and embeddings, prompt mostly cached against cold",
         ),
         (
             "decode",
