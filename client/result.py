@@ -134,10 +134,10 @@ class ResultBuilder:
         if kind == "chunk":
             message = response.chunk
             chunk = Chunk(token_ids=list(message.token_ids), text=message.text)
-            if message.logprobs:
+            if message.HasField("logprobs"):
                 chunk = dataclasses.replace(chunk, logprobs=_logprobs(message.logprobs))
                 self._logprobs += chunk.logprobs
-            if message.prompt_logprobs:
+            if message.HasField("prompt_logprobs"):
                 self._prompt_logprobs = _logprobs(message.prompt_logprobs)
                 chunk = dataclasses.replace(chunk, prompt_logprobs=self._prompt_logprobs)
             if message.embedding:
@@ -198,7 +198,15 @@ class ResultBuilder:
         return KvswitchError(grpc.StatusCode.INTERNAL, details, self.request_id)
 
 
-def _logprobs(entries) -> list[TokenLogprobs]:
+def _logprobs(run: common_pb2.TokenLogprobs) -> list[TokenLogprobs]:
+    """One entry per token of a run's columns."""
+    num_top = run.num_top
+    ids, values = run.top_token_ids, run.top_logprobs
     return [
-        TokenLogprobs(e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in entries
+        TokenLogprobs(
+            logprob,
+            tuple(ids[i * num_top : (i + 1) * num_top]),
+            tuple(values[i * num_top : (i + 1) * num_top]),
+        )
+        for i, logprob in enumerate(run.logprobs)
     ]

@@ -12,10 +12,36 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvswitch.tokenizer import Tokenizer
 from kvswitch.v1 import common_pb2
+
+
+@dataclass
+class LogprobColumns:
+    """Tokens' logprobs as the router relays them (``TokenLogprobs`` messages, joined): token
+    ``i`` has ``logprobs[i]`` and the alternatives ``top_token_ids[i]``, ``top_logprobs[i]``."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def __getitem__(self, span: slice) -> LogprobColumns:
+        return LogprobColumns(
+            self.logprobs[span], self.top_token_ids[span], self.top_logprobs[span]
+        )
+
+    def extend(self, message: common_pb2.TokenLogprobs) -> None:
+        num_top, num_tokens = message.num_top, len(message.logprobs)
+        ids, values = list(message.top_token_ids), list(message.top_logprobs)
+        self.logprobs += message.logprobs
+        self.top_token_ids += [ids[i * num_top : (i + 1) * num_top] for i in range(num_tokens)]
+        self.top_logprobs += [values[i * num_top : (i + 1) * num_top] for i in range(num_tokens)]
 
 
 class TokenTexts:
@@ -48,9 +74,7 @@ class CompletionLogprobs:
         self._texts = texts
         self._offset = 0
 
-    def prompt(
-        self, token_ids: Sequence[int], entries: Sequence[common_pb2.TokenLogprobs]
-    ) -> dict[str, Any]:
+    def prompt(self, token_ids: Sequence[int], entries: LogprobColumns) -> dict[str, Any]:
         """The echoed prompt's: its first token has no logprob (nothing before it to score it
         by), the rest have one each."""
         body = self.output(token_ids[1:], entries)
@@ -63,9 +87,7 @@ class CompletionLogprobs:
         self._offset += len(first)
         return body
 
-    def output(
-        self, token_ids: Sequence[int], entries: Sequence[common_pb2.TokenLogprobs]
-    ) -> dict[str, Any]:
+    def output(self, token_ids: Sequence[int], entries: LogprobColumns) -> dict[str, Any]:
         """Output tokens' (``entries`` one per token): ``top_logprobs`` holds the most likely
         tokens and, as OpenAI's does, the chosen one."""
         text = self._texts.text
@@ -75,14 +97,15 @@ class CompletionLogprobs:
             offsets.append(self._offset)
             self._offset += len(token)
         tops = []
-        for token, entry in zip(tokens, entries, strict=True):
-            alternatives = zip(entry.top_token_ids, entry.top_logprobs, strict=True)
-            top = {text(t): lp for t, lp in alternatives}
-            top.setdefault(token, entry.logprob)
+        for token, logprob, ids, values in zip(
+            tokens, entries.logprobs, entries.top_token_ids, entries.top_logprobs, strict=True
+        ):
+            top = {text(t): lp for t, lp in zip(ids, values, strict=True)}
+            top.setdefault(token, logprob)
             tops.append(top)
         return {
             "tokens": tokens,
-            "token_logprobs": [entry.logprob for entry in entries],
+            "token_logprobs": list(entries.logprobs),
             "top_logprobs": tops,
             "text_offset": offsets,
         }
@@ -95,7 +118,7 @@ def join_completion_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def chat_logprobs(
-    texts: TokenTexts, token_ids: Sequence[int], entries: Sequence[common_pb2.TokenLogprobs]
+    texts: TokenTexts, token_ids: Sequence[int], entries: LogprobColumns
 ) -> dict[str, Any]:
     """The chat API's ``logprobs`` of output tokens (``entries`` one per token)."""
 
@@ -107,10 +130,10 @@ def chat_logprobs(
         }
 
     content = []
-    for token_id, entry in zip(token_ids, entries, strict=True):
-        item = entry_of(token_id, entry.logprob)
-        item["top_logprobs"] = [
-            entry_of(t, lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
-        ]
+    for token_id, logprob, ids, values in zip(
+        token_ids, entries.logprobs, entries.top_token_ids, entries.top_logprobs, strict=True
+    ):
+        item = entry_of(token_id, logprob)
+        item["top_logprobs"] = [entry_of(t, lp) for t, lp in zip(ids, values, strict=True)]
         content.append(item)
     return {"content": content}

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import grpc
 from fastapi import Request
 
+from kvswitch.router.openai_logprobs import LogprobColumns
 from kvswitch.router.openai_protocol import OpenAIError, Reply, Usage, error_from_status
 from kvswitch.router.stop_strings import StopStrings
 from kvswitch.v1 import common_pb2, router_pb2
@@ -44,8 +45,8 @@ class RouterOutput:
         self._keep_output = keep_output
         self.num_output_tokens = 0
         self.token_ids: list[int] = []  # of the messages read so far
-        self.logprobs: list[common_pb2.TokenLogprobs] = []  # one per token, when asked
-        self.prompt_logprobs: list[common_pb2.TokenLogprobs] = []  # from the first chunk
+        self.logprobs = LogprobColumns()  # of token_ids, when asked
+        self.prompt_logprobs = LogprobColumns()  # from the first chunk
         self.embedding: list[float] = []  # from the first chunk
         self.num_cached_tokens: int | None = None  # from the first chunk
         self.final: router_pb2.GenerateFinal | None = None
@@ -111,13 +112,13 @@ class RouterOutput:
         chunk = message.chunk
         if chunk.HasField("num_cached_tokens"):
             self.num_cached_tokens = chunk.num_cached_tokens
-            self.prompt_logprobs = list(chunk.prompt_logprobs)
+            self.prompt_logprobs.extend(chunk.prompt_logprobs)
             self.embedding = list(chunk.embedding)
         if not self._keep_output:
             return ""
         self.num_output_tokens += len(chunk.token_ids)
         self.token_ids += chunk.token_ids
-        self.logprobs += chunk.logprobs
+        self.logprobs.extend(chunk.logprobs)
         if self._stops is None:
             return chunk.text
         text = self._stops.push(chunk.text)

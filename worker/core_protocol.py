@@ -51,11 +51,12 @@ Core to serving process::
 A STEP's outputs are columns (``StepOutputs``): [request_ids, token_ids, first, finished,
 logprobs, prompt_logprobs, embeddings], ``first`` holding [request_id, num_prompt_tokens,
 num_cached_tokens, ttft_s] and ``finished`` [request_id, finish reason] for the few requests they
-concern; ``logprobs`` [request_id, token logprobs] for the requests that asked for them,
-``prompt_logprobs`` [request_id, [token logprobs, ...]] and ``embeddings`` [request_id, floats]
-for those whose prompt the step finished. Token logprobs travel as [logprob, top token ids, top
-logprobs]. ``params`` are [max_tokens, temperature, top_p, seed, stop_token_ids, logprobs,
-prompt_logprobs]; a reader takes the fields it knows and the defaults of those not sent.
+concern; ``logprobs`` [request_id, logprobs] for the requests that asked for them,
+``prompt_logprobs`` [request_id, logprobs] and ``embeddings`` [request_id, floats] for those
+whose prompt the step finished. Logprobs travel as columns (``Logprobs``): [logprobs (float32
+bytes), num_top, top token ids (int32 bytes), top logprobs (float32 bytes)]. ``params`` are
+[max_tokens, temperature, top_p, seed, stop_token_ids, logprobs, prompt_logprobs]; a reader
+takes the fields it knows and the defaults of those not sent.
 
 Only ids, token ids, hashes and numbers travel; a prompt travels as one byte string, and so do
 the KV blocks a worker sends or takes (``kv_transfer``'s layout).
@@ -73,13 +74,7 @@ import zmq
 
 from kvswitch.cache_index.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from kvswitch.worker.kv_layout import KVLayout
-from kvswitch.worker.request import (
-    FinishReason,
-    FirstToken,
-    SamplingParams,
-    StepOutputs,
-    TokenLogprobs,
-)
+from kvswitch.worker.request import FinishReason, FirstToken, Logprobs, SamplingParams, StepOutputs
 
 # Serving process -> core.
 (
@@ -231,13 +226,24 @@ def params_from_wire(fields: list[Any]) -> SamplingParams:
     )
 
 
-def _logprobs_to_wire(entry: TokenLogprobs) -> list[Any]:
-    return [entry.logprob, list(entry.top_token_ids), list(entry.top_logprobs)]
+def _logprobs_to_wire(run: Logprobs) -> list[Any]:
+    return [
+        run.logprobs.astype("<f4").tobytes(),
+        run.num_top,
+        run.top_token_ids.astype("<i4").tobytes(),
+        run.top_logprobs.astype("<f4").tobytes(),
+    ]
 
 
-def _logprobs_from_wire(fields: list[Any]) -> TokenLogprobs:
-    logprob, top_token_ids, top_logprobs = fields
-    return TokenLogprobs(logprob, tuple(top_token_ids), tuple(top_logprobs))
+def _logprobs_from_wire(fields: list[Any]) -> Logprobs:
+    logprobs, num_top, top_token_ids, top_logprobs = fields
+    values = np.frombuffer(logprobs, "<f4")
+    shape = (len(values), num_top)
+    return Logprobs(
+        values,
+        np.frombuffer(top_token_ids, "<i4").reshape(shape),
+        np.frombuffer(top_logprobs, "<f4").reshape(shape),
+    )
 
 
 _EVENT_TAGS = {BlockStored: 0, BlockRemoved: 1, AllBlocksCleared: 2}
@@ -279,11 +285,8 @@ def outputs_to_wire(outputs: StepOutputs) -> list[Any]:
         outputs.token_ids,
         [[r, f.num_prompt_tokens, f.num_cached_tokens, f.ttft_s] for r, f in outputs.first.items()],
         [[r, _FINISH_REASONS.index(reason)] for r, reason in outputs.finished.items()],
-        [[r, _logprobs_to_wire(entry)] for r, entry in outputs.logprobs.items()],
-        [
-            [r, [_logprobs_to_wire(entry) for entry in entries]]
-            for r, entries in outputs.prompt_logprobs.items()
-        ],
+        [[r, _logprobs_to_wire(run)] for r, run in outputs.logprobs.items()],
+        [[r, _logprobs_to_wire(run)] for r, run in outputs.prompt_logprobs.items()],
         [[r, vector] for r, vector in outputs.embeddings.items()],
     ]
 
@@ -296,8 +299,8 @@ def outputs_from_wire(fields: list[Any]) -> StepOutputs:
         token_ids,
         {r: FirstToken(*figures) for r, *figures in first},
         {r: _FINISH_REASONS[reason] for r, reason in finished},
-        {r: _logprobs_from_wire(entry) for r, entry in logprobs},
-        {r: [_logprobs_from_wire(e) for e in entries] for r, entries in prompt_logprobs},
+        {r: _logprobs_from_wire(run) for r, run in logprobs},
+        {r: _logprobs_from_wire(run) for r, run in prompt_logprobs},
         dict(embeddings),
     )
 

@@ -43,7 +43,7 @@ from kvswitch.worker.kv_transfer import (
     shared_file,
     write_blocks,
 )
-from kvswitch.worker.logprobs import pool, prompt_logprobs, token_logprobs
+from kvswitch.worker.logprobs import pool, prompt_logprobs, rows_logprobs
 from kvswitch.worker.lora import LoraManager, LoraSlots
 from kvswitch.worker.model_runner import (
     ModelRunner,
@@ -805,7 +805,7 @@ class LLMEngine:
             rows = torch.tensor(logprob_rows, device=logits.device)
             for i, logprobs in zip(
                 logprob_rows,
-                token_logprobs(
+                rows_logprobs(
                     logits[rows], sampled[rows], [params[i].logprobs for i in logprob_rows]
                 ),
                 strict=True,

@@ -279,12 +279,63 @@ class PullSlots:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """A token's log-probability under the model, and the most likely tokens at its position
+    """One token's log-probability under the model, and the most likely tokens at its position
     with theirs (most likely first; as many as the request asked)."""
 
     logprob: float
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Logprobs:
+    """The log-probabilities of a run of tokens, in columns: token ``i`` has ``logprobs[i]``,
+    and its position's most likely tokens are ``top_token_ids[i]`` with ``top_logprobs[i]``.
+    Arrays, not an object per token: a prompt scored whole has thousands."""
+
+    logprobs: np.ndarray  # float32 [n]
+    top_token_ids: np.ndarray  # int64 [n, num_top]
+    top_logprobs: np.ndarray  # float32 [n, num_top]
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Logprobs) and all(
+            np.array_equal(a, b)
+            for a, b in (
+                (self.logprobs, other.logprobs),
+                (self.top_token_ids, other.top_token_ids),
+                (self.top_logprobs, other.top_logprobs),
+            )
+        )
+
+    @property
+    def num_top(self) -> int:
+        return self.top_token_ids.shape[1]
+
+    def tokens(self) -> list[TokenLogprobs]:
+        """One ``TokenLogprobs`` per token."""
+        return [
+            TokenLogprobs(logprob, tuple(ids), tuple(values))
+            for logprob, ids, values in zip(
+                self.logprobs.tolist(),
+                self.top_token_ids.tolist(),
+                self.top_logprobs.tolist(),
+                strict=True,
+            )
+        ]
+
+    @classmethod
+    def join(cls, runs: Sequence[Logprobs]) -> Logprobs:
+        """The runs one after the other (each with as many alternatives)."""
+        if len(runs) == 1:
+            return runs[0]
+        return cls(
+            np.concatenate([r.logprobs for r in runs]),
+            np.concatenate([r.top_token_ids for r in runs]),
+            np.concatenate([r.top_logprobs for r in runs]),
+        )
 
 
 @dataclass(slots=True)
@@ -300,8 +351,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     ttft_s: float | None = None  # set on the step that produced the first token
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
-    prompt_logprobs: list[TokenLogprobs] | None = None
+    logprobs: Logprobs | None = None  # of the new tokens, when asked
+    prompt_logprobs: Logprobs | None = None
     embedding: list[float] | None = None
 
 
@@ -329,8 +380,8 @@ class StepOutputs:
     token_ids: list[int] = field(default_factory=list)
     first: dict[str, FirstToken] = field(default_factory=dict)
     finished: dict[str, FinishReason] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -349,9 +400,7 @@ class StepOutputs:
                 output.prompt_logprobs = self.prompt_logprobs.get(request_id)
                 output.embedding = self.embeddings.get(request_id)
             if logprobs:
-                token_logprobs = logprobs.get(request_id)
-                if token_logprobs is not None:
-                    output.logprobs = [token_logprobs]
+                output.logprobs = logprobs.get(request_id)
             yield output
 
 

@@ -32,7 +32,7 @@ from kvswitch.worker.engine_client import (
 from kvswitch.worker.kv_pull import KVPuller, PullFailed, check_kv_source
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.peers import FleetPeers
-from kvswitch.worker.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from kvswitch.worker.request import FinishReason, Logprobs, RequestOutput, SamplingParams
 from kvswitch.worker.worker_config import DEFAULT_MAX_TOKENS, MAX_HASHES_PER_CHUNK, RETRY_AFTER_MS
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,12 @@ def sampling_params_from_proto(sampling: common_pb2.SamplingParams) -> SamplingP
         raise ValueError(f"sampling.{e}") from None
 
 
-def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+def logprobs_to_proto(run: Logprobs) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(
-        logprob=entry.logprob,
-        top_token_ids=entry.top_token_ids,
-        top_logprobs=entry.top_logprobs,
+        logprobs=run.logprobs.tolist(),
+        num_top=run.num_top,
+        top_token_ids=run.top_token_ids.ravel().tolist(),
+        top_logprobs=run.top_logprobs.ravel().tolist(),
     )
 
 
@@ -271,13 +272,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         stats.num_cached_tokens = max(output.num_cached_tokens, 0)
                         chunk.num_cached_tokens = stats.num_cached_tokens
                         if output.prompt_logprobs is not None:
-                            chunk.prompt_logprobs.extend(
-                                logprobs_to_proto(e) for e in output.prompt_logprobs
+                            chunk.prompt_logprobs.CopyFrom(
+                                logprobs_to_proto(output.prompt_logprobs)
                             )
                         if output.embedding is not None:
                             chunk.embedding.extend(output.embedding)
-                    if output.logprobs is not None:
-                        chunk.logprobs.extend(logprobs_to_proto(e) for e in output.logprobs)
+                runs = [o.logprobs for o in outputs if o.logprobs is not None]
+                if runs:
+                    chunk.logprobs.CopyFrom(logprobs_to_proto(Logprobs.join(runs)))
                 await context.write(worker_pb2.WorkerGenerateResponse(chunk=chunk))
             assert last.finish_reason is not None
             finish_reason = last.finish_reason.value

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/common.proto\x12\x0bkvswitch.v1\"\xd2\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xfa\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1e\n\x11num_cached_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x17num_pending_text_tokens\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.kvswitch.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.kvswitch.v1.TokenLogprobs\x12\x11\n\tembedding\x18\x07 \x03(\x02\x42\x14\n\x12_num_cached_tokens\"\xd7\x01\n\x0cRequestStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x1e\n\x16num_transferred_blocks\x18\x08 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/common.proto\x12\x0bkvswitch.v1\"\xd2\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"_\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x0f\n\x07num_top\x18\x02 \x01(\r\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xfa\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1e\n\x11num_cached_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x17num_pending_text_tokens\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.kvswitch.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1a.kvswitch.v1.TokenLogprobs\x12\x11\n\tembedding\x18\x07 \x03(\x02\x42\x14\n\x12_num_cached_tokens\"\xd7\x01\n\x0cRequestStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x1e\n\x16num_transferred_blocks\x18\x08 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvswitch.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=805
-  _globals['_FINISHREASON']._serialized_end=950
+  _globals['_FINISHREASON']._serialized_start=823
+  _globals['_FINISHREASON']._serialized_end=968
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=252
   _globals['_TOKENLOGPROBS']._serialized_start=254
-  _globals['_TOKENLOGPROBS']._serialized_end=331
-  _globals['_TOKENCHUNK']._serialized_start=334
-  _globals['_TOKENCHUNK']._serialized_end=584
-  _globals['_REQUESTSTATS']._serialized_start=587
-  _globals['_REQUESTSTATS']._serialized_end=802
+  _globals['_TOKENLOGPROBS']._serialized_end=349
+  _globals['_TOKENCHUNK']._serialized_start=352
+  _globals['_TOKENCHUNK']._serialized_end=602
+  _globals['_REQUESTSTATS']._serialized_start=605
+  _globals['_REQUESTSTATS']._serialized_end=820
 # @@protoc_insertion_point(module_scope)

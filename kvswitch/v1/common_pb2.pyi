@@ -39,14 +39,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
-    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("logprobs", "num_top", "top_token_ids", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    logprob: float
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    num_top: int
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "num_cached_tokens", "num_pending_text_tokens", "logprobs", "prompt_logprobs", "embedding")
@@ -61,10 +63,10 @@ class TokenChunk(_message.Message):
     text: str
     num_cached_tokens: int
     num_pending_text_tokens: int
-    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    logprobs: TokenLogprobs
+    prompt_logprobs: TokenLogprobs
     embedding: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_pending_text_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_pending_text_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("worker_id", "num_prompt_tokens", "num_cached_tokens", "ttft_s", "num_output_tokens", "prefill_worker_id", "decode_worker_id", "num_transferred_blocks")

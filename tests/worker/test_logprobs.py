@@ -78,7 +78,7 @@ def test_sampled_tokens_logprobs_are_the_models(checkpoint) -> None:
     want = hf_logprobs(hf, tokens + output_ids)
     for step, output in enumerate(outputs):
         row = want[len(tokens) - 1 + step]
-        (entry,) = output.logprobs
+        (entry,) = output.logprobs.tokens()
         assert entry.logprob == pytest.approx(row[output_ids[step]].item(), abs=TOL)
         assert entry.top_token_ids[0] == output_ids[step]  # greedy: the most likely
         assert list(entry.top_logprobs) == pytest.approx(row.topk(3).values.tolist(), abs=TOL)
@@ -93,7 +93,7 @@ def test_sampled_rows_logprobs_come_from_the_model_not_the_temperature(checkpoin
     params = SamplingParams(max_tokens=1, temperature=5.0, seed=3, logprobs=0)
     (output,) = run(engine, "a", tokens, params)
     want = hf_logprobs(hf, tokens)[-1]
-    (entry,) = output.logprobs
+    (entry,) = output.logprobs.tokens()
     assert entry.logprob == pytest.approx(want[output.new_token_ids[0]].item(), abs=TOL)
     assert entry.top_token_ids == ()
 
@@ -106,13 +106,13 @@ def test_prompt_logprobs_equal_a_cold_forward_with_and_without_a_hit(checkpoint,
     first, second = shared + prompt(4, 21), shared + prompt(5, 9)
     (out,) = run(engine, "a", first, SamplingParams(max_tokens=1, prompt_logprobs=2))
     assert out.num_cached_tokens == 0
-    assert_prompt_logprobs(hf, first, out.prompt_logprobs, 2)
+    assert_prompt_logprobs(hf, first, out.prompt_logprobs.tokens(), 2)
 
     (out,) = run(engine, "b", second, SamplingParams(max_tokens=1, prompt_logprobs=2))
     # With the cache the shared blocks' rows are reused; without it they are computed (and so
     # is their KV, as vLLM does for prompt logprobs).
     assert out.num_cached_tokens == (3 * BLOCK if cache else 0)
-    assert_prompt_logprobs(hf, second, out.prompt_logprobs, 2)
+    assert_prompt_logprobs(hf, second, out.prompt_logprobs.tokens(), 2)
     # A request that wants no hidden states hits the KV either way.
     (out,) = run(engine, "c", second, SamplingParams(max_tokens=1))
     assert out.num_cached_tokens == 3 * BLOCK and out.prompt_logprobs is None
@@ -123,10 +123,10 @@ def test_a_prompt_computed_in_chunks_gathers_every_row(checkpoint) -> None:
     engine = engine_for(path, cache_hidden_states=True, max_num_batched_tokens=24)
     tokens = prompt(6, 70)
     (out,) = run(engine, "a", tokens, SamplingParams(max_tokens=1, prompt_logprobs=1))
-    assert_prompt_logprobs(hf, tokens, out.prompt_logprobs, 1)
+    assert_prompt_logprobs(hf, tokens, out.prompt_logprobs.tokens(), 1)
     (out,) = run(engine, "b", tokens, SamplingParams(max_tokens=1, prompt_logprobs=1))
     assert out.num_cached_tokens == 4 * BLOCK
-    assert_prompt_logprobs(hf, tokens, out.prompt_logprobs, 1)
+    assert_prompt_logprobs(hf, tokens, out.prompt_logprobs.tokens(), 1)
 
 
 def test_blocks_decoded_into_are_cached_with_their_rows(checkpoint) -> None:
@@ -138,7 +138,7 @@ def test_blocks_decoded_into_are_cached_with_their_rows(checkpoint) -> None:
     (out,) = run(engine, "b", whole, SamplingParams(max_tokens=1, prompt_logprobs=0))
     # The second and third blocks filled while decoding: their rows came from decode steps.
     assert out.num_cached_tokens == 3 * BLOCK
-    assert_prompt_logprobs(hf, whole, out.prompt_logprobs, 0)
+    assert_prompt_logprobs(hf, whole, out.prompt_logprobs.tokens(), 0)
 
 
 def test_a_reused_block_has_no_rows_and_is_computed_again(checkpoint) -> None:
@@ -151,7 +151,7 @@ def test_a_reused_block_has_no_rows_and_is_computed_again(checkpoint) -> None:
     run(engine, "b", other, SamplingParams(max_tokens=1))
     (out,) = run(engine, "c", first, SamplingParams(max_tokens=1, prompt_logprobs=1))
     assert out.num_cached_tokens == 0
-    assert_prompt_logprobs(hf, first, out.prompt_logprobs, 1)
+    assert_prompt_logprobs(hf, first, out.prompt_logprobs.tokens(), 1)
 
 
 def test_blocks_written_by_a_transfer_bring_no_rows(checkpoint) -> None:
@@ -165,7 +165,7 @@ def test_blocks_written_by_a_transfer_bring_no_rows(checkpoint) -> None:
     assert target.write_cached_blocks(hashes[:num_blocks], data) == 3
     (out,) = run(target, "b", tokens, SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert out.num_cached_tokens == 0  # the KV is here, its rows are not: computed
-    assert_prompt_logprobs(hf, tokens, out.prompt_logprobs, 0)
+    assert_prompt_logprobs(hf, tokens, out.prompt_logprobs.tokens(), 0)
     (out,) = run(target, "c", tokens, SamplingParams(max_tokens=1))
     assert out.num_cached_tokens == 3 * BLOCK
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvswitch.worker import core_protocol as wire
 from kvswitch.worker.request import (
     FinishReason,
     FirstToken,
+    Logprobs,
     RequestOutput,
     SamplingParams,
     StepOutputs,
@@ -40,16 +43,26 @@ def test_outputs_cross_the_core_pipe_unchanged() -> None:
 
 def test_logprobs_and_embeddings_cross_the_core_pipe_and_reach_their_requests() -> None:
     outputs = one_step()
-    outputs.logprobs = {"a": TokenLogprobs(-0.5, (7, 3), (-0.5, -1.25)), "b": TokenLogprobs(-2.0)}
-    outputs.prompt_logprobs = {"a": [TokenLogprobs(-3.0, (1,), (-0.1,))] * 99}
+    sampled = Logprobs(
+        np.array([-0.5], np.float32),
+        np.array([[7, 3]]),
+        np.array([[-0.5, -1.25]], np.float32),
+    )
+    bare = Logprobs(np.array([-2.0], np.float32), np.zeros((1, 0), int), np.zeros((1, 0)))
+    prompt = Logprobs(
+        np.full(99, -3.0, np.float32), np.ones((99, 1), int), np.full((99, 1), -0.1, np.float32)
+    )
+    outputs.logprobs = {"a": sampled, "b": bare}
+    outputs.prompt_logprobs = {"a": prompt}
     outputs.embeddings = {"c": [0.6, 0.8]}
     back = wire.outputs_from_wire(wire.unpack(wire.pack(wire.outputs_to_wire(outputs))))
     assert back == outputs
     a, b, c = back
-    assert a.logprobs == [TokenLogprobs(-0.5, (7, 3), (-0.5, -1.25))]
-    assert a.prompt_logprobs == outputs.prompt_logprobs["a"] and a.embedding is None
-    assert b.logprobs == [TokenLogprobs(-2.0)] and b.prompt_logprobs is None
+    assert a.logprobs.tokens() == [TokenLogprobs(-0.5, (7, 3), (-0.5, -1.25))]
+    assert a.prompt_logprobs == prompt and len(a.prompt_logprobs) == 99 and a.embedding is None
+    assert b.logprobs.tokens() == [TokenLogprobs(-2.0)] and b.prompt_logprobs is None
     assert c.logprobs is None and c.embedding == [0.6, 0.8]
+    assert Logprobs.join([sampled, sampled]).tokens() == sampled.tokens() * 2
 
 
 def test_an_older_peers_messages_read_with_the_defaults() -> None:
