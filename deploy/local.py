@@ -66,6 +66,9 @@ class ClusterConfig:
     # loads adapters on them at run time (--lora-updates; it needs http_port).
     enable_lora: bool = False
     lora_updates: bool = False
+    # The workers keep their blocks' final hidden states (--cache-hidden-states: prompt logprobs
+    # and embeddings of a cached prefix from the cache).
+    cache_hidden_states: bool = False
     policy: str = "cost"
     kv_transport: str = "auto"  # disaggregated prefill: how KV blocks travel (the router's)
     host: str = "127.0.0.1"
@@ -463,6 +466,7 @@ class LocalCluster:
             *(["--kv-cache-shm"] if config.kv_cache_shm else []),
             *[arg for spec in config.lora for arg in ("--lora", spec)],
             *(["--enable-lora"] if config.enable_lora else []),
+            *(["--cache-hidden-states"] if config.cache_hidden_states else []),
             *(["--max-loras", str(config.max_loras)] if config.lora or config.enable_lora else []),
             *({True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}.get(config.cuda_graphs, [])),
             *(["--cpu-threads", str(self._cpu_threads())] if config.device == "cpu" else []),

@@ -124,6 +124,7 @@ class OpenAITarget:
         cache_salt: str,
         policy: str | None,
         timeout_s: float,
+        prompt_logprobs: int | None = None,
     ) -> AsyncIterator[_Stream]:
         body: dict[str, Any] = {
             "model": self.model,
@@ -137,6 +138,8 @@ class OpenAITarget:
         }
         if policy:
             body["routing"] = {"policy": policy}
+        if prompt_logprobs is not None:  # the prompt scored: its logprobs, echoed
+            body |= {"echo": True, "logprobs": prompt_logprobs}
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._client.stream("POST", "/v1/completions", json=body) as response:

@@ -74,7 +74,9 @@ async def run_phase(
                 return
             prompt = message if history is None else np.concatenate([history, message])
             client = clients[index % len(clients)]
-            record, output = await _send(client, plan, prompt, session.max_tokens[turn])
+            record, output = await _send(
+                client, plan, prompt, session.max_tokens[turn], session.prompt_logprobs
+            )
             record.session, record.turn, record.warmup = index, turn, index < plan.num_warmup
             record.router = client.target
             records.append(record)
@@ -109,11 +111,17 @@ async def run_phase(
 
 
 async def _send(
-    client: AsyncClient | OpenAITarget, plan: PhasePlan, prompt: np.ndarray, max_tokens: int
+    client: AsyncClient | OpenAITarget,
+    plan: PhasePlan,
+    prompt: np.ndarray,
+    max_tokens: int,
+    prompt_logprobs: int | None = None,
 ) -> tuple[RequestRecord, list[int]]:
-    """Send one request and stream it to the end: what it saw, and its output tokens."""
+    """Send one request and stream it to the end: what it saw, and its output tokens.
+    ``prompt_logprobs``: the prompt is scored too (``echo`` with ``logprobs`` over HTTP)."""
     record = RequestRecord(0, 0, False, time.monotonic(), len(prompt))
     output: list[int] = []
+    scored = {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}
     try:
         async with client.stream(
             prompt_token_ids=prompt.tolist(),
@@ -121,6 +129,7 @@ async def _send(
             cache_salt=plan.cache_salt,
             policy=plan.policy,
             timeout_s=plan.timeout_s,
+            **scored,
         ) as stream:
             async for chunk in stream:
                 if chunk.token_ids:

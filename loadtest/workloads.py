@@ -21,6 +21,9 @@ The workloads (``WORKLOADS``; their parameters are the dataclass fields):
 - ``multi_turn_chat``: ``conversations`` chats of ``turns`` turns of ``message_len`` tokens after
   one ``system_len``-token system prompt.
 - ``no_sharing``: ``requests`` unrelated prompts of ``prompt_len`` tokens: the control.
+- ``scoring``: ``contexts`` contexts of ``context_len`` tokens, each followed by ``choices``
+  continuations of ``choice_len`` tokens whose prompt is scored (its logprobs, ``logprobs``
+  alternatives each) and one token sampled: what a multiple-choice evaluation sends.
 - ``trace``: a Mooncake trace replayed; each 512-token block id becomes ``block_len`` tokens
   seeded by the id, sent at the trace's arrival times.
 """
@@ -45,6 +48,8 @@ class Session:
     messages: tuple[np.ndarray, ...]  # each turn's new tokens; the first is the whole prompt
     max_tokens: tuple[int, ...]  # each turn's output length
     arrival_s: float | None = None  # from the start (trace replay); None: the arrivals decide
+    # Score each turn's prompt: its tokens' logprobs with this many alternatives (None: no).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.messages or len(self.messages) != len(self.max_tokens):
@@ -101,6 +106,33 @@ class LongDocumentQA:
             self.documents, self.questions, self.document_len, self.question_len, self.output_len
         )
         return shape.sessions(vocab_size, seed)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """Many continuations of one long context, each scored: a multiple-choice evaluation."""
+
+    contexts: int = 4
+    context_len: int = 2048
+    choices: int = 8
+    choice_len: int = 16
+    logprobs: int = 1
+
+    def sessions(self, vocab_size: int, seed: int) -> list[Session]:
+        rng = np.random.default_rng(seed)
+        sessions = [
+            Session(
+                (np.concatenate([context, _tokens(rng, self.choice_len, vocab_size)]),),
+                (1,),
+                prompt_logprobs=self.logprobs,
+            )
+            for context in [
+                _tokens(rng, self.context_len, vocab_size) for _ in range(self.contexts)
+            ]
+            for _ in range(self.choices)
+        ]
+        random.Random(seed).shuffle(sessions)
+        return sessions
 
 
 @dataclass(frozen=True)
@@ -182,6 +214,7 @@ WORKLOADS: dict[str, type] = {
     "long_document_qa": LongDocumentQA,
     "multi_turn_chat": MultiTurnChat,
     "no_sharing": NoSharing,
+    "scoring": Scoring,
     "trace": TraceReplay,
 }
 

@@ -38,6 +38,7 @@ COMMANDS = [
     ["bench", "hash"],
     ["bench", "kernels"],
     ["bench", "ttft"],
+    ["bench", "score"],
     ["bench", "decode"],
     ["bench", "index"],
     ["bench", "router"],

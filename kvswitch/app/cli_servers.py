@@ -283,6 +283,7 @@ UP_HELP = {
     "max_loras": WORKER_HELP["max_loras"],
     "enable_lora": WORKER_HELP["enable_lora"],
     "lora_updates": ROUTER_HELP["lora_updates"] + " (needs --http-port)",
+    "cache_hidden_states": WORKER_HELP["cache_hidden_states"],
     "policy": ROUTER_HELP["policy"],
     "kv_transport": ROUTER_HELP["kv_transport"],
     "host": "address every process listens on",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 from collections.abc import Iterator
@@ -12,9 +13,10 @@ import pytest
 from kvswitch.app.cli import main
 from kvswitch.client import AsyncClient
 from kvswitch.loadtest import live
+from kvswitch.loadtest.openai_target import OpenAITarget
 from kvswitch.loadtest.runner import PhasePlan, run_phase
-from kvswitch.loadtest.workloads import MultiTurnChat
-from tests.router.harness import BLOCK_SIZE, BackgroundCluster
+from kvswitch.loadtest.workloads import MultiTurnChat, Scoring
+from tests.router.harness import BLOCK_SIZE, ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
 
 CHAT = MultiTurnChat(conversations=3, turns=3, system_len=40, message_len=20, output_len=4)
 
@@ -85,6 +87,33 @@ def test_loadtest_command_reports_every_policy_and_draws_its_plots(cluster, tmp_
     assert report["policies"]["cost"]["token_hit_rate"] > 0.57
     for name in ("ttft_cdf.png", "hit_rate.png", "worker_load.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_scoring_workload_is_scored_from_the_hidden_state_cache() -> None:
+    """Continuations of one context, scored over gRPC and over the HTTP API: after the first,
+    each finds the context cached with its hidden states."""
+    router = dataclasses.replace(ROUTER_CONFIG, http_port=0)
+    worker = dataclasses.replace(WORKER_CONFIG, cache_hidden_states=True)
+    scoring = Scoring(contexts=1, context_len=4 * BLOCK_SIZE, choices=3, choice_len=5)
+    with BackgroundCluster(1, router, worker) as scored:
+        front = scored.router.http_front
+        assert front is not None
+
+        async def go(make_target):
+            async with make_target() as client:
+                if isinstance(client, OpenAITarget):
+                    await client.wait_until_connected(10)
+                plan = PhasePlan("cost", client.target, concurrency=1)
+                return await run_phase([client], scoring.sessions(256, 0), plan)
+
+        for make_target in (
+            lambda: AsyncClient(scored.address, max_retries=0),
+            lambda: OpenAITarget(front.url),
+        ):
+            records, _, _ = asyncio.run(go(make_target))
+            assert all(r.ok and r.num_output_tokens == 1 for r in records), records
+            cached = [r.num_cached_tokens for r in records]
+            assert cached == [0, 4 * BLOCK_SIZE, 4 * BLOCK_SIZE]
 
 
 def test_loadtest_refuses_what_it_cannot_run(capsys) -> None:

@@ -13,6 +13,7 @@ from kvswitch.loadtest.workloads import (
     LongDocumentQA,
     MultiTurnChat,
     NoSharing,
+    Scoring,
     SharedPrefix,
     make_workload,
     trace_sessions,
@@ -24,7 +25,9 @@ def _prompts(sessions) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize(
-    "workload", [SharedPrefix(), LongDocumentQA(), MultiTurnChat(), NoSharing()], ids=repr
+    "workload",
+    [SharedPrefix(), LongDocumentQA(), MultiTurnChat(), NoSharing(), Scoring()],
+    ids=repr,
 )
 def test_a_workload_is_a_function_of_its_seed(workload) -> None:
     a, b, other = (workload.sessions(256, seed) for seed in (3, 3, 4))
@@ -54,6 +57,17 @@ def test_long_document_qa_asks_each_document_its_questions() -> None:
     documents = [p[:64].tobytes() for p in prompts]
     assert len(prompts) == 12 and sorted(documents.count(d) for d in set(documents)) == [4, 4, 4]
     assert len(set(documents[:4])) > 1  # shuffled, not one document's questions in a row
+
+
+def test_scoring_scores_each_contexts_continuations() -> None:
+    sessions = Scoring(contexts=3, context_len=64, choices=5, choice_len=4, logprobs=2).sessions(
+        1000, 0
+    )
+    prompts = _prompts(sessions)
+    contexts = [p[:64].tobytes() for p in prompts]
+    assert len(prompts) == 15 and {len(p) for p in prompts} == {68}
+    assert sorted(contexts.count(c) for c in set(contexts)) == [5, 5, 5]
+    assert {(s.max_tokens, s.prompt_logprobs) for s in sessions} == {((1,), 2)}
 
 
 def test_multi_turn_chat_sessions_have_their_turns() -> None:
