@@ -39,6 +39,7 @@ class TTFTBenchConfig:
     num_trials: int = 5
     profile: bool = False
     cuda_graphs: bool | None = None
+    cache_hidden_states: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,6 +63,7 @@ class DecodeBenchConfig:
     # every module), beside the base alone; 0: the base alone.
     loras: int = 0
     lora_rank: int = 16
+    cache_hidden_states: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +87,7 @@ def _engine(
     *,
     cuda_graphs: bool | None = None,
     lora: tuple[str, ...] = (),
+    cache_hidden_states: bool = False,
 ) -> LLMEngine:
     # NOTE: imported here so that `kvswitch --help` does not load torch.
     from kvswitch.worker.engine import EngineConfig, LLMEngine
@@ -99,6 +102,7 @@ def _engine(
             cuda_graphs=cuda_graphs,
             lora=lora,
             max_loras=max(len(lora), 1),
+            cache_hidden_states=cache_hidden_states,
         )
     )
 
@@ -124,6 +128,7 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         config.dtype,
         config.num_prompt_tokens,
         cuda_graphs=config.cuda_graphs,
+        cache_hidden_states=config.cache_hidden_states,
     )
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(config.seed)
@@ -162,6 +167,7 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         "device": config.device,
         "dtype": config.dtype,
         "cuda_graphs": engine.config.cuda_graphs,
+        "cache_hidden_states": config.cache_hidden_states,
         **graph_memory(engine),
         "machine": machine_info(),
     }
@@ -215,6 +221,7 @@ def run_decode(config: DecodeBenchConfig) -> dict:
         "device": config.device,
         "dtype": config.dtype,
         "cuda_graphs": config.cuda_graphs is not False and config.device.startswith("cuda"),
+        "cache_hidden_states": config.cache_hidden_states,
     }
     rng = np.random.default_rng(config.seed)
     with tempfile.TemporaryDirectory(prefix="kvswitch-bench-loras-") as folder:
@@ -257,6 +264,7 @@ def _decode(
         batch * config.num_prompt_tokens,
         cuda_graphs=config.cuda_graphs,
         lora=loras,
+        cache_hidden_states=config.cache_hidden_states,
     )
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=config.num_output_tokens)

@@ -74,6 +74,8 @@ TTFT_HELP = {
     "cuda_graphs": "GPU: steps replayed from CUDA graphs (the worker's --cuda-graphs, on by "
     "default with --device cuda; --no-cuda-graphs for the plain path): a warm prompt's tail runs "
     "all but attention from graphs",
+    "cache_hidden_states": "the worker's --cache-hidden-states: every step also keeps its final "
+    "hidden states (what that costs a request that asks for none)",
     "seed": "random seed of the prompts",
 }
 
@@ -89,6 +91,7 @@ DECODE_HELP = {
     "module), and report their tokens/s beside the base alone's (loras_vs_base_batch_N) and "
     "how long an adapter takes to load; 0 = the base alone",
     "lora_rank": "the adapters' rank",
+    "cache_hidden_states": TTFT_HELP["cache_hidden_states"],
     "seed": "random seed of the prompts",
 }
 

@@ -76,7 +76,8 @@ LOADTEST_HELP = {
     "API instead, as a fleet of OpenAI-API engines is reached (docs/ENGINES.md)",
     "model": "HTTP targets: the model name requests give; empty = the first the target's "
     "/v1/models lists",
-    "workload": "shared_prefix, long_document_qa, multi_turn_chat, no_sharing or trace",
+    "workload": "shared_prefix, long_document_qa, multi_turn_chat, no_sharing, scoring (each "
+    "prompt scored: its logprobs) or trace",
     "workload_args": "the workload's parameters over its defaults, 'key=value,...' (e.g. "
     "'groups=4,users=8' or 'path=trace.jsonl,block_len=16'); a wrong key lists the known ones",
     "policies": "routing policies the router offers (cost, prefix, least_loaded, round_robin, "
