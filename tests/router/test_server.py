@@ -325,6 +325,46 @@ def test_only_the_first_chunk_of_a_resumed_stream_says_what_was_cached() -> None
         cluster.close()
 
 
+def test_a_resumed_stream_keeps_its_logprobs_and_asks_for_the_prompts_once(
+    reference: LLMEngine,
+) -> None:
+    """Logprobs go on where the stream resumes, token for token; the prompt's logprobs and
+    embedding came with the first worker's first chunk, and the next worker is asked for
+    neither."""
+    cluster = BackgroundCluster(num_workers=2)
+    try:
+        prompt = question(0, 7)
+        asks = {"logprobs": 2, "prompt_logprobs": 1, "pooling": "last"}
+        with Client(cluster.address, timeout_s=60) as c:
+            stream = c.stream(prompt, max_tokens=120, temperature=0.0, **asks)
+            first = next(stream)
+            busy = [
+                h.worker_id for h in cluster.router.router.directory.handles() if h.num_in_flight
+            ]
+            cluster.stop_worker(cluster.worker(busy[0]))
+            rest = list(stream)
+            result = stream.result
+        assert result.route.reason.startswith("failover: ")
+        ids = TOKENIZER.encode(prompt)
+        assert len(first.prompt_logprobs) == len(ids) - 1 and len(first.embedding) == 256
+        assert not any(c.prompt_logprobs or c.embedding for c in rest)
+        assert result.prompt_logprobs == first.prompt_logprobs
+        assert len(result.logprobs) == len(result.token_ids) == 120
+        assert sum(len(c.logprobs or ()) for c in [first, *rest]) == 120
+        # The reference engine's logprobs of the same greedy stream.
+        reference.add_request("ref", ids, SamplingParams(max_tokens=120, logprobs=2))
+        want = []
+        while reference.has_unfinished():
+            want += [o.logprobs.tokens()[0] for o in reference.step() if o.request_id == "ref"]
+        for got, ref in zip(result.logprobs, want, strict=True):
+            if ref.top_logprobs[0] - ref.top_logprobs[1] < 1e-3:
+                break  # a near tie: computed in another order, either token is greedy
+            assert got.top_token_ids == ref.top_token_ids
+            assert got.logprob == pytest.approx(ref.logprob, abs=1e-3)
+    finally:
+        cluster.close()
+
+
 def test_cancelling_a_stream_frees_the_request_on_its_worker(
     cluster: BackgroundCluster, client: Client
 ) -> None:
