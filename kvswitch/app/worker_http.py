@@ -110,6 +110,7 @@ class WorkerAsRouter:
             sampling=call.sampling,
             lora=call.lora,
             cache_salt=call.cache_salt,
+            pooling=call.pooling,
         )
         return self._stub.Generate(request, metadata=metadata)
 

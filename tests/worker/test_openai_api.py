@@ -95,6 +95,22 @@ def test_completions_and_chat_run_on_the_worker(worker: tuple[str, str]) -> None
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_the_worker_scores_prompts_and_embeds_them(worker: tuple[str, str]) -> None:
+    _, url = worker
+    api = client(url)
+    (card,) = api.models.list().data
+    scored = api.completions.create(
+        model=card.id, prompt=[256, 1, 2, 3], echo=True, logprobs=2, max_tokens=0
+    )
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and logprobs.token_logprobs[0] is None
+    assert all(lp < 0 for lp in logprobs.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+    (embedding,) = api.embeddings.create(model=card.id, input=[256, 1, 2, 3]).data
+    assert len(embedding.embedding) == 256  # the built-in model's hidden size
+    assert sum(x * x for x in embedding.embedding) == pytest.approx(1.0, abs=1e-4)
+
+
 def test_health_and_metrics_as_a_vllm_server_serves_them(worker: tuple[str, str]) -> None:
     _, url = worker
     # NOTE: open, as vLLM's are: a prober and a scraper carry no key.
