@@ -4,11 +4,19 @@ A worker's block pool appends one event each time its *set of cached block hashe
 hands them on in order through ``take_events()``. Replaying a worker's events from an empty set
 reproduces that set exactly: a hash that is already cached in another block produces no second
 ``BlockStored``, and ``BlockRemoved`` comes only when the last block holding a hash is evicted.
+
+A worker with a host-memory tier (``--offload-gb``) says which tier each event is about
+(``medium``: None for the device's cache, ``HOST`` for host memory). Its tiers hold a hash in one
+at a time: a block offloaded is removed from the device and then stored in host memory, one
+reloaded the other way round, so replaying the events without reading ``medium`` still gives
+every hash the worker holds, in either tier.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+HOST = "host"  # the medium of a worker's host-memory tier (vLLM's "CPU")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,13 +36,15 @@ class BlockStored:
     parent_block_hash: bytes | None = None
     lora: str | None = None
     cache_salt: str | None = None  # hashed into a chain's first block only
+    medium: str | None = None  # None: the device's cache; HOST: host memory
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """These hashes are no longer cached anywhere in the pool."""
+    """These hashes are no longer cached anywhere in the pool (in the tier ``medium`` names)."""
 
     block_hashes: tuple[bytes, ...]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

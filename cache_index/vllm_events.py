@@ -400,9 +400,12 @@ def engine_hash_of(name: bytes) -> int:
 def to_engine_events(events: Sequence[CacheEvent], block_size: int) -> list[EngineEvent]:
     """A kvswitch worker's cache events in vLLM's format, its blocks in the engine's one tier
     ("GPU", as vLLM calls the device's cache, whatever the device). A stored event without its
-    tokens (blocks pulled from a peer) is left out: a consumer could not name its blocks."""
+    tokens (blocks pulled from a peer) is left out: a consumer could not name its blocks; so
+    are the host tier's events (``--offload-gb``), whose blocks carry no tokens."""
     out: list[EngineEvent] = []
     for event in events:
+        if getattr(event, "medium", None) is not None:
+            continue
         if isinstance(event, BlockStored):
             if not event.token_ids:
                 continue

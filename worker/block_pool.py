@@ -140,6 +140,14 @@ class BlockPool:
         self._hash_to_block: dict[bytes, KVBlock] = {}
         self._duplicates: dict[bytes, list[KVBlock]] = {}
         self._events: list[CacheEvent] = []
+        # Set by a host-memory tier (worker/offload.py), which the pool tells, as they happen:
+        # of blocks taken for reuse that held a hash ([block id, hash, whether the hash left the
+        # cache]), before anything can write them; of cached blocks freed (candidates to copy
+        # out); and of hashes newly cached here (a hash is in one tier at a time), before the
+        # event that says so.
+        self.on_evict: Callable[[list[tuple[int, bytes, bool]]], None] | None = None
+        self.on_free: Callable[[list[KVBlock]], None] | None = None
+        self.on_cache: Callable[[list[bytes]], None] | None = None
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -188,7 +196,12 @@ class BlockPool:
                 f"cannot take {num_blocks} blocks: only {self.free_queue.num_free_blocks} are free"
             )
         blocks = self.free_queue.popleft_n(num_blocks)
+        on_evict = self.on_evict
+        held = [(b.block_id, b.block_hash) for b in blocks if b.block_hash is not None]
         self.uncache_blocks(blocks)
+        if on_evict is not None and held:
+            cached = self._hash_to_block
+            on_evict([(block_id, h, h not in cached) for block_id, h in held])
         for block in blocks:
             block.ref_cnt = 1
         return blocks
@@ -224,6 +237,8 @@ class BlockPool:
                 runs[-1][1] = i + 1
             else:
                 runs.append([i, i + 1])
+        if runs and self.on_cache is not None:
+            self.on_cache([h for start, end in runs for h in block_hashes[start:end]])
         if tokens is None:
             for start, end in runs:
                 self._events.append(BlockStored(tuple(block_hashes[start:end])))
@@ -268,6 +283,10 @@ class BlockPool:
             if block.ref_cnt == 0:
                 released.append(block)
         self.free_queue.append_n(released)
+        if self.on_free is not None and released:
+            cached = [block for block in released if block.block_hash is not None]
+            if cached:
+                self.on_free(cached)
 
     def take_cached_blocks(
         self,
@@ -310,6 +329,10 @@ class BlockPool:
         self._duplicates.clear()
         self._events.append(AllBlocksCleared())
         return True
+
+    def record_event(self, event: CacheEvent) -> None:
+        """Queue an event of another tier of this worker's cache in order with the pool's own."""
+        self._events.append(event)
 
     def take_events(self) -> list[CacheEvent]:
         """Hand over the events queued since the last call, oldest first."""

@@ -132,11 +132,19 @@ class LoadReport:
     loaded_loras: tuple[str, ...] = ()
     cpu_loras: tuple[str, ...] = ()
     num_free_lora_slots: int = 0
+    # The host-memory tier (--offload-gb): its cached blocks, its size, and its copies in flight
+    # (blocks being copied out, loads not landed).
+    num_host_blocks: int = 0
+    num_host_total_blocks: int = 0
+    num_host_copies: int = 0
 
     @classmethod
     def from_wire(cls, load: list[Any]) -> LoadReport:
-        *counts, loras, loaded, cpu, num_free_slots = load
-        return cls(*counts, tuple(loras), tuple(loaded), tuple(cpu), num_free_slots)
+        """[6 counts, loras, loaded, cpu, num_free_slots, host figures...]: a reader takes the
+        fields it knows."""
+        loras, loaded, cpu, num_free_slots = load[6:10]
+        host = load[10:13]
+        return cls(*load[:6], tuple(loras), tuple(loaded), tuple(cpu), num_free_slots, *host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,11 +258,18 @@ _EVENT_TAGS = {BlockStored: 0, BlockRemoved: 1, AllBlocksCleared: 2}
 
 
 def events_to_wire(events: list[CacheEvent]) -> list[list[Any]]:
+    """[tag, hashes] a event, stored ones with [tokens, parent, lora, salt] where they have
+    tokens; an event of the host tier ends with its medium (after those four, empty if none)."""
     wired = []
     for e in events:
         fields = [_EVENT_TAGS[type(e)], list(getattr(e, "block_hashes", ()))]
-        if isinstance(e, BlockStored) and e.token_ids:
+        medium = getattr(e, "medium", None)
+        if isinstance(e, BlockStored) and (e.token_ids or medium):
             fields += [list(e.token_ids), e.parent_block_hash, e.lora, e.cache_salt]
+        elif isinstance(e, BlockRemoved) and medium:
+            fields += [[], None, None, None]
+        if medium:
+            fields.append(medium)
         wired.append(fields)
     return wired
 
@@ -262,14 +277,15 @@ def events_to_wire(events: list[CacheEvent]) -> list[list[Any]]:
 def events_from_wire(fields: list[list[Any]]) -> list[CacheEvent]:
     events: list[CacheEvent] = []
     for tag, hashes, *told in fields:
+        medium = told[4] if len(told) > 4 else None
         if tag == 0:
             if told:
-                tokens, parent, lora, salt = told
-                events.append(BlockStored(tuple(hashes), tuple(tokens), parent, lora, salt))
+                tokens, parent, lora, salt = told[:4]
+                events.append(BlockStored(tuple(hashes), tuple(tokens), parent, lora, salt, medium))
             else:
                 events.append(BlockStored(tuple(hashes)))
         elif tag == 1:
-            events.append(BlockRemoved(tuple(hashes)))
+            events.append(BlockRemoved(tuple(hashes), medium))
         else:
             events.append(AllBlocksCleared())
     return events

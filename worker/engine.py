@@ -51,6 +51,7 @@ from kvswitch.worker.model_runner import (
     kv_cache_bytes_per_block,
     num_blocks_for_budget,
 )
+from kvswitch.worker.offload import HostTier
 from kvswitch.worker.request import (
     POOLINGS,
     FinishReason,
@@ -194,6 +195,9 @@ class LLMEngine:
                 kv_bytes / 2**20,
                 taken / 2**20,
             )
+        self.offload: HostTier | None = None
+        if config.offload_gb:
+            self.offload = self._host_tier(config.offload_gb)
         self._peer_caches = PeerCaches()  # same-host peers' caches, mapped
         self._nixl_agent: NixlKVAgent | None = None  # registered on first use
         self._nixl_writes: dict[Hashable, PendingRead] = {}  # posted reads, by tag
@@ -218,6 +222,24 @@ class LLMEngine:
         self.stats = EngineStats()
         # The rows of the latest step's requests, with the block tables' version they held in.
         self._last_rows: tuple[int, list[Request], np.ndarray] = (-1, [], np.empty(0, np.int64))
+
+    def _host_tier(self, offload_gb: float) -> HostTier:
+        """The host-memory tier under the KV cache, wired to the device pool's hooks."""
+        pool = self.kv_cache.pool
+        per_block = self.kv_layout.bytes_per_block
+        num_blocks = int(offload_gb * 2**30) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"offload_gb {offload_gb:g} holds no block of {per_block:,} bytes")
+        tier = HostTier(self.runner.kv_caches, num_blocks, emit=pool.record_event)
+        pool.on_evict, pool.on_free, pool.on_cache = tier.evicted, tier.stage, tier.cached
+        self.kv_cache.tier = tier
+        logger.info(
+            "host tier: %d blocks (%.2f GiB) under the device's %d",
+            num_blocks,
+            num_blocks * per_block / 2**30,
+            pool.num_blocks,
+        )
+        return tier
 
     @functools.cached_property
     def max_model_len(self) -> int:
@@ -289,10 +311,47 @@ class LLMEngine:
         """Queue a request from ``make_request``; ValueError if its id is already running."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if self.offload is not None and self._load_from_host(request):
+            return
         self.requests[request.request_id] = request
         if request.needs_prompt_hidden:
             self._hidden_requests[request.request_id] = request
         self.scheduler.add(request)
+
+    def _load_from_host(self, request: Request) -> bool:
+        """Queue a request whose prompt's next blocks after its device-cached prefix are in the
+        host tier as one whose KV a transfer brings: those blocks are copied in, off the step
+        path, and it is scheduled once they have landed. False (nothing done) for any other."""
+        assert self.offload is not None
+        if request.needs_prompt_hidden:
+            return False  # the host tier keeps no hidden states: such a prompt is computed
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.config.block_size]
+        num_on_device = len(self.kv_cache.pool.cached_prefix(hashes))
+        if not self.offload.num_leading_cached(hashes[num_on_device:]):
+            return False
+        slots = self.add_awaiting_kv(request)
+        if slots.refused or not slots.block_ids:
+            self.kv_landed(request.request_id)  # no room to hold them: computed
+            return True
+        first = slots.num_cached_blocks
+        targets = self.kv_cache.pull_targets(hashes[first : first + len(slots.block_ids)])
+        by_hash = {hashes[first + i]: block for i, block in targets.items()}
+        tag = ("host", request.request_id)
+        self.kv_cache.begin_landing(tag, targets, hashes[first : first + len(slots.block_ids)])
+        if not self.offload.load(
+            tag, request.request_id, {h: b.block_id for h, b in by_hash.items()}
+        ):
+            self.kv_cache.end_landing(tag, written=False)
+            self.kv_landed(request.request_id)
+        return True
+
+    def _take_host_loads(self) -> None:
+        """Schedule the requests whose blocks from the host tier have landed."""
+        assert self.offload is not None
+        for tag, request_id in self.offload.take_landed():
+            self.kv_cache.end_landing(tag, written=True)
+            self.kv_landed(request_id)
+            self.offload.finish_load(tag)
 
     def add_awaiting_kv(self, request: Request) -> PullSlots:
         """Queue a request from ``make_request`` whose prompt's KV a transfer brings from a peer:
@@ -337,6 +396,13 @@ class LLMEngine:
         if loras is None:
             return [], [], [], 0
         return loras.names, loras.in_slots, loras.in_host_memory, loras.num_free_slots
+
+    def host_report(self) -> tuple[int, int, int]:
+        """The host tier's cached blocks, its size in blocks, and its copies in flight."""
+        tier = self.offload
+        if tier is None:
+            return 0, 0, 0
+        return tier.num_cached_blocks, tier.num_blocks, tier.num_copies
 
     def load_lora(self, name: str, path: str) -> list[str]:
         """Serve the PEFT adapter in the folder ``path`` as ``name`` from now on; the adapters
@@ -383,10 +449,23 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests a step may run, or will once their blocks land from the host tier; or blocks
+        still being copied out to it (so that a serving loop steps on, reporting, until they
+        are done)."""
+        return self.scheduler.num_unfinished > 0 or (
+            self.offload is not None and self.offload.num_copies > 0
+        )
 
     def take_events(self) -> list[CacheEvent]:
         return self.kv_cache.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash this engine holds cached, on the device or in its host tier: what its
+        events, replayed, give."""
+        hashes = self.kv_cache.pool.cached_block_hashes()
+        if self.offload is not None:
+            hashes += sorted(self.offload.cached_hashes() - set(hashes))
+        return hashes
 
     # -- cached blocks in and out ---------------------------------------------------------------
 
@@ -617,6 +696,8 @@ class LLMEngine:
     def step(self) -> StepOutputs:
         """Run one step and say what it produced; raises ``StepFailed`` (see there) if any part
         of it raises."""
+        if self.offload is not None and self.offload.num_loads:
+            self._take_host_loads()
         try:
             scheduled = self.scheduler.schedule()
         except Exception as e:

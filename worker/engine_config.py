@@ -58,6 +58,9 @@ class EngineConfig:
     # runs without CUDA graphs (they give no hidden states).
     cache_hidden_states: bool = False
     hidden_cache_bytes: int = 0
+    # GiB of host memory for a second tier of KV blocks under the device's (worker/offload.py):
+    # blocks the device evicts are kept there and loaded back instead of computed; 0: none.
+    offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
@@ -80,6 +83,12 @@ class EngineConfig:
             )
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError("cuda_graphs captures steps on a GPU: use it with a cuda device")
+        if not 0 <= self.offload_gb < float("inf"):
+            raise ValueError(
+                f"offload_gb must be a size in GiB >= 0 (0: none), got {self.offload_gb}"
+            )
+        if self.offload_gb and not self.enable_prefix_caching:
+            raise ValueError("offload_gb keeps cached blocks: it needs prefix caching on")
         if self.hidden_cache_bytes < 0:
             raise ValueError(
                 f"hidden_cache_bytes must be >= 0 (0: no cap), got {self.hidden_cache_bytes}"

@@ -83,6 +83,7 @@ class EngineCore:
         self._last_step_end: float | None = None
         self._step_gap_s = 0.0
         self._commands_s = 0.0  # of which running the commands that arrived
+        self._host_sent = (0, 0, 0)  # the host tier figures the latest STEP carried
 
     @staticmethod
     def facts(engine: LLMEngine) -> wire.CoreFacts:
@@ -130,10 +131,17 @@ class EngineCore:
                 timeout = lease_wait_s if timeout is None else min(lease_wait_s, timeout)
             if engine.num_nixl_writes:
                 timeout = min(timeout, _NIXL_POLL_S) if timeout is not None else _NIXL_POLL_S
+            # NOTE: the host tier's copies end on a thread of their own: the STEP that says so
+            # goes out even when nothing else is left to do.
+            host_moved = engine.offload is not None and engine.host_report() != self._host_sent
+            if host_moved:
+                timeout = 0.0
             commands = self._take_commands(timeout)
             num_released = len(engine.release_expired_leases()) if lease_end_s is not None else 0
             num_answered = self._answer_nixl_writes() if engine.num_nixl_writes else 0
-            if not (commands or engine.has_unfinished() or num_released or num_answered):
+            if not (
+                commands or engine.has_unfinished() or num_released or num_answered or host_moved
+            ):
                 continue
             commands_start = time.perf_counter()
             if not self._run_commands(commands):
@@ -234,7 +242,7 @@ class EngineCore:
             elif kind == wire.SNAPSHOT:
                 # Every event before the snapshot travels first, in a STEP of its own.
                 self._send_step()
-                hashes = self.engine.kv_cache.pool.cached_block_hashes()
+                hashes = self.engine.cached_block_hashes()
                 self._send([wire.SNAPSHOT_TAKEN, message[1], hashes])
             elif kind == wire.READ_BLOCKS:
                 self._reply(message[1], self.engine.read_cached_blocks, *message[2:])
@@ -349,6 +357,7 @@ class EngineCore:
     def _send_step(self) -> None:
         engine = self.engine
         scheduler = engine.scheduler
+        self._host_sent = engine.host_report()
         load = [
             len(scheduler.running),
             scheduler.num_waiting,
@@ -357,6 +366,7 @@ class EngineCore:
             engine.kv_cache.pool.num_blocks,
             engine.config.block_size,
             *engine.lora_report(),
+            *self._host_sent,
         ]
         counters = [
             engine.stats.num_steps,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.worker.block_pool import BlockPool, KVBlock
@@ -83,6 +84,8 @@ class KVCacheManager:
         # Whether stored events carry their blocks' tokens (for vLLM-format events).
         self.record_tokens = False
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        # A host-memory tier under the pool (worker/offload.py), checked with it; None: none.
+        self.tier: Any = None
         self.stats = PrefixCacheStats()
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
         # The same tables as block ids, kept in one array for the model runner (block_table.py).
@@ -412,14 +415,20 @@ class KVCacheManager:
         ]
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.clear()
+        return True
 
     def take_events(self) -> list[CacheEvent]:
         return self.pool.take_events()
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the pool or any block table is inconsistent."""
+        """Raise AssertionError if the pool, its host tier or any block table is inconsistent."""
         self.pool.check_integrity()
+        if self.tier is not None:
+            self.tier.check_integrity(self.pool)
         refs = [0] * self.pool.num_blocks
         for request_id, blocks in self._req_to_blocks.items():
             num_cached = self._req_to_num_cached_blocks[request_id]

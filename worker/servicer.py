@@ -108,6 +108,9 @@ def load_to_proto(load: LoadReport, worker_id: str) -> worker_pb2.WorkerLoad:
         loaded_loras=load.loaded_loras,
         cpu_loras=load.cpu_loras,
         num_free_lora_slots=load.num_free_lora_slots,
+        num_host_blocks=load.num_host_blocks,
+        num_host_total_blocks=load.num_host_total_blocks,
+        num_host_copies=load.num_host_copies,
     )
 
 

@@ -105,6 +105,7 @@ class WorkerConfig:
     # The final hidden states cached per block (EngineConfig's cache_hidden_states).
     cache_hidden_states: bool = False
     hidden_cache_bytes: int = 0
+    offload_gb: float = 0.0  # EngineConfig's: a host-memory tier of KV blocks
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

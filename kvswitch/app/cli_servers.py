@@ -82,6 +82,9 @@ WORKER_HELP = {
     "cache_hidden_states": "keep every full block's final hidden states in host memory beside "
     "its KV, so that prompt logprobs (echo) and embeddings of a cached prefix are not computed "
     "again (docs/WORKER.md); every step then runs without CUDA graphs",
+    "offload_gb": "GiB of host memory for a second tier of KV blocks: blocks the device's cache "
+    "evicts are copied there (off the step path) and loaded back when a prompt needs them, "
+    "instead of computed (docs/WORKER.md); 0 = none",
     "hidden_cache_bytes": "cap the hidden-state cache at this many bytes; 0 = a row for every "
     "KV block (the memory per block is logged at start)",
     "cpu_threads": "CPU workers: threads torch computes a step with; 0 = one per core. Give "

@@ -88,7 +88,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "block_size", "loras", "loaded_loras", "cpu_loras", "num_free_lora_slots")
+    __slots__ = ("worker_id", "num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "block_size", "loras", "loaded_loras", "cpu_loras", "num_free_lora_slots", "num_host_blocks", "num_host_total_blocks", "num_host_copies")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,9 @@ class WorkerLoad(_message.Message):
     LOADED_LORAS_FIELD_NUMBER: _ClassVar[int]
     CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_COPIES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running_requests: int
     num_waiting_requests: int
@@ -111,7 +114,10 @@ class WorkerLoad(_message.Message):
     loaded_loras: _containers.RepeatedScalarFieldContainer[str]
     cpu_loras: _containers.RepeatedScalarFieldContainer[str]
     num_free_lora_slots: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., loras: _Optional[_Iterable[str]] = ..., loaded_loras: _Optional[_Iterable[str]] = ..., cpu_loras: _Optional[_Iterable[str]] = ..., num_free_lora_slots: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    num_host_total_blocks: int
+    num_host_copies: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., loras: _Optional[_Iterable[str]] = ..., loaded_loras: _Optional[_Iterable[str]] = ..., cpu_loras: _Optional[_Iterable[str]] = ..., num_free_lora_slots: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_total_blocks: _Optional[int] = ..., num_host_copies: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("max_hashes_per_chunk",)

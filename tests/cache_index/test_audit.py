@@ -6,6 +6,7 @@ import dataclasses
 import json
 import time
 
+import numpy as np
 import pytest
 import redis
 
@@ -134,3 +135,53 @@ def test_index_stats_says_which_engine_is_degraded(redis_url: str) -> None:
     assert listed["vllm-a"]["degraded"] == why
     assert "degraded" not in listed["vllm-b"]
     assert listed["vllm-a"]["address"] == "http://10.0.0.5:8000"
+
+
+def test_audit_counts_the_host_tier_as_the_worker_s_blocks(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker with a host tier (its engine core a process of its own): blocks the device
+    evicts are offloaded and loaded back; the index, fed its events, agrees with its snapshot
+    of both tiers."""
+    config = dataclasses.replace(
+        CONFIG,
+        index=redis_url,
+        worker_id="tiered",
+        index_prefix="tiered",
+        kv_cache_bytes=12 * (32 << 10),
+        offload_gb=64 * (32 << 10) / 2**30,
+    )
+    worker = BackgroundWorker(config)
+    rng = np.random.default_rng(0)
+    first, other = (rng.integers(0, 256, n * 16 + 1).tolist() for n in (5, 10))
+    try:
+        worker.generate(first, max_tokens=1)
+        wait_until_copied(worker)
+        worker.generate(other, max_tokens=1)  # evicts four of the first prompt's blocks
+        wait_until_copied(worker)
+        assert worker.load().num_host_blocks >= 4
+        *_, final = worker.generate(first, max_tokens=1)
+        assert final.stats.num_cached_tokens == 5 * 16  # four of them loaded back
+        wait_until_copied(worker)
+        index_args = ["--index", redis_url, "--prefix", "tiered"]
+        deadline = time.monotonic() + 5
+        while True:
+            report = run_tool(capsys, "index", "audit", *index_args)
+            (entry,) = report["workers"]
+            if entry["num_in_index"] == entry["num_on_worker"]:
+                break
+            assert time.monotonic() < deadline, report
+            time.sleep(0.05)
+        assert (report["num_stale"], report["num_missing"]) == (0, 0)
+        assert entry["num_on_worker"] > 12  # more than the device holds: both tiers
+    finally:
+        worker.close()
+
+
+def wait_until_copied(worker: BackgroundWorker, timeout_s: float = 30) -> None:
+    """Until the worker's host tier has no copy in flight (its load report says so after the
+    step that saw them done)."""
+    deadline = time.monotonic() + timeout_s
+    while worker.load().num_host_copies:
+        assert time.monotonic() < deadline, f"the host tier never finished copying: {worker.load()}"
+        time.sleep(0.01)
