@@ -40,6 +40,9 @@ class TTFTBenchConfig:
     profile: bool = False
     cuda_graphs: bool | None = None
     cache_hidden_states: bool = False
+    # GiB of host tier (--offload-gb): the prefix is also measured loaded back from it, on a
+    # device cache of room for two prompts (one more evicts it).
+    offload_gb: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -88,6 +91,8 @@ def _engine(
     cuda_graphs: bool | None = None,
     lora: tuple[str, ...] = (),
     cache_hidden_states: bool = False,
+    offload_gb: float = 0.0,
+    kv_cache_bytes: int = 1 << 30,
 ) -> LLMEngine:
     # NOTE: imported here so that `kvswitch --help` does not load torch.
     from kvswitch.worker.engine import EngineConfig, LLMEngine
@@ -97,12 +102,13 @@ def _engine(
             model=model or None,
             device=device,
             dtype=dtype,
-            kv_cache_bytes=1 << 30,
+            kv_cache_bytes=kv_cache_bytes,
             max_num_batched_tokens=max(num_tokens, 2048),
             cuda_graphs=cuda_graphs,
             lora=lora,
             max_loras=max(len(lora), 1),
             cache_hidden_states=cache_hidden_states,
+            offload_gb=offload_gb,
         )
     )
 
@@ -112,16 +118,25 @@ def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: np.ndarray)
 
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
+    elapsed_s = None
     while engine.has_unfinished():
-        engine.step()
-    if engine.runner.device.type == "cuda":
-        import torch
+        outputs = engine.step()
+        if elapsed_s is None and any(o.request_id == request_id for o in outputs):
+            if engine.runner.device.type == "cuda":
+                import torch
 
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+                torch.cuda.synchronize()
+            # NOTE: the first token, not the end of the loop: a host tier's copies of the
+            # blocks it freed go on after it.
+            elapsed_s = time.perf_counter() - start
+    assert elapsed_s is not None
+    return elapsed_s
 
 
 def run_ttft(config: TTFTBenchConfig) -> dict:
+    kv_cache_bytes = 1 << 30
+    if config.offload_gb:
+        kv_cache_bytes = _two_prompts_bytes(config)
     engine = _engine(
         config.model,
         config.device,
@@ -129,6 +144,8 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         config.num_prompt_tokens,
         cuda_graphs=config.cuda_graphs,
         cache_hidden_states=config.cache_hidden_states,
+        offload_gb=config.offload_gb,
+        kv_cache_bytes=kv_cache_bytes,
     )
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(config.seed)
@@ -138,14 +155,23 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         return new if prefix is None else np.concatenate([prefix, new])
 
     _time_to_first_token(engine, "warmup", tokens(config.num_prompt_tokens))
-    cold, warm = [], []
+    cold, warm, reloaded = [], [], []
     num_new = config.num_prompt_tokens - config.num_cached_tokens
     for trial in range(config.num_trials):
         cold.append(_time_to_first_token(engine, f"cold-{trial}", tokens(config.num_prompt_tokens)))
         prefix = tokens(config.num_cached_tokens)
         _time_to_first_token(engine, f"prime-{trial}", tokens(num_new, prefix))
         warm.append(_time_to_first_token(engine, f"warm-{trial}", tokens(num_new, prefix)))
-        print(f"  trial {trial + 1}: cold {cold[-1]:.3f}s  warm {warm[-1]:.3f}s", file=sys.stderr)
+        line = f"  trial {trial + 1}: cold {cold[-1]:.3f}s  warm {warm[-1]:.3f}s"
+        if engine.offload is not None:
+            for filler in range(2):  # the prefix leaves the device for the host tier
+                _time_to_first_token(engine, f"fill-{trial}-{filler}", tokens(len(prefix) + 1))
+            engine.offload.flush()
+            reloaded.append(
+                _time_to_first_token(engine, f"reloaded-{trial}", tokens(num_new, prefix))
+            )
+            line += f"  loaded back {reloaded[-1]:.3f}s"
+        print(line, file=sys.stderr)
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
     profiles = {}
     if config.profile:
@@ -168,9 +194,55 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         "dtype": config.dtype,
         "cuda_graphs": engine.config.cuda_graphs,
         "cache_hidden_states": config.cache_hidden_states,
+        **_host_tier_figures(engine, reloaded, cold_s),
         **graph_memory(engine),
         "machine": machine_info(),
     }
+
+
+def _two_prompts_bytes(config: TTFTBenchConfig) -> int:
+    """A device cache with room for two prompts (and a block): a third evicts the oldest."""
+    from kvswitch.worker.weights import model_config
+
+    shape = model_config(config.model or None)
+    block_size = 16
+    num_blocks = 2 * -(-config.num_prompt_tokens // block_size) + 1
+    itemsize = 4 if config.dtype == "float32" else 2
+    return num_blocks * shape.kv_bytes_per_token * block_size * itemsize
+
+
+def _host_tier_figures(engine: LLMEngine, reloaded: list[float], cold_s: float) -> dict:
+    """With a host tier: the prefix loaded back from it against cold, and the load's speed
+    against this machine's plain copy."""
+    tier = engine.offload
+    if tier is None or not reloaded:
+        return {}
+    reloaded_s = statistics.median(reloaded)
+    stats = tier.stats
+    return {
+        "reloaded_ttft_s": reloaded_s,
+        "reloaded_speedup": cold_s / reloaded_s,
+        "num_loaded_blocks": stats.num_loaded,
+        "load_gb_per_s": stats.load_bytes / stats.load_s / 1e9 if stats.load_s else 0.0,
+        "copy_gb_per_s": _copy_gb_per_s(engine.runner.device),
+    }
+
+
+def _copy_gb_per_s(device) -> float:
+    """This machine's plain copy of 256 MiB, host memory to ``device``: the bound of a load."""
+    import torch
+
+    source = torch.empty(64 << 20, dtype=torch.float32, pin_memory=device.type == "cuda")
+    target = torch.empty_like(source, device=device)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return source.numel() * 4 / best / 1e9
 
 
 def graph_memory(engine: LLMEngine) -> dict[str, float]:

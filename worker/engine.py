@@ -73,6 +73,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a step with nothing to run waits for the host tier's copies (it returns as one ends).
+_HOST_WAIT_S = 0.005
+
 
 def kv_cache_budget_bytes(config: EngineConfig, reserved_bytes: int = 0) -> int:
     """Bytes for the KV cache, decided once the model is loaded; ``reserved_bytes`` (what the
@@ -327,20 +330,21 @@ class LLMEngine:
             return False  # the host tier keeps no hidden states: such a prompt is computed
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.config.block_size]
         num_on_device = len(self.kv_cache.pool.cached_prefix(hashes))
-        if not self.offload.num_leading_cached(hashes[num_on_device:]):
+        num_in_host = self.offload.num_leading_cached(hashes[num_on_device:])
+        if not num_in_host:
             return False
         slots = self.add_awaiting_kv(request)
-        if slots.refused or not slots.block_ids:
+        if slots.refused or slots.num_cached_blocks != num_on_device:
             self.kv_landed(request.request_id)  # no room to hold them: computed
             return True
-        first = slots.num_cached_blocks
-        targets = self.kv_cache.pull_targets(hashes[first : first + len(slots.block_ids)])
-        by_hash = {hashes[first + i]: block for i, block in targets.items()}
+        # NOTE: only the blocks the host tier holds land; the awaited ones after them are
+        # computed (kv_landed caches the leading run that landed).
+        loaded = hashes[num_on_device : num_on_device + num_in_host]
+        targets = self.kv_cache.pull_targets(loaded)
         tag = ("host", request.request_id)
-        self.kv_cache.begin_landing(tag, targets, hashes[first : first + len(slots.block_ids)])
-        if not self.offload.load(
-            tag, request.request_id, {h: b.block_id for h, b in by_hash.items()}
-        ):
+        self.kv_cache.begin_landing(tag, targets, loaded)
+        blocks = {loaded[i]: block.block_id for i, block in targets.items()}
+        if not self.offload.load(tag, request.request_id, blocks):
             self.kv_cache.end_landing(tag, written=False)
             self.kv_landed(request.request_id)
         return True
@@ -705,6 +709,8 @@ class LLMEngine:
             raise self._fail_step(list(self.requests), e) from e
         self.stats.num_preemptions += len(scheduled.preempted)
         if not scheduled.requests:
+            if self.offload is not None and self.offload.num_copies:
+                self.offload.wait(_HOST_WAIT_S)  # nothing to run until a copy ends
             return StepOutputs()
         try:
             batch = self._batch(scheduled)

@@ -50,6 +50,7 @@ _IDLE_WAIT_S = 0.05
 _ORPHAN_CHECK_S = 1.0
 # A command the input thread queues when it fails: the core cannot go on without its input.
 _INPUT_FAILED = -1
+_WAKE = -2  # the host tier finished a copy: look again (a step takes landed loads)
 # What a call returns that is answered later (a NIXL read posted).
 _LATER = object()
 # How long the loop waits for commands, at most, while a NIXL read it posted runs.
@@ -84,6 +85,9 @@ class EngineCore:
         self._step_gap_s = 0.0
         self._commands_s = 0.0  # of which running the commands that arrived
         self._host_sent = (0, 0, 0)  # the host tier figures the latest STEP carried
+        if engine.offload is not None:
+            # NOTE: a load that lands wakes the loop at once, not at its next idle poll.
+            engine.offload.on_progress = lambda: self._arrived.put([_WAKE])
 
     @staticmethod
     def facts(engine: LLMEngine) -> wire.CoreFacts:
@@ -270,6 +274,8 @@ class EngineCore:
                 return False
             elif kind == _INPUT_FAILED:
                 raise RuntimeError("the engine core's input thread failed")
+            elif kind == _WAKE:
+                pass
             else:
                 logger.error("unknown command %r: ignored", kind)
         return True

@@ -31,6 +31,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class OffloadStats:
     num_dropped: int = 0  # staged copies dropped: evicted on the device before they were done
     num_evicted: int = 0  # this tier's blocks dropped for room (least recently used)
     num_loaded: int = 0  # blocks copied back into the device's cache
+    load_s: float = 0.0  # time the thread spent copying blocks back, in all
+    load_bytes: int = 0  # what those copies moved
 
 
 @dataclass(slots=True)
@@ -105,6 +108,9 @@ class HostTier:
         self._landed: list[Hashable] = []
         self._lock = threading.Lock()
         self._work: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
+        self._progress = threading.Event()  # set as each copy ends
+        # Called on the thread as each copy ends (the engine core wakes its loop with it).
+        self.on_progress: Callable[[], None] | None = None
         self.stats = OffloadStats()
         # On a GPU the copies run on a stream of their own, beside the steps' kernels.
         self._stream = torch.cuda.Stream(key.device) if pin else None
@@ -114,6 +120,12 @@ class HostTier:
 
     def start(self) -> None:
         self._thread.start()
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a copy ends, or ``timeout_s``: an idle engine waits here, not spinning against
+        the thread for the interpreter's lock."""
+        self._progress.wait(timeout_s)
+        self._progress.clear()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every copy queued so far is done; False if ``timeout_s`` passed first."""
@@ -326,6 +338,9 @@ class HostTier:
                         self._copy_in(payload)
             except Exception:
                 logger.exception("the host tier's %s copy failed", kind)
+            self._progress.set()
+            if self.on_progress is not None:
+                self.on_progress()
 
     @torch.inference_mode()
     def _copy_out(self, block_hashes: list[bytes]) -> None:
@@ -358,6 +373,7 @@ class HostTier:
     def _copy_in(self, tag: Hashable) -> None:
         with self._lock:
             job = self._loads[tag]
+        start = time.perf_counter()
         device = self._device[0][0].device
         slots = torch.tensor([s for s, _ in job.pairs], dtype=torch.int64)
         targets = torch.tensor([b for _, b in job.pairs], dtype=torch.int64, device=device)
@@ -368,4 +384,6 @@ class HostTier:
         if self._stream is not None:
             self._stream.synchronize()
         with self._lock:
+            self.stats.load_s += time.perf_counter() - start
+            self.stats.load_bytes += len(job.pairs) * self.bytes_per_block
             self._landed.append(tag)

@@ -76,6 +76,9 @@ TTFT_HELP = {
     "all but attention from graphs",
     "cache_hidden_states": "the worker's --cache-hidden-states: every step also keeps its final "
     "hidden states (what that costs a request that asks for none)",
+    "offload_gb": "the worker's --offload-gb: the cached prefix is also measured loaded back from "
+    "the host tier (the device cache then holds two prompts, and two more evict it), with the "
+    "load's GB/s beside this machine's plain copy",
     "seed": "random seed of the prompts",
 }
 

@@ -77,6 +77,20 @@ def test_evicted_blocks_are_loaded_back_with_the_same_tokens() -> None:
     assert replay(events) == device_cached | host_cached
 
 
+def test_a_prompt_past_its_loaded_blocks_computes_the_rest() -> None:
+    tiered = engine(12, num_host_blocks=64)
+    first = prompt(5, 5)
+    run(tiered, "a", first, 1)
+    tiered.offload.flush(timeout_s=60)
+    run(tiered, "b", prompt(6, 10), 1)  # evicts four of the first prompt's blocks
+    # The same five blocks, then three new ones and a token: only the five are cached.
+    longer = first[: 5 * BLOCK] + prompt(7, 3)
+    want, _ = run(engine(64), "ref", longer, 6)
+    tokens, num_cached = run(tiered, "longer", longer, 6)
+    assert num_cached == 5 * BLOCK
+    assert tokens == want
+
+
 def test_blocks_loaded_back_leave_host_memory_as_the_device_caches_them() -> None:
     tiered = engine(12, num_host_blocks=64)
     first = prompt(3, 5)
