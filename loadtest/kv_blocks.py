@@ -7,12 +7,21 @@ computed; a full prompt block is cached the moment it is allocated; a finished o
 request frees its blocks end of the chain first, so the end is evicted first. Blocks that fill
 with output tokens are left uncached here: a trace names only prompt blocks, so no later request
 could hit them, and a free uncached block sits in the free queue exactly where a cached one would.
+
+With a host tier (``num_host_blocks``, the worker's ``--offload-gb``) a block the pool evicts
+moves there, least recently used dropped for room, and a prompt's next blocks found there are
+loaded back instead of computed, as ``worker/offload.py`` does; the events say so in the same
+order (a hash in one tier at a time). The copy out is taken as done by the time of the eviction
+(the worker starts it when the block is freed); the load back costs the worker time
+(``SimWorker``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvswitch.cache_index.events import HOST, BlockRemoved, BlockStored
 from kvswitch.worker.block_pool import BlockPool, KVBlock
 
 
@@ -29,9 +38,44 @@ class BlockTable:
 class KVBlocks:
     """The block tables of one worker's requests over its ``BlockPool``. No clock, no I/O."""
 
-    def __init__(self, num_blocks: int, block_tokens: int) -> None:
+    def __init__(self, num_blocks: int, block_tokens: int, num_host_blocks: int = 0) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_tokens = block_tokens
+        self.num_host_blocks = num_host_blocks
+        self.host: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        if num_host_blocks:
+            self.pool.on_evict, self.pool.on_cache = self._offload, self._drop_from_host
+
+    def _offload(self, items: Sequence[tuple[int, bytes, bool]]) -> None:
+        moved = [block_hash for _, block_hash, left in items if left]
+        dropped = []
+        for block_hash in moved:
+            self.host[block_hash] = None
+            if len(self.host) > self.num_host_blocks:
+                dropped.append(self.host.popitem(last=False)[0])
+        if moved:
+            self.pool.record_event(BlockStored(tuple(moved), medium=HOST))
+        if dropped:
+            self.pool.record_event(BlockRemoved(tuple(dropped), medium=HOST))
+
+    def _drop_from_host(self, block_hashes: Sequence[bytes]) -> None:
+        gone = [h for h in block_hashes if self.host.pop(h, 0) is None]
+        if gone:
+            self.pool.record_event(BlockRemoved(tuple(gone), medium=HOST))
+
+    def num_in_host(
+        self, block_hashes: Sequence[bytes], num_on_device: int, num_tokens: int
+    ) -> int:
+        """How many blocks after a prompt's ``num_on_device`` device-cached ones the host tier
+        holds, within its prefix hit's reach (never the last token)."""
+        max_hit = (num_tokens - 1) // self.block_tokens
+        host = self.host
+        num = 0
+        for block_hash in block_hashes[num_on_device:max_hit]:
+            if block_hash not in host:
+                break
+            num += 1
+        return num
 
     @property
     def num_free_blocks(self) -> int:

@@ -76,6 +76,10 @@ class SimConfig:
     fetch_latency_s: float = 0.001
     max_loras: int = 4  # LoRA adapter slots per worker
     lora_load_s: float = 0.005  # what putting an adapter in a slot adds to its step
+    # A host tier under each worker's cache (the worker's --offload-gb): its blocks (0: none),
+    # and the tokens of KV a second it loads back (PCIe for a Llama 3 8B in bf16: about 200K).
+    offload_capacity_blocks: int = 0
+    reload_tokens_per_s: float = 200_000.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,6 +90,15 @@ class SimConfig:
         for name in ("fetch_tokens_per_s", "fetch_latency_s", "lora_load_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.offload_capacity_blocks < 0:
+            raise ValueError(
+                f"offload_capacity_blocks must be >= 0 (0: no host tier), got "
+                f"{self.offload_capacity_blocks}"
+            )
+        if not 0 < self.reload_tokens_per_s < math.inf:
+            raise ValueError(
+                f"reload_tokens_per_s must be a positive number, got {self.reload_tokens_per_s}"
+            )
         make_policy("cost", self.weights())  # refuses an unknown weight or a bad value now
         if not self.trace:
             raise ValueError(
@@ -258,6 +271,8 @@ class PolicyRun:
     num_fetched_blocks: int = 0
     block_tokens: int = 0
     num_lora_loads: int = 0  # LoRA adapters put in a worker's slot
+    # Of the cached prompt tokens, those loaded back from a worker's host tier.
+    num_reloaded_tokens: int = 0
 
     @property
     def lora_loads_per_minute(self) -> float:
@@ -336,6 +351,8 @@ async def _simulate(
                 loras=loras,
                 max_loras=config.max_loras,
                 lora_load_s=config.lora_load_s,
+                num_host_blocks=config.offload_capacity_blocks,
+                reload_tokens_per_s=config.reload_tokens_per_s,
             )
         )
     by_id = {w.handle.worker_id: w for w in workers}
@@ -437,4 +454,5 @@ async def _simulate(
         num_fetched_blocks=num_fetched_blocks,
         block_tokens=config.block_tokens,
         num_lora_loads=sum(w.num_lora_loads for w in workers),
+        num_reloaded_tokens=sum(job.num_reloaded_tokens for job in jobs),
     )

@@ -10,10 +10,14 @@ The figures, per policy:
 - ``load_imbalance``: the busiest worker's prompt tokens computed over the mean worker's;
 - ``utilization``: the mean over workers of time spent in steps over the makespan;
 - ``lora_loads_per_minute``: LoRA adapters put in a worker's slot, a minute of the run (0 for a
-  trace without adapters).
+  trace without adapters);
+- ``offload_hit_rate``: prompt tokens loaded back from a worker's host tier
+  (``offload_capacity_blocks``), over all prompt tokens; ``token_hit_rate`` counts them too.
 
 ``global_cache`` is the hit rate of one cache with the whole fleet's capacity serving every
-request, ``infinite_cache`` that of a cache that never evicts (loadtest/cache_bounds.py).
+request, ``infinite_cache`` that of a cache that never evicts (loadtest/cache_bounds.py); with
+host tiers, ``global_cache_with_host`` that of one cache as large as the devices' and the host
+tiers' blocks together.
 ``capacity`` is the KV blocks each worker had and how that number came about: given, or derived
 from the trace when none was.
 """
@@ -47,6 +51,7 @@ def policy_figures(run: PolicyRun) -> dict[str, float]:
     prefill = run.worker_prefill_tokens
     return {
         "token_hit_rate": run.num_cached_tokens / run.num_prompt_tokens,
+        "offload_hit_rate": run.num_reloaded_tokens / run.num_prompt_tokens,
         "fetched_token_share": run.num_fetched_blocks * run.block_tokens / run.num_prompt_tokens,
         "ttft_mean_s": float(ttfts.mean()),
         "ttft_p50_s": float(p50),
@@ -95,11 +100,24 @@ def run(config: SimConfig, *, quiet: bool = False) -> dict[str, Any]:
         "infinite_cache": {
             "token_hit_rate": infinite_cache_hit_rate(requests, config.block_tokens)
         },
+        **_global_cache_with_host(requests, config),
         "rate_scale": rate_scale,
         "capacity": {"blocks_per_worker": capacity.num_blocks, "how": capacity.how},
     }
     say(format_table(result, runs))
     return result
+
+
+def _global_cache_with_host(requests: Any, config: SimConfig) -> dict[str, Any]:
+    """With host tiers: one cache as large as every worker's device and host blocks together."""
+    if not config.offload_capacity_blocks:
+        return {}
+    blocks = config.workers * (config.capacity_blocks + config.offload_capacity_blocks)
+    return {
+        "global_cache_with_host": {
+            "token_hit_rate": global_cache_hit_rate(requests, config.block_tokens, blocks)
+        }
+    }
 
 
 def format_table(result: dict[str, Any], runs: dict[str, PolicyRun]) -> str:

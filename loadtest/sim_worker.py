@@ -48,6 +48,7 @@ class Job:
     decode_mark: int = 0
     decoding: bool = False
     num_cached_tokens: int = -1  # the prefix hit on first admission
+    num_reloaded_tokens: int = 0  # of which loaded back from the host tier
     first_token_s: float = math.nan
 
     @property
@@ -68,7 +69,12 @@ class SimWorker:
         loras: Sequence[str] = (),
         max_loras: int = 1,
         lora_load_s: float = 0.0,
+        num_host_blocks: int = 0,
+        reload_tokens_per_s: float = math.inf,
     ) -> None:
+        """``num_host_blocks``: a host tier of that many blocks under the pool
+        (``KVBlocks``), whose blocks load back at ``reload_tokens_per_s`` tokens of KV a
+        second, the load adding to the step the request joins."""
         self.handle = handle
         self.loras = tuple(loras)  # the adapters it serves
         self.max_loras = max_loras
@@ -76,8 +82,9 @@ class SimWorker:
         self._slots: OrderedDict[str, None] = OrderedDict()  # adapters in a slot, LRU first
         self.num_lora_loads = 0
         self.profile = profile
-        self.blocks = KVBlocks(num_blocks, block_tokens)
+        self.blocks = KVBlocks(num_blocks, block_tokens, num_host_blocks)
         self.block_tokens = block_tokens
+        self.reload_tokens_per_s = reload_tokens_per_s
         self.load_poll_s = load_poll_s
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # in admission order
@@ -216,14 +223,19 @@ class SimWorker:
             break
         waiting = self.waiting
         in_use = {j.lora for j in running}
-        num_lora_loads = 0
+        num_lora_loads = num_reload_tokens = 0
         while waiting and budget > 0 and len(running) < profile.max_num_seqs and not preempted:
             job = waiting[0]
             victim = self._slot_for(job.lora, in_use)
             if victim is None:
                 break  # its adapter waits for a slot, at the head of the line
             hit = blocks.lookup(job.block_hashes, job.num_tokens)
-            num_cached = len(hit) * self.block_tokens
+            num_reloaded = 0
+            if blocks.num_host_blocks:
+                num_reloaded = self.block_tokens * blocks.num_in_host(
+                    job.block_hashes, len(hit), job.num_tokens
+                )
+            num_cached = len(hit) * self.block_tokens + num_reloaded
             num_new = min(job.num_tokens - num_cached, budget)
             if not blocks.allocate(job.table, job.block_hashes, num_cached + num_new, hit):
                 break  # head of line: keep arrival order
@@ -235,8 +247,10 @@ class SimWorker:
                 self._slots.move_to_end(job.lora)
                 in_use.add(job.lora)
             waiting.popleft()
+            num_reload_tokens += num_reloaded
             if job.num_cached_tokens < 0:
                 job.num_cached_tokens = num_cached
+                job.num_reloaded_tokens = num_reloaded
             job.num_computed = num_cached
             self._num_queued_prefill_tokens -= num_cached
             running.append(job)
@@ -249,6 +263,7 @@ class SimWorker:
         self._step_start_s = start_s
         self._step_s = profile.step_time_s(num_prompt_tokens, num_pairs, num_decodes, num_context)
         self._step_s += num_lora_loads * self.lora_load_s
+        self._step_s += num_reload_tokens / self.reload_tokens_per_s
         self.num_lora_loads += num_lora_loads
         self._step_growth_s = num_decodes * profile.decode_s_per_context_token
         self._num_steps = 1 if chunks or preempted else self._stretch()

@@ -67,6 +67,10 @@ SIM_HELP = {
     "max_loras": "LoRA adapter slots per worker, for a trace whose requests name adapters "
     "(generated:...,num_loras=N)",
     "lora_load_s": "what putting a LoRA adapter in a worker's slot adds to its step, in seconds",
+    "offload_capacity_blocks": "a host tier of this many KV blocks under each worker's cache (the "
+    "worker's --offload-gb): blocks evicted there, loaded back instead of computed; 0 = none",
+    "reload_tokens_per_s": "tokens of KV a second a worker loads back from its host tier (the "
+    "load adds to the step its request joins)",
     "seed": "random seed of the policies that sample",
 }
 
