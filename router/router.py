@@ -80,8 +80,9 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class TierWeights:
-    """What a matched block of an OpenAI-API engine counts for, by the tier that holds it: one
-    its GPU holds, ``gpu``; one only a lower tier holds (vLLM's CPU offloading), ``cpu``."""
+    """What a matched block counts for, by the tier that holds it: one a worker's or an
+    OpenAI-API engine's device (GPU) holds, ``gpu``; one only a lower tier holds (a worker's
+    host tier, vLLM's CPU offloading), ``cpu``."""
 
     gpu: float = 1.0
     cpu: float = 0.8
@@ -244,8 +245,9 @@ class Router:
             self._lookup_warning.warning("the index cannot answer (%s); routing on load alone", e)
             index_matches = {}
         self.last_lookup_s = time.perf_counter() - started_s
-        if engines:
-            index_matches = self.tier_weights.weigh(index_matches, self.directory.gpu_tiers)
+        # NOTE: an engine's or a worker's blocks in a lower tier (vLLM's CPU offloading, a
+        # worker's --offload-gb) count for less than those on its device.
+        index_matches = self.tier_weights.weigh(index_matches, self.directory.gpu_tiers)
         # NOTE: workers may have left while the lookup ran (a Redis that came back empty lists
         # none until they register again), and a gone worker's channel is closed: a call on it
         # would raise, not fail over.

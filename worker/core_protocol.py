@@ -10,7 +10,7 @@ Serving process to core::
      num_resumed_tokens, hold_s, lora, pooling]
     [ABORT, request_id]
     [RELEASE, lease_id]                a finished request's blocks, held for a peer, can go
-    [SNAPSHOT, call_id]
+    [SNAPSHOT, call_id, device_only]   device_only: the device tier's hashes alone
     [READ_BLOCKS, call_id, block_hashes, with_data, into, lease_id]
                                        into: None or [shm path, offset]; lease_id: None or the
                                        lease to extend
@@ -115,6 +115,7 @@ class CoreFacts:
     kv_cache_file: str = ""  # its KV cache in this host's shared memory; empty: not there
     device: str = "cpu"  # where the model runs: "cpu", "cuda", "cuda:1", ...
     loras: tuple[str, ...] = ()  # the LoRA adapters it serves, by name
+    num_host_blocks: int = 0  # its host tier's size in blocks (--offload-gb); 0: none
 
 
 @dataclass(frozen=True, slots=True)

@@ -488,9 +488,10 @@ class EngineClient:
             naming=self.block_naming,
         )
 
-    def snapshot(self) -> Future[tuple[int, list[bytes]]]:
-        """``(event_seq, every cached block hash)``, consistent with each other."""
-        return self._call([wire.SNAPSHOT])
+    def snapshot(self, device_only: bool = False) -> Future[tuple[int, list[bytes]]]:
+        """``(event_seq, every cached block hash)``, consistent with each other: of both tiers,
+        or with ``device_only`` of the device's cache alone."""
+        return self._call([wire.SNAPSHOT], device_only)
 
     def read_blocks(
         self,

@@ -101,6 +101,7 @@ class EngineCore:
             kv_cache_file=engine.kv_cache_file or "",
             device=engine.config.device,
             loras=tuple(engine.loras.names) if engine.loras is not None else (),
+            num_host_blocks=engine.offload.num_blocks if engine.offload is not None else 0,
         )
 
     def run(self, parent_pid: int | None = None) -> None:
@@ -246,7 +247,11 @@ class EngineCore:
             elif kind == wire.SNAPSHOT:
                 # Every event before the snapshot travels first, in a STEP of its own.
                 self._send_step()
-                hashes = self.engine.cached_block_hashes()
+                device_only = len(message) > 2 and message[2]
+                if device_only:
+                    hashes = self.engine.kv_cache.pool.cached_block_hashes()
+                else:
+                    hashes = self.engine.cached_block_hashes()
                 self._send([wire.SNAPSHOT_TAKEN, message[1], hashes])
             elif kind == wire.READ_BLOCKS:
                 self._reply(message[1], self.engine.read_cached_blocks, *message[2:])

@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import enum
 import logging
 import random
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
+from kvswitch.cache_index.engine_feed import gpu_tier_id
+from kvswitch.cache_index.index import TIER_ROLE, ApplyStatus, BlockIndex, WorkerInfo
 from kvswitch.serving import end_if_cancelled
 
 logger = logging.getLogger(__name__)
@@ -237,3 +239,46 @@ class EventPublisher:
             async with asyncio.timeout(timeout_s):
                 await self._wake.wait()
         self._wake.clear()
+
+
+class TierSplit:
+    """A worker with a host tier as two event sources, one per index entry: its own (every
+    event: the hashes of both tiers) and its device tier's (``gpu_tier_id``, role TIER_ROLE:
+    the device's events alone, under the same batch numbers), as an engine's tiers are indexed
+    (``cache_index/engine_feed.py``). The router weighs a matched block by the tier that holds
+    it (``TierWeights``). Both read one engine client's buffer, on one event loop."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.all = _TierSource(self, device_only=False)
+        self.device = _TierSource(self, device_only=True)
+
+    def pull(self) -> None:
+        for batch in self.engine.take_cache_events():
+            self.all.batches.append(batch)
+            device = [e for e in batch.events if getattr(e, "medium", None) is None]
+            self.device.batches.append(batch._replace(events=device))
+
+    @staticmethod
+    def device_info(info: WorkerInfo) -> WorkerInfo:
+        """The device tier's entry beside the worker's own: never routed to."""
+        return dataclasses.replace(info, worker_id=gpu_tier_id(info.worker_id), role=TIER_ROLE)
+
+
+class _TierSource:
+    def __init__(self, split: TierSplit, *, device_only: bool) -> None:
+        self._split = split
+        self._device_only = device_only
+        self.batches: collections.deque = collections.deque()
+
+    def take_cache_events(self) -> list:
+        self._split.pull()
+        batches = list(self.batches)
+        self.batches.clear()
+        return batches
+
+    def snapshot(self) -> Any:
+        return self._split.engine.snapshot(device_only=self._device_only)
+
+    def on_events(self, callback: Any) -> None:
+        self._split.engine.on_events(callback)

@@ -48,7 +48,7 @@ from kvswitch.worker.engine_client import (
 )
 from kvswitch.worker.metrics import WorkerMetrics
 from kvswitch.worker.peers import FleetPeers
-from kvswitch.worker.publisher import EventPublisher
+from kvswitch.worker.publisher import EventPublisher, TierSplit
 from kvswitch.worker.servicer import WorkerServicer
 from kvswitch.worker.startup import process_age_s
 from kvswitch.worker.worker_config import MAX_REQUEST_BYTES, WorkerConfig
@@ -96,6 +96,7 @@ class WorkerServer:
     health_servicer: health.aio.HealthServicer
     metrics: WorkerMetrics
     publisher: EventPublisher | None = None
+    tier_publisher: EventPublisher | None = None  # the device tier's entry (a host tier)
     metrics_server: MetricsServer | None = None
     transfers: BlockTransfers | None = None  # blocks to and from peer workers
     kv_events: KVEventPublisher | None = None  # vLLM-format events (--kv-events-config)
@@ -119,6 +120,8 @@ class WorkerServer:
     async def stop(self, grace_s: float) -> None:
         """Leave the index, report NOT_SERVING, give running RPCs ``grace_s`` to finish, cancel
         the rest, stop the engine core, then the metrics endpoint."""
+        if self.tier_publisher is not None:
+            await self.tier_publisher.stop()
         if self.publisher is not None:
             await self.publisher.stop()
             await self.publisher.index.close()
@@ -256,6 +259,7 @@ async def _serve_engine(
     start_http: StartHttp | None,
 ) -> WorkerServer:
     publisher: EventPublisher | None = None  # once the index is open; its counts read at scrapes
+    tier_publisher: EventPublisher | None = None  # the device tier's entry, with a host tier
     metrics = WorkerMetrics(
         lambda: engine.load,
         worker_id=worker_id,
@@ -312,7 +316,15 @@ async def _serve_engine(
             engine.block_naming.mode,
             engine.block_naming.key_id,
         )
-        publisher = EventPublisher(index, engine, info)
+        if engine.facts.num_host_blocks:
+            # NOTE: a host tier: the worker's entry holds both tiers' hashes, a second entry
+            # the device's alone, so that the router weighs each matched block by its tier.
+            split = TierSplit(engine)
+            publisher = EventPublisher(index, split.all, info)
+            tier_publisher = EventPublisher(index, split.device, TierSplit.device_info(info))
+            tier_publisher.start()
+        else:
+            publisher = EventPublisher(index, engine, info)
         publisher.start()
     worker = WorkerServer(
         worker_id,
@@ -322,6 +334,7 @@ async def _serve_engine(
         health_servicer,
         metrics,
         publisher=publisher,
+        tier_publisher=tier_publisher,
         metrics_server=metrics_server,
         transfers=transfers,
         kv_events=kv_events,

@@ -255,10 +255,11 @@ ROUTER_HELP = {
     "engine_fleet": "a JSON file of more engines: a list of objects with the fields name, url, "
     'events and replay (optional), as the options give them, e.g. [{"name": "a", "url": '
     '"http://10.0.0.5:8000", "events": "tcp://10.0.0.5:5557"}]',
-    "gpu_block_weight": "what a matched block of an engine counts for where its GPU holds it, "
-    "once the engine has told of another tier (vLLM's CPU offloading)",
-    "cpu_block_weight": "what a matched block of an engine counts for where only a lower tier "
-    "(CPU) holds it: below a GPU one, above none",
+    "gpu_block_weight": "what a matched block of a worker or an engine counts for where its "
+    "device (GPU) holds it, once it has told of another tier (a worker's --offload-gb, vLLM's "
+    "CPU offloading)",
+    "cpu_block_weight": "what a matched block of a worker or an engine counts for where only a "
+    "lower tier (host memory, CPU) holds it: below a device one, above none",
     "engine_api_key": "the key the engines take (vLLM's --api-key), sent as 'Authorization: "
     "Bearer KEY' with each forwarded request and poll; or set KVSWITCH_ENGINE_API_KEY",
     "block_size": "tokens per KV block of the engines (vLLM's --block-size); kvswitch workers "
