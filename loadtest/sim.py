@@ -26,13 +26,15 @@ speed is a profile (loadtest/profiles.py), not a model run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvswitch.cache_index.index import WorkerInfo
+from kvswitch.cache_index.engine_feed import gpu_tier_id
+from kvswitch.cache_index.index import TIER_ROLE, WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.loadtest.policies import ALL_POLICIES, make_any_policy
 from kvswitch.loadtest.profiles import PROFILES, get_profile
@@ -48,7 +50,7 @@ from kvswitch.loadtest.trace import (
 from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import fetch_costs, make_policy
-from kvswitch.router.router import RoutePlan, Router
+from kvswitch.router.router import RoutePlan, Router, TierWeights
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
 
 MAX_WORKERS = 1024
@@ -80,6 +82,7 @@ class SimConfig:
     # and the tokens of KV a second it loads back (PCIe for a Llama 3 8B in bf16: about 200K).
     offload_capacity_blocks: int = 0
     reload_tokens_per_s: float = 200_000.0
+    cpu_block_weight: float = 0.8  # what the router counts a host-tier block for (the router's)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -95,6 +98,7 @@ class SimConfig:
                 f"offload_capacity_blocks must be >= 0 (0: no host tier), got "
                 f"{self.offload_capacity_blocks}"
             )
+        TierWeights(cpu=self.cpu_block_weight)  # refuses a bad weight now
         if not 0 < self.reload_tokens_per_s < math.inf:
             raise ValueError(
                 f"reload_tokens_per_s must be a positive number, got {self.reload_tokens_per_s}"
@@ -339,6 +343,10 @@ async def _simulate(
             num_blocks=config.capacity_blocks,
         )
         await index.register(info, ttl_s=math.inf)
+        if config.offload_capacity_blocks:
+            # The device tier's entry, as a worker with a host tier keeps one (INDEX.md).
+            tier = dataclasses.replace(info, worker_id=gpu_tier_id(info.worker_id), role=TIER_ROLE)
+            await index.register(tier, ttl_s=math.inf)
         # NOTE: no channel: a simulated worker is not behind gRPC.
         handle = WorkerHandle(info, channel=None, stub=None)  # type: ignore[arg-type]
         workers.append(
@@ -357,13 +365,17 @@ async def _simulate(
         )
     by_id = {w.handle.worker_id: w for w in workers}
     seqs = dict.fromkeys(by_id, 0)
+    directory = _SimDirectory(index, [w.handle for w in workers])
+    if config.offload_capacity_blocks:
+        directory.gpu_tiers = {w: gpu_tier_id(w) for w in by_id}
     router = Router(
         index,
-        _SimDirectory(index, [w.handle for w in workers]),
+        directory,
         None,
         namespace=TRACE_NAMESPACE,
         pending=PendingBlocks(config.pending_ttl_s, clock),
         heat=PrefixHeat(clock=clock),
+        tier_weights=TierWeights(cpu=config.cpu_block_weight),
     )
     weights = config.weights() if policy == "cost" else None
     # NOTE: the router's default set aside: the simulator also replays other routers' rules.
@@ -382,6 +394,9 @@ async def _simulate(
             worker_id = worker.handle.worker_id
             seqs[worker_id] += 1
             await index.apply(worker_id, seqs[worker_id], events)
+            if config.offload_capacity_blocks:
+                device = [e for e in events if getattr(e, "medium", None) is None]
+                await index.apply(gpu_tier_id(worker_id), seqs[worker_id], device)
 
     async def deliver(until_s: float) -> None:
         while deliveries and deliveries[0][0] <= until_s:

@@ -71,6 +71,8 @@ SIM_HELP = {
     "worker's --offload-gb): blocks evicted there, loaded back instead of computed; 0 = none",
     "reload_tokens_per_s": "tokens of KV a second a worker loads back from its host tier (the "
     "load adds to the step its request joins)",
+    "cpu_block_weight": "what the router counts a matched block only a worker's host tier holds "
+    "for (the router's --cpu-block-weight)",
     "seed": "random seed of the policies that sample",
 }
 

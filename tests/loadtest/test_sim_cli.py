@@ -14,7 +14,7 @@ from tests.loadtest.helpers import chat_trace
 from tests.test_extras import CLI, _run
 
 FIGURES = {"token_hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "load_imbalance"}
-FIGURES |= {"utilization", "fetched_token_share", "lora_loads_per_minute"}
+FIGURES |= {"utilization", "fetched_token_share", "lora_loads_per_minute", "offload_hit_rate"}
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,15 @@ def test_sim_runs_with_the_router_extra_alone(trace: Path) -> None:
     result = _run(("router",), CLI, *sim(trace, "--policy", "cost"))
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)["policies"]) == {"cost"}
+
+
+def test_sim_with_host_tiers_reports_their_hits_and_bound(
+    trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(sim(trace, "--policy", "cost", "--profile", "cpu", "--offload-capacity-blocks", "400"))
+    figures = json.loads(capsys.readouterr().out)
+    cost = figures["policies"]["cost"]
+    assert 0 < cost["offload_hit_rate"] <= cost["token_hit_rate"]
+    with_host = figures["global_cache_with_host"]["token_hit_rate"]
+    assert figures["global_cache"]["token_hit_rate"] <= with_host
+    assert with_host <= figures["infinite_cache"]["token_hit_rate"]

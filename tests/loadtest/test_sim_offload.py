@@ -109,3 +109,17 @@ def test_the_host_tier_s_numbers_are_checked() -> None:
         config(offload_capacity_blocks=-1)
     with pytest.raises(ValueError, match="reload_tokens_per_s must be a positive number"):
         config(reload_tokens_per_s=0)
+
+
+def test_the_router_weighs_host_blocks_in_the_simulator_too() -> None:
+    """The simulated index keeps each worker's device tier in an entry of its own, as a live
+    worker's does: a host block counted for nothing draws fewer requests to where it is."""
+    requests = prepare(chat_trace(400, requests_per_s=50.0), B)
+    fleet = config(workers=4, capacity_blocks=24, offload_capacity_blocks=96)
+    loaded = {
+        weight: simulate(
+            requests, SimConfig(**{**vars(fleet), "cpu_block_weight": weight}), "cost", 1.0
+        ).num_reloaded_tokens
+        for weight in (0.0, 1.0)
+    }
+    assert loaded[0.0] < loaded[1.0]
