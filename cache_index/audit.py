@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvswitch.cache_index.index import BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import TIER_ROLE, BlockIndex, WorkerInfo
 from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
@@ -34,13 +34,19 @@ class WorkerAudit:
 
 
 async def fetch_snapshot(
-    address: str, timeout_s: float = 10.0, security: FleetSecurity = PLAINTEXT
+    address: str,
+    timeout_s: float = 10.0,
+    security: FleetSecurity = PLAINTEXT,
+    *,
+    device_only: bool = False,
 ) -> tuple[int, set[bytes]]:
-    """A worker's ``(event_seq, cached block hashes)`` over gRPC."""
+    """A worker's ``(event_seq, cached block hashes)`` over gRPC (``device_only``: its device
+    tier's alone)."""
     async with security.channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         event_seq, hashes = 0, set()
-        async for chunk in stub.Snapshot(worker_pb2.SnapshotRequest(), timeout=timeout_s):
+        request = worker_pb2.SnapshotRequest(device_only=device_only)
+        async for chunk in stub.Snapshot(request, timeout=timeout_s):
             event_seq = chunk.event_seq
             hashes.update(chunk.block_hashes)
         return event_seq, hashes
@@ -56,7 +62,11 @@ async def audit_worker(
         why = "an OpenAI-API engine: no Snapshot to compare its entries with"
         return WorkerAudit(info.worker_id, info.address, len(before), 0, 0, 0, why)
     try:
-        _, on_worker = await fetch_snapshot(info.address, security=security)
+        # NOTE: a worker's device-tier entry (WORKER#gpu) holds what its device holds.
+        device_only = info.role == TIER_ROLE
+        _, on_worker = await fetch_snapshot(
+            info.address, security=security, device_only=device_only
+        )
     except grpc.aio.AioRpcError as e:
         return WorkerAudit(info.worker_id, info.address, len(before), 0, 0, 0, e.details() or "")
     after = await index.worker_block_hashes(info.worker_id)

@@ -321,7 +321,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> None:
         try:
-            event_seq, block_hashes = await asyncio.wrap_future(self._engine.snapshot())
+            event_seq, block_hashes = await asyncio.wrap_future(
+                self._engine.snapshot(device_only=request.device_only)
+            )
         except EngineStopped as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
         size = min(request.max_hashes_per_chunk or self._max_hashes_per_chunk, MAX_HASHES_PER_CHUNK)

@@ -120,10 +120,12 @@ class WorkerLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., loras: _Optional[_Iterable[str]] = ..., loaded_loras: _Optional[_Iterable[str]] = ..., cpu_loras: _Optional[_Iterable[str]] = ..., num_free_lora_slots: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_total_blocks: _Optional[int] = ..., num_host_copies: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("max_hashes_per_chunk",)
+    __slots__ = ("max_hashes_per_chunk", "device_only")
     MAX_HASHES_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ONLY_FIELD_NUMBER: _ClassVar[int]
     max_hashes_per_chunk: int
-    def __init__(self, max_hashes_per_chunk: _Optional[int] = ...) -> None: ...
+    device_only: bool
+    def __init__(self, max_hashes_per_chunk: _Optional[int] = ..., device_only: _Optional[bool] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
     __slots__ = ("worker_id", "model", "block_size", "event_seq", "block_hashes")

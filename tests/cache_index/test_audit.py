@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import signal
 import time
 
+import grpc
 import numpy as np
 import pytest
 import redis
 
 from kvswitch.app.cli import main
 from kvswitch.cache_index.redis_index import KeySchema
+from kvswitch.v1 import common_pb2, worker_pb2
 from kvswitch.worker.server import WorkerConfig
-from tests.worker.background import BackgroundWorker
+from tests.worker.background import BackgroundWorker, engine_core_pids
 
 CONFIG = WorkerConfig(port=0, kv_cache_bytes=64 * (32 << 10), grace_s=0.0)
 PROMPT = [256, *b"a document that several questions will share. " * 2]
@@ -163,17 +168,12 @@ def test_audit_counts_the_host_tier_as_the_worker_s_blocks(
         *_, final = worker.generate(first, max_tokens=1)
         assert final.stats.num_cached_tokens == 5 * 16  # four of them loaded back
         wait_until_copied(worker)
-        index_args = ["--index", redis_url, "--prefix", "tiered"]
-        deadline = time.monotonic() + 5
-        while True:
-            report = run_tool(capsys, "index", "audit", *index_args)
-            (entry,) = report["workers"]
-            if entry["num_in_index"] == entry["num_on_worker"]:
-                break
-            assert time.monotonic() < deadline, report
-            time.sleep(0.05)
-        assert (report["num_stale"], report["num_missing"]) == (0, 0)
-        assert entry["num_on_worker"] > 12  # more than the device holds: both tiers
+        report = audit_until_clean(capsys, redis_url, "tiered")
+        entries = {entry["worker_id"]: entry for entry in report["workers"]}
+        assert set(entries) == {"tiered", "tiered#gpu"}
+        # More than the device holds in the worker's own entry: both tiers; its device's alone
+        # in the other.
+        assert entries["tiered"]["num_on_worker"] > 12 >= entries["tiered#gpu"]["num_on_worker"]
     finally:
         worker.close()
 
@@ -185,3 +185,57 @@ def wait_until_copied(worker: BackgroundWorker, timeout_s: float = 30) -> None:
     while worker.load().num_host_copies:
         assert time.monotonic() < deadline, f"the host tier never finished copying: {worker.load()}"
         time.sleep(0.01)
+
+
+def audit_until_clean(capsys: pytest.CaptureFixture[str], redis_url: str, prefix: str) -> dict:
+    """``kvswitch index audit`` once every entry agrees with its worker (the events of the
+    latest steps may still be on their way)."""
+    deadline = time.monotonic() + 10
+    while True:
+        report = run_tool(capsys, "index", "audit", "--index", redis_url, "--prefix", prefix)
+        settled = all(e["num_in_index"] == e["num_on_worker"] for e in report["workers"])
+        if settled and (report["num_stale"], report["num_missing"]) == (0, 0):
+            return report
+        assert time.monotonic() < deadline, report
+        time.sleep(0.05)
+
+
+def test_a_worker_killed_while_it_moves_blocks_between_tiers_is_clean_after_its_restart(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine core killed right after a prompt that loads blocks back was sent (whatever
+    the copies had done by then), then the worker started again under its name: the index
+    agrees with it, both entries."""
+    config = dataclasses.replace(
+        CONFIG,
+        index=redis_url,
+        worker_id="killed",
+        index_prefix="killed",
+        kv_cache_bytes=12 * (32 << 10),
+        offload_gb=64 * (32 << 10) / 2**30,
+    )
+    rng = np.random.default_rng(1)
+    first, other = (rng.integers(0, 256, n * 16 + 1).tolist() for n in (5, 10))
+    worker = BackgroundWorker(config)
+    try:
+        worker.generate(first, max_tokens=1)
+        wait_until_copied(worker)
+        worker.generate(other, max_tokens=1)
+        wait_until_copied(worker)
+        request = worker_pb2.WorkerGenerateRequest(
+            prompt_token_ids=first, sampling=common_pb2.SamplingParams(max_tokens=1)
+        )
+        stream = worker.stub.Generate(request, timeout=30)
+        for pid in engine_core_pids(os.getpid()):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(grpc.RpcError):
+            list(stream)
+    finally:
+        worker.close()
+    restarted = BackgroundWorker(config)
+    try:
+        restarted.generate(other, max_tokens=1)
+        report = audit_until_clean(capsys, redis_url, "killed")
+        assert {e["worker_id"] for e in report["workers"]} == {"killed", "killed#gpu"}
+    finally:
+        restarted.close()
