@@ -148,15 +148,7 @@ def test_audit_counts_the_host_tier_as_the_worker_s_blocks(
     """A worker with a host tier (its engine core a process of its own): blocks the device
     evicts are offloaded and loaded back; the index, fed its events, agrees with its snapshot
     of both tiers."""
-    config = dataclasses.replace(
-        CONFIG,
-        index=redis_url,
-        worker_id="tiered",
-        index_prefix="tiered",
-        kv_cache_bytes=12 * (32 << 10),
-        offload_gb=64 * (32 << 10) / 2**30,
-    )
-    worker = BackgroundWorker(config)
+    worker = BackgroundWorker(tiered_config(redis_url, "tiered"))
     rng = np.random.default_rng(0)
     first, other = (rng.integers(0, 256, n * 16 + 1).tolist() for n in (5, 10))
     try:
@@ -176,6 +168,18 @@ def test_audit_counts_the_host_tier_as_the_worker_s_blocks(
         assert entries["tiered"]["num_on_worker"] > 12 >= entries["tiered#gpu"]["num_on_worker"]
     finally:
         worker.close()
+
+
+def tiered_config(redis_url: str, name: str) -> WorkerConfig:
+    """A worker named ``name`` (its index prefix too) of 12 device blocks over 64 of host."""
+    return dataclasses.replace(
+        CONFIG,
+        index=redis_url,
+        worker_id=name,
+        index_prefix=name,
+        kv_cache_bytes=12 * (32 << 10),
+        offload_gb=64 * (32 << 10) / 2**30,
+    )
 
 
 def wait_until_copied(worker: BackgroundWorker, timeout_s: float = 30) -> None:
@@ -206,14 +210,7 @@ def test_a_worker_killed_while_it_moves_blocks_between_tiers_is_clean_after_its_
     """The engine core killed right after a prompt that loads blocks back was sent (whatever
     the copies had done by then), then the worker started again under its name: the index
     agrees with it, both entries."""
-    config = dataclasses.replace(
-        CONFIG,
-        index=redis_url,
-        worker_id="killed",
-        index_prefix="killed",
-        kv_cache_bytes=12 * (32 << 10),
-        offload_gb=64 * (32 << 10) / 2**30,
-    )
+    config = tiered_config(redis_url, "killed")
     rng = np.random.default_rng(1)
     first, other = (rng.integers(0, 256, n * 16 + 1).tolist() for n in (5, 10))
     worker = BackgroundWorker(config)
