@@ -36,6 +36,21 @@ _LOAD_GAUGES = (
     ),
     ("kvswitch_worker_free_blocks", "KV cache blocks free (cached ones too)", "num_free_blocks"),
     ("kvswitch_worker_total_blocks", "KV cache blocks in all", "num_total_blocks"),
+    (
+        "kvswitch_worker_host_blocks",
+        "KV blocks the host tier caches (evicted from the device, loadable; --offload-gb)",
+        "num_host_blocks",
+    ),
+    (
+        "kvswitch_worker_host_total_blocks",
+        "The host tier's size in blocks",
+        "num_host_total_blocks",
+    ),
+    (
+        "kvswitch_worker_host_copies",
+        "The host tier's copies in flight: blocks being copied out, loads not landed",
+        "num_host_copies",
+    ),
 )
 
 

@@ -157,6 +157,9 @@ def test_audit_counts_the_host_tier_as_the_worker_s_blocks(
         worker.generate(other, max_tokens=1)  # evicts four of the first prompt's blocks
         wait_until_copied(worker)
         assert worker.load().num_host_blocks >= 4
+        registry = worker.server.metrics.registry
+        assert registry.get_sample_value("kvswitch_worker_host_blocks") >= 4
+        assert registry.get_sample_value("kvswitch_worker_host_total_blocks") == 64
         *_, final = worker.generate(first, max_tokens=1)
         assert final.stats.num_cached_tokens == 5 * 16  # four of them loaded back
         wait_until_copied(worker)
