@@ -165,7 +165,8 @@ def run_ttft(config: TTFTBenchConfig) -> dict:
         line = f"  trial {trial + 1}: cold {cold[-1]:.3f}s  warm {warm[-1]:.3f}s"
         if engine.offload is not None:
             for filler in range(2):  # the prefix leaves the device for the host tier
-                _time_to_first_token(engine, f"fill-{trial}-{filler}", tokens(len(prefix) + 1))
+                prompt = tokens(config.num_prompt_tokens)
+                _time_to_first_token(engine, f"fill-{trial}-{filler}", prompt)
             engine.offload.flush()
             reloaded.append(
                 _time_to_first_token(engine, f"reloaded-{trial}", tokens(num_new, prefix))

@@ -42,6 +42,7 @@ COMMANDS = [
     ["bench", "decode"],
     ["bench", "index"],
     ["bench", "router"],
+    ["bench", "relay"],
     ["bench", "serve"],
     ["bench", "lookup"],
     ["bench", "step"],
@@ -313,6 +314,31 @@ def test_bench_ttft_and_decode_write_json(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["decode_tokens_per_s_batch_1"] > 0
     assert figures["decode_tokens_per_s_batch_2"] > 0
+
+
+def test_bench_ttft_and_score_measure_the_host_tier_and_scoring(tmp_path: Path) -> None:
+    out = tmp_path / "ttft.json"
+    args = ["--num-prompt-tokens", "256", "--num-cached-tokens", "192", "--num-trials", "1"]
+    main(["bench", "ttft", *args, "--offload-gb", "0.01", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["reloaded_ttft_s"] > 0 and figures["num_loaded_blocks"] > 0
+    assert figures["load_gb_per_s"] > 0 and figures["copy_gb_per_s"] > 0
+    out = tmp_path / "score.json"
+    main(["bench", "score", *args, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["score_cold_s"] > 0 and figures["embed_warm_s"] > 0
+    assert figures["hidden_bytes_per_block"] == 16 * 256 * 4
+
+
+def test_bench_relay_counts_tokens_through_a_router_and_its_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "relay.json"
+    args = ["--routers", "1", "--duration-s", "0.5", "--concurrency", "2", "--num-clients", "1"]
+    main(["bench", "relay", *args, "--num-output-tokens", "256", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["direct_tokens_per_s"] > 0
+    routed = figures["routers_1"]
+    assert routed["tokens_per_s"] > 0 and routed["router_cpu_s"] > 0
+    assert figures["tokens_per_s_per_core"] == routed["tokens_per_s_per_core"] > 0
 
 
 def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:

@@ -114,6 +114,16 @@ INDEX_HELP = {
     "seed": "random seed",
 }
 
+RELAY_HELP = {
+    "routers": "router processes to measure with, comma-separated (a run for each count)",
+    "num_workers": "stub workers (no model: they stream tokens as fast as they are read)",
+    "concurrency": "streams open at once, over every client process",
+    "num_clients": "client processes",
+    "num_output_tokens": "tokens each request streams",
+    "tokens_per_message": "tokens a stub sends in one streamed message",
+    "duration_s": "seconds each window measures",
+}
+
 ROUTER_BENCH_HELP = {
     "num_prompt_tokens": "prompt length in tokens, sent as token ids",
     "block_size": "tokens per block",
@@ -335,6 +345,7 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
     from kvswitch.benchmarks import overload as overload_bench
     from kvswitch.benchmarks import pd as pd_bench
     from kvswitch.benchmarks import pool as pool_bench
+    from kvswitch.benchmarks import relay as relay_bench
     from kvswitch.benchmarks import router as router_bench
     from kvswitch.benchmarks import scoring as score_bench
     from kvswitch.benchmarks import serve as serve_bench
@@ -400,6 +411,13 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             router_bench.RouterBenchConfig,
             ROUTER_BENCH_HELP,
             "router overhead against going straight to a worker, and decisions per second",
+        ),
+        (
+            "relay",
+            relay_bench.run,
+            relay_bench.RelayBenchConfig,
+            RELAY_HELP,
+            "streamed tokens a router relays a second, per core of its own, against direct",
         ),
         (
             "lookup",

@@ -1,0 +1,289 @@
+"""``kvswitch bench relay``: how many streamed tokens a router relays a second, per core of its
+own, against the same clients going straight to the workers.
+
+The workers are stubs (a process of their own) that stream ``num_output_tokens`` tokens a
+request, ``tokens_per_message`` a message, as fast as gRPC's flow control lets them: no model,
+so only the relay is measured. Routers run as ``kvswitch router`` processes over one Redis index
+(a ``redis-server`` of this run's own) where the stubs register. Client processes keep
+``concurrency`` streams open for ``duration_s``, through the routers (spread over them) or
+straight to the stubs, and count the tokens they read.
+
+Figures, for each number of routers (``routers``): ``tokens_per_s`` through them,
+``router_cpu_s`` their CPU time (user + system, from ``/proc``) over the window,
+``tokens_per_s_per_core`` (tokens over that CPU time: what one core of router relays),
+``router_cpu_us_per_token``; and ``direct_tokens_per_s``, the clients straight to the stubs.
+Every process shares the machine's cores, so the per-core figure is the one to compare.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvswitch.benchmarks.timing import machine_info
+
+NAMESPACE = "relay-stub"
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class RelayBenchConfig:
+    routers: str = "1,2"  # router processes to measure with, each count its own run
+    num_workers: int = 2
+    concurrency: int = 16  # streams open at once, over every client process
+    num_clients: int = 2  # client processes
+    num_output_tokens: int = 4096  # a request's tokens
+    tokens_per_message: int = 1  # a stub's tokens per streamed message
+    duration_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        counts = self.router_counts()
+        if not counts or min(counts) < 1:
+            raise ValueError(f"routers must list positive counts, got {self.routers!r}")
+        for name in ("num_workers", "concurrency", "num_clients", "num_output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 1 <= self.tokens_per_message <= self.num_output_tokens:
+            raise ValueError("tokens_per_message must be in [1, num_output_tokens]")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s must be positive, got {self.duration_s}")
+
+    def router_counts(self) -> list[int]:
+        return [int(n) for n in self.routers.split(",") if n.strip()]
+
+
+# -- the stub workers (a process of their own) -------------------------------------------------
+
+
+def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop: Any) -> None:
+    import asyncio
+
+    from kvswitch.cache_index.connect import connect_index
+    from kvswitch.cache_index.index import WorkerInfo
+    from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+    from kvswitch.worker.publisher import EventPublisher
+
+    class Stub(worker_pb2_grpc.WorkerServicer):
+        def __init__(self, worker_id: str) -> None:
+            self.worker_id = worker_id
+
+        async def Generate(self, request, context):
+            wanted = request.sampling.max_tokens or config.num_output_tokens
+            size = config.tokens_per_message
+            chunk = worker_pb2.WorkerGenerateResponse(
+                chunk=common_pb2.TokenChunk(token_ids=list(range(size)))
+            )
+            for _ in range(wanted // size):
+                yield chunk
+            stats = common_pb2.RequestStats(
+                worker_id=self.worker_id, num_output_tokens=wanted // size * size
+            )
+            yield worker_pb2.WorkerGenerateResponse(
+                final=worker_pb2.WorkerGenerateFinal(
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH, stats=stats
+                )
+            )
+
+        async def GetLoad(self, request, context):
+            return worker_pb2.WorkerLoad(worker_id=self.worker_id, num_free_blocks=1024)
+
+    class NoEvents:
+        def take_cache_events(self) -> list:
+            return []
+
+        def snapshot(self):
+            from concurrent.futures import Future
+
+            future: Future = Future()
+            future.set_result((0, []))
+            return future
+
+    async def main() -> None:
+        servers, publishers = [], []
+        for k in range(config.num_workers):
+            server = grpc.aio.server()
+            worker_pb2_grpc.add_WorkerServicer_to_server(Stub(f"stub-{k}"), server)
+            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            index = await connect_index(index_url)
+            info = WorkerInfo(f"stub-{k}", address, NAMESPACE, BLOCK_SIZE, num_blocks=1024)
+            publisher = EventPublisher(index, NoEvents(), info)
+            publisher.start()
+            servers.append(server)
+            publishers.append(publisher)
+            addresses.put(address)
+        await asyncio.to_thread(stop.wait)
+        for publisher in publishers:
+            await publisher.stop()
+        for server in servers:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+# -- the clients (processes of their own) ---------------------------------------------------------
+
+
+def _client(
+    targets: list[str], routed: bool, num_streams: int, config: RelayBenchConfig, results: Any
+) -> None:
+    """Keep ``num_streams`` streams open to ``targets`` (round robin) for the window; put
+    (tokens read a second, requests finished, tokens read) on ``results``."""
+    from kvswitch.cache_index.hashing import tokens_to_bytes
+    from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    prompt = tokens_to_bytes(list(range(32)))
+    sampling = common_pb2.SamplingParams(max_tokens=config.num_output_tokens)
+    channels = [grpc.insecure_channel(t) for t in targets]
+    if routed:
+        request: Any = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids_u32le=prompt), sampling=sampling
+        )
+        calls = [router_pb2_grpc.RouterStub(c).Generate for c in channels]
+    else:
+        request = worker_pb2.WorkerGenerateRequest(prompt_token_ids_u32le=prompt, sampling=sampling)
+        calls = [worker_pb2_grpc.WorkerStub(c).Generate for c in channels]
+    counts = [[0, 0] for _ in range(num_streams)]
+    started = time.monotonic()
+    deadline = started + config.duration_s
+
+    def stream(slot: int) -> None:
+        call = calls[slot % len(calls)]
+        while time.monotonic() < deadline:
+            for message in call(request, timeout=60):
+                if message.HasField("chunk"):
+                    counts[slot][0] += len(message.chunk.token_ids)
+                    if time.monotonic() >= deadline:
+                        break
+            else:
+                counts[slot][1] += 1
+
+    threads = [threading.Thread(target=stream, args=(slot,)) for slot in range(num_streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed_s = time.monotonic() - started
+    for channel in channels:
+        channel.close()
+    num_tokens = sum(c[0] for c in counts)
+    results.put((num_tokens / elapsed_s, sum(c[1] for c in counts), num_tokens))
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user and system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _window(
+    context: Any, targets: list[str], routed: bool, config: RelayBenchConfig, pids: list[int]
+) -> tuple[float, float, int, int]:
+    """One measured window: (tokens a second, the ``pids``' CPU seconds over it, requests
+    finished, tokens read). The CPU time spans the clients' start too, when routers idle."""
+    results = context.Queue()
+    shares = [config.concurrency // config.num_clients] * config.num_clients
+    for i in range(config.concurrency % config.num_clients):
+        shares[i] += 1
+    clients = [
+        context.Process(target=_client, args=(targets, routed, n, config, results))
+        for n in shares
+        if n
+    ]
+    cpu_before = sum(_cpu_s(pid) for pid in pids)
+    for client in clients:
+        client.start()
+    totals = [results.get(timeout=config.duration_s + 120) for _ in clients]
+    cpu_s = sum(_cpu_s(pid) for pid in pids) - cpu_before
+    for client in clients:
+        client.join(30)
+    # NOTE: each client's rate over its own window: they start a process each, not at once.
+    rate = sum(t[0] for t in totals)
+    return rate, cpu_s, sum(t[1] for t in totals), sum(t[2] for t in totals)
+
+
+def run(config: RelayBenchConfig) -> dict[str, object]:
+    from kvswitch.cache_index.local_redis import LocalRedis
+    from kvswitch.serving import start_server_process
+
+    context = multiprocessing.get_context("spawn")
+    redis = LocalRedis().start()
+    addresses, stop = context.Queue(), context.Event()
+    stubs = context.Process(target=_serve_stubs, args=(config, redis.url, addresses, stop))
+    stubs.start()
+    routers: list[tuple[Any, str]] = []
+    figures: dict[str, object] = {}
+    try:
+        workers = [addresses.get(timeout=60) for _ in range(config.num_workers)]
+        print(f"  {config.num_workers} stub workers; clients straight to them ...", file=sys.stderr)
+        direct, *_ = _window(context, workers, False, config, [])
+        figures["direct_tokens_per_s"] = direct
+        for count in config.router_counts():
+            while len(routers) < count:
+                routers.append(
+                    start_server_process(
+                        ["router", "--port", "0", "--index", redis.url, "--wait-for-worker-s", "30"]
+                    )
+                )
+            in_use = routers[:count]
+            targets = [address for _, address in in_use]
+            _wait_for_stubs(targets, config)
+            print(f"  through {count} router(s) ...", file=sys.stderr)
+            tokens_per_s, cpu_s, num_requests, num_tokens = _window(
+                context, targets, True, config, [process.pid for process, _ in in_use]
+            )
+            figures[f"routers_{count}"] = {
+                "tokens_per_s": tokens_per_s,
+                "router_cpu_s": cpu_s,
+                "tokens_per_s_per_core": num_tokens / cpu_s if cpu_s else 0.0,
+                "router_cpu_us_per_token": cpu_s / num_tokens * 1e6 if num_tokens else 0.0,
+                "requests_finished": num_requests,
+            }
+    finally:
+        stop.set()
+        stubs.join(30)
+        for process, _ in routers:
+            process.terminate()
+            process.wait(10)
+        redis.stop()
+    first = figures.get(f"routers_{config.router_counts()[0]}")
+    return {
+        # NOTE: the headline key: one router's tokens per core of its own.
+        "tokens_per_s_per_core": first["tokens_per_s_per_core"] if first else 0.0,  # type: ignore[index]
+        **figures,
+        "num_workers": config.num_workers,
+        "concurrency": config.concurrency,
+        "num_output_tokens": config.num_output_tokens,
+        "tokens_per_message": config.tokens_per_message,
+        "duration_s": config.duration_s,
+        "machine": machine_info(),
+    }
+
+
+def _wait_for_stubs(targets: list[str], config: RelayBenchConfig) -> None:
+    """Until every router routes a one-token request (it sees the stubs)."""
+    from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    request = router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=list(range(8))),
+        sampling=common_pb2.SamplingParams(max_tokens=config.tokens_per_message),
+    )
+    for target in targets:
+        with grpc.insecure_channel(target) as channel:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=10))
+                    break
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
