@@ -20,6 +20,7 @@ from typing import Any
 
 FRONT_KEY_HEADER = "kvswitch-front-key"
 FORWARDED_CLIENT_HEADER = "kvswitch-forwarded-client"
+FORWARDED_TENANT_HEADER = "kvswitch-forwarded-tenant"  # the tenant (router/tenants.py)
 
 
 def new_front_key() -> str:
@@ -27,9 +28,12 @@ def new_front_key() -> str:
     return secrets.token_urlsafe(32)
 
 
-def forwarded_client(metadata: Any, front_key: str) -> str | None:
-    """The client named by a call from the front that holds ``front_key``; None for any other
-    call (no key, a wrong one, or no front at all: ``front_key`` empty)."""
+def forwarded_client(
+    metadata: Any, front_key: str, header: str = FORWARDED_CLIENT_HEADER
+) -> str | None:
+    """The client (or with ``header`` FORWARDED_TENANT_HEADER, the tenant) named by a call from
+    the front that holds ``front_key``; None for any other call (no key, a wrong one, or no
+    front at all: ``front_key`` empty)."""
     if not front_key:
         return None
     values = dict(metadata or ())
@@ -37,7 +41,7 @@ def forwarded_client(metadata: Any, front_key: str) -> str | None:
     # NOTE: compared in constant time, as tokens are: timing says nothing of the key.
     if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), front_key.encode()):
         return None
-    client = values.get(FORWARDED_CLIENT_HEADER)
+    client = values.get(header)
     return client if isinstance(client, str) and client else None
 
 

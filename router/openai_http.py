@@ -49,7 +49,12 @@ from kvswitch.cache_index.hashing import tokens_to_bytes
 from kvswitch.checkpoint import embedding_pooling, is_random
 from kvswitch.router.chat_template import ChatTemplateError, load_chat_template
 from kvswitch.router.engine_request import EngineRequest
-from kvswitch.router.forwarded import FORWARDED_CLIENT_HEADER, FRONT_KEY_HEADER, http_client
+from kvswitch.router.forwarded import (
+    FORWARDED_CLIENT_HEADER,
+    FORWARDED_TENANT_HEADER,
+    FRONT_KEY_HEADER,
+    http_client,
+)
 from kvswitch.router.limits import MAX_UNKNOWN_OUTPUT_TOKENS, check_prompt_length, check_request
 from kvswitch.router.openai_logprobs import (
     CompletionLogprobs,
@@ -79,6 +84,7 @@ from kvswitch.router.router import (
 )
 from kvswitch.router.servicer import WORKER_ID_KEY
 from kvswitch.router.stop_strings import StopStrings
+from kvswitch.router.tenants import key_tenant
 from kvswitch.security import FleetSecurity
 from kvswitch.serving import check_name
 from kvswitch.tokenizer import Tokenizer
@@ -118,6 +124,7 @@ class FrontConfig:
     keys: tuple[str, ...] = ()  # what a client must present as "Bearer KEY"; () = nothing
     lora_updates: bool = False  # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     embedding_pooling: str = ""  # /v1/embeddings' pooling; "" = the checkpoint's, else "last"
+    tenant_header: str = ""  # the header naming a request's tenant (router/tenants.py)
 
     @classmethod
     def of(cls, config: Any) -> FrontConfig:
@@ -662,11 +669,26 @@ class OpenAIFront:
 
     def _metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
         client = http_client(request.client.host) if request.client else "unknown"
-        metadata = [(FRONT_KEY_HEADER, self._front_key), (FORWARDED_CLIENT_HEADER, client)]
+        metadata = [
+            (FRONT_KEY_HEADER, self._front_key),
+            (FORWARDED_CLIENT_HEADER, client),
+            (FORWARDED_TENANT_HEADER, self._tenant(request, client)),
+        ]
         # NOTE: the router's own token, not the client's key: the key was checked here.
         if self._config.token:
             metadata.append(("authorization", f"Bearer {self._config.token}"))
         return tuple(metadata)
+
+    def _tenant(self, request: Request, client: str) -> str:
+        """Who the request counts against (router/tenants.py): the tenant header's value, else
+        the API key it presented (checked already), else its client."""
+        header = self._config.tenant_header
+        if header and (value := request.headers.get(header)):
+            return value
+        sent = request.headers.get("authorization", "")
+        if self._config.keys and sent.startswith("Bearer "):
+            return key_tenant(sent.removeprefix("Bearer "))
+        return client
 
     # -- checks --------------------------------------------------------------------------------
 

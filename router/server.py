@@ -37,6 +37,7 @@ from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
 from kvswitch.router.router import Router, TierWeights
 from kvswitch.router.servicer import RouterServicer
+from kvswitch.router.tenants import TenantLimits
 from kvswitch.router.workers import DirectoryConfig, WorkerDirectory
 from kvswitch.security import (
     FLEET_WAYS_OUT,
@@ -106,6 +107,13 @@ class RouterConfig:
     max_output_tokens: int = 32768  # the most a request's sampling.max_tokens may be
     max_stop_token_ids: int = 256
     max_streams_per_client: int = 1024  # open streams per client address
+    # Per tenant (router/tenants.py): named by this header (gRPC metadata, or the HTTP header),
+    # else by an HTTP client's API key, else by its address; its open streams and the rate its
+    # requests may start at (a bucket of tenant_burst; 0: the rate); 0: no limit.
+    tenant_header: str = ""
+    max_streams_per_tenant: int = 0
+    max_requests_per_tenant_per_s: float = 0.0
+    tenant_burst: int = 0
     max_message_bytes: int = 4 << 20  # a larger request is refused (INVALID_ARGUMENT)
     # Whether a request may override the routing policy and its weights (GenerateRequest.routing);
     # off, a request that does is refused (INVALID_ARGUMENT).
@@ -188,6 +196,12 @@ class RouterConfig:
         self.block_naming()
         engines = self.engines()
         self.tier_weights()
+        self.tenant_limits()  # refuses a bad limit now
+        if self.tenant_header and self.tenant_header != self.tenant_header.lower():
+            raise ValueError(
+                f"tenant_header must be lowercase (gRPC metadata keys are), got "
+                f"{self.tenant_header!r}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if engines and not self.namespace:
@@ -197,6 +211,11 @@ class RouterConfig:
             )
         if engines and self.http_port < 0:
             raise ValueError("engine: engines take requests over HTTP: serve --http-port too")
+
+    def tenant_limits(self) -> TenantLimits:
+        return TenantLimits(
+            self.max_streams_per_tenant, self.max_requests_per_tenant_per_s, self.tenant_burst
+        )
 
     def tier_weights(self) -> TierWeights:
         return TierWeights(self.gpu_block_weight, self.cpu_block_weight)
@@ -470,6 +489,8 @@ async def start_router(config: RouterConfig) -> RouterServer:
         disagg=config.disagg_config(),
         limits=config.limits(),
         front_key=front_key,
+        tenants=config.tenant_limits(),
+        tenant_header=config.tenant_header,
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

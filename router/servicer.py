@@ -15,6 +15,7 @@ client reusing its ids, never collide on a worker.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -25,7 +26,7 @@ from kvswitch.cache_index.hashing import TokenIds, tokens_from_bytes
 from kvswitch.router.attempt import WORKER_ID_KEY as WORKER_ID_KEY
 from kvswitch.router.attempt import Attempts, Progress, when_a_worker_serves
 from kvswitch.router.disagg import DisaggConfig
-from kvswitch.router.forwarded import forwarded_client
+from kvswitch.router.forwarded import FORWARDED_TENANT_HEADER, forwarded_client
 from kvswitch.router.limits import (
     ClientStreams,
     RequestLimits,
@@ -37,6 +38,7 @@ from kvswitch.router.limits import (
 from kvswitch.router.metrics import RouterMetrics
 from kvswitch.router.outcome import Outcome, abort
 from kvswitch.router.router import NoTokenizerError, NoWorkerError, RoutePlan, Router
+from kvswitch.router.tenants import TenantLimits
 from kvswitch.router.worker_call import release_blocks
 from kvswitch.router.workers import WorkerHandle
 from kvswitch.serving import RETRY_AFTER_KEY
@@ -64,13 +66,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         disagg: DisaggConfig | None = None,
         limits: RequestLimits | None = None,
         front_key: str = "",
+        tenants: TenantLimits | None = None,
+        tenant_header: str = "",
     ) -> None:
         """``front_key``: what the router's HTTP front sends with the calls it makes for its
-        clients (``router/forwarded.py``); empty = no front."""
+        clients (``router/forwarded.py``); empty = no front. ``tenants``: each tenant's limits,
+        a tenant named by the metadata ``tenant_header`` (else by the client)."""
         self._router = router
         self._front_key = front_key
         self._limits = limits if limits is not None else RequestLimits()
         self._client_streams = ClientStreams(self._limits.max_streams_per_client)
+        self._tenants = tenants if tenants is not None else TenantLimits()
+        self._tenant_header = tenant_header
         self._releases: set[asyncio.Task] = set()  # leases let go of, not waited for
         self._disagg = disagg if disagg is not None else DisaggConfig()
         self._directory = router.directory
@@ -99,7 +106,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"this client has {self._client_streams.num_open(client)} streams open, the "
                 "most this router takes from one client; retry once one has ended",
             )
+        tenant = None
         try:
+            if self._tenants.limits_anything:
+                tenant = self._tenant_of(context, client)
+                refused = self._tenants.admit(tenant)
+                if refused is not None:
+                    tenant = None
+                    await self._refuse_tenant(context, outcome, *refused)
             try:
                 check_request(request, self._limits)
             except ValueError as e:
@@ -110,11 +124,48 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self._client_streams.close(client)
+            if tenant is not None:
+                self._tenants.close(tenant)
             if progress.leased_on is not None:
                 # NOTE: ended (failed, refused, cancelled) before a decode worker took the
                 # prompt's blocks: nobody will; let them go now, not a lease later.
                 self._release_later(progress.leased_on, fleet_request_id)
             outcome.record()  # unless the end already did
+
+    def _tenant_of(self, context: grpc.aio.ServicerContext, client: str) -> str:
+        """The tenant a call counts against: as the HTTP front names it, else the value of the
+        tenant header, else the client."""
+        metadata = context.invocation_metadata()
+        forwarded = forwarded_client(metadata, self._front_key, FORWARDED_TENANT_HEADER)
+        if forwarded is not None:
+            return forwarded
+        if self._tenant_header:
+            value = dict(metadata or ()).get(self._tenant_header)
+            if isinstance(value, str) and value:
+                return value
+        return client
+
+    async def _refuse_tenant(
+        self,
+        context: grpc.aio.ServicerContext,
+        outcome: Outcome,
+        why: str,
+        retry_after_s: float,
+    ) -> None:
+        self._metrics.overloaded(f"tenant_{why}")
+        retry_after_ms = max(math.ceil(retry_after_s * 1000), 1)
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_ms)),))
+        what = (
+            f"this tenant has {self._tenants.max_streams} streams open, its most"
+            if why == "streams"
+            else f"this tenant starts at most {self._tenants.requests_per_s:g} requests a second"
+        )
+        await abort(
+            context,
+            outcome,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{what}; retry in {retry_after_ms} ms",
+        )
 
     async def _generate(
         self,

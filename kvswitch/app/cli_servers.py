@@ -222,6 +222,15 @@ ROUTER_HELP = {
     "max_stop_token_ids": "most stop token ids a request may list; 0 = no limit",
     "max_streams_per_client": "most streams one client address may hold open at once "
     "(RESOURCE_EXHAUSTED past it); 0 = no limit",
+    "tenant_header": "a request's tenant is the value of this header (gRPC metadata, or the same "
+    "HTTP header on the OpenAI API; lowercase), else the API key an HTTP client presented, else "
+    "the client's address (docs/ROUTER.md)",
+    "max_streams_per_tenant": "most streams one tenant may hold open at once "
+    "(RESOURCE_EXHAUSTED, HTTP 429, with a retry-after, past it); 0 = no limit",
+    "max_requests_per_tenant_per_s": "the rate a tenant's requests may start at, in bursts of "
+    "--tenant-burst (RESOURCE_EXHAUSTED, HTTP 429, with how long to wait, past it); 0 = no limit",
+    "tenant_burst": "requests a tenant may start at once before its rate applies; 0 = the rate, "
+    "rounded up",
     "max_message_bytes": "largest request message accepted, in bytes (gRPC refuses a larger "
     "one with RESOURCE_EXHAUSTED)",
     "request_overrides": "take a request's own routing policy and weights (routing.policy, "
