@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvswitch.router.limits import ClientStreams
+
 
 @dataclass(slots=True)
 class _Bucket:
@@ -43,7 +45,7 @@ class TenantLimits:
         self.requests_per_s = requests_per_s
         self.burst = burst or max(math.ceil(requests_per_s), 1)
         self._clock = clock
-        self._open: dict[str, int] = {}
+        self._streams = ClientStreams(max_streams)  # counted as a client's are
         self._buckets: dict[str, _Bucket] = {}
 
     @property
@@ -53,8 +55,7 @@ class TenantLimits:
     def admit(self, tenant: str) -> tuple[str, float] | None:
         """Count a new stream of ``tenant``; or, counting nothing, why not (``"streams"`` or
         ``"rate"``) and how many seconds until it may try again."""
-        num_open = self._open.get(tenant, 0)
-        if self.max_streams and num_open >= self.max_streams:
+        if self.max_streams and self._streams.num_open(tenant) >= self.max_streams:
             # NOTE: when one ends, which nobody knows: a short wait, as for a client's streams.
             return "streams", 0.1
         if self.requests_per_s:
@@ -68,17 +69,15 @@ class TenantLimits:
             if bucket.tokens < 1.0:
                 return "rate", (1.0 - bucket.tokens) / self.requests_per_s
             bucket.tokens -= 1.0
-        self._open[tenant] = num_open + 1
+        self._streams.open(tenant)
         return None
 
     def close(self, tenant: str) -> None:
         """A stream ``admit`` counted has ended."""
-        num_open = self._open.pop(tenant) - 1
-        if num_open:
-            self._open[tenant] = num_open
+        self._streams.close(tenant)
 
     def num_open(self, tenant: str) -> int:
-        return self._open.get(tenant, 0)
+        return self._streams.num_open(tenant)
 
 
 def key_tenant(api_key: str) -> str:
