@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,10 +46,7 @@ class TTFTBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 < self.num_cached_tokens < self.num_prompt_tokens:
-            raise ValueError("num_cached_tokens must be positive and below num_prompt_tokens")
-        if self.num_trials <= 0:
-            raise ValueError("num_trials must be positive")
+        check_cached_prompt(self.num_prompt_tokens, self.num_cached_tokens, self.num_trials)
         check_cuda_graphs(self.cuda_graphs, self.device)
 
 
@@ -77,12 +74,21 @@ class DecodeBenchConfig:
             )
 
 
+def check_cached_prompt(num_prompt_tokens: int, num_cached_tokens: int, num_trials: int) -> None:
+    """ValueError unless a prompt of which ``num_cached_tokens`` are cached can be measured
+    ``num_trials`` times."""
+    if not 0 < num_cached_tokens < num_prompt_tokens:
+        raise ValueError("num_cached_tokens must be positive and below num_prompt_tokens")
+    if num_trials <= 0:
+        raise ValueError("num_trials must be positive")
+
+
 def check_cuda_graphs(cuda_graphs: bool | None, device: str) -> None:
     if cuda_graphs and not device.startswith("cuda"):
         raise ValueError("cuda_graphs replays steps on a GPU: use it with a cuda device")
 
 
-def _engine(
+def make_engine(
     model: str,
     device: str,
     dtype: str,
@@ -114,30 +120,39 @@ def _engine(
 
 
 def _time_to_first_token(engine: LLMEngine, request_id: str, prompt: np.ndarray) -> float:
+    return time_first_output(engine, request_id, prompt)[0]
+
+
+def time_first_output(
+    engine: LLMEngine, request_id: str, prompt: np.ndarray, **options: Any
+) -> tuple[float, Any]:
+    """Seconds from adding a one-token request to its first output, and that output;
+    ``options``: the request's ``SamplingParams`` fields, and ``pooling``."""
     from kvswitch.worker.request import SamplingParams
 
+    pooling = options.pop("pooling", None)
     start = time.perf_counter()
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
-    elapsed_s = None
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, **options), pooling=pooling)
+    elapsed_s, first = None, None
     while engine.has_unfinished():
-        outputs = engine.step()
-        if elapsed_s is None and any(o.request_id == request_id for o in outputs):
-            if engine.runner.device.type == "cuda":
-                import torch
+        for output in engine.step():
+            if elapsed_s is None and output.request_id == request_id:
+                if engine.runner.device.type == "cuda":
+                    import torch
 
-                torch.cuda.synchronize()
-            # NOTE: the first token, not the end of the loop: a host tier's copies of the
-            # blocks it freed go on after it.
-            elapsed_s = time.perf_counter() - start
+                    torch.cuda.synchronize()
+                # NOTE: the first token, not the end of the loop: a host tier's copies of the
+                # blocks it freed go on after it.
+                elapsed_s, first = time.perf_counter() - start, output
     assert elapsed_s is not None
-    return elapsed_s
+    return elapsed_s, first
 
 
 def run_ttft(config: TTFTBenchConfig) -> dict:
     kv_cache_bytes = 1 << 30
     if config.offload_gb:
         kv_cache_bytes = _two_prompts_bytes(config)
-    engine = _engine(
+    engine = make_engine(
         config.model,
         config.device,
         config.dtype,
@@ -330,7 +345,7 @@ def _decode(
     i names adapter i mod their number) how long an adapter takes to load."""
     from kvswitch.worker.request import SamplingParams
 
-    engine = _engine(
+    engine = make_engine(
         config.model,
         config.device,
         config.dtype,

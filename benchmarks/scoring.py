@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvswitch.benchmarks.engine import check_cached_prompt, make_engine, time_first_output
 from kvswitch.benchmarks.timing import machine_info
+from kvswitch.worker.request import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from kvswitch.worker.engine import LLMEngine
@@ -37,47 +38,25 @@ class ScoreBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 < self.num_cached_tokens < self.num_prompt_tokens:
-            raise ValueError("num_cached_tokens must be positive and below num_prompt_tokens")
-        if self.num_trials <= 0:
-            raise ValueError("num_trials must be positive")
-        if not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        check_cached_prompt(self.num_prompt_tokens, self.num_cached_tokens, self.num_trials)
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 def _engine(config: ScoreBenchConfig, *, cache_hidden_states: bool) -> LLMEngine:
-    # NOTE: imported here so that `kvswitch --help` does not load torch.
-    from kvswitch.worker.engine import EngineConfig, LLMEngine
-
-    return LLMEngine(
-        EngineConfig(
-            model=config.model or None,
-            device=config.device,
-            dtype=config.dtype,
-            kv_cache_bytes=1 << 30,
-            max_num_batched_tokens=max(config.num_prompt_tokens, 2048),
-            cuda_graphs=False,
-            cache_hidden_states=cache_hidden_states,
-        )
+    return make_engine(
+        config.model,
+        config.device,
+        config.dtype,
+        config.num_prompt_tokens,
+        cuda_graphs=False,
+        cache_hidden_states=cache_hidden_states,
     )
 
 
 def _time_request(engine: LLMEngine, request_id: str, prompt: np.ndarray, **asks) -> float:
     """Seconds from adding a one-token request to its output, which carries what it asked."""
-    from kvswitch.worker.request import SamplingParams
-
-    pooling = asks.pop("pooling", None)
-    start = time.perf_counter()
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, **asks), pooling=pooling)
-    outputs = []
-    while engine.has_unfinished():
-        outputs += [o for o in engine.step() if o.request_id == request_id]
-    if engine.runner.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-    elapsed_s = time.perf_counter() - start
-    (output,) = outputs
+    elapsed_s, output = time_first_output(engine, request_id, prompt, **asks)
     assert output.prompt_logprobs is not None or output.embedding is not None
     return elapsed_s
 
@@ -105,7 +84,7 @@ def run(config: ScoreBenchConfig) -> dict:
             prefix = tokens(config.num_cached_tokens)
             for engine in (cached, uncached):
                 # A plain request caches the prefix (and its rows, where the cache is).
-                _time_to_cache(engine, f"{name}-prime-{trial}", tokens(num_new, prefix))
+                time_first_output(engine, f"{name}-prime-{trial}", tokens(num_new, prefix))
             prompt = tokens(num_new, prefix)
             warm.append(_time_request(cached, f"{name}-warm-{trial}", prompt, **asks))
             recomputed.append(_time_request(uncached, f"{name}-again-{trial}", prompt, **asks))
@@ -134,11 +113,3 @@ def run(config: ScoreBenchConfig) -> dict:
         "dtype": config.dtype,
         "machine": machine_info(),
     }
-
-
-def _time_to_cache(engine: LLMEngine, request_id: str, prompt: np.ndarray) -> None:
-    from kvswitch.worker.request import SamplingParams
-
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
-    while engine.has_unfinished():
-        engine.step()

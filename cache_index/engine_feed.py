@@ -120,9 +120,7 @@ class EngineEventFeed:
     def gpu_tier_info(self) -> WorkerInfo:
         """The entry of the blocks the engine's GPU holds, beside its own (which any tier's
         blocks are in), once it has told of another tier: ``role`` TIER_ROLE, routed to never."""
-        return dataclasses.replace(
-            self.info, worker_id=gpu_tier_id(self.engine.name), role=TIER_ROLE
-        )
+        return gpu_tier_info(self.info)
 
     def reset(self) -> None:
         """Forget what was followed, to ``run`` again from the start (after a failure: the
@@ -363,8 +361,14 @@ class EngineEventFeed:
 
 
 def gpu_tier_id(engine: str) -> str:
-    """The index entry of the blocks an engine's GPU holds (``EngineEventFeed.gpu_tier_info``)."""
+    """The index entry of the blocks an engine's (or a worker's) GPU holds."""
     return engine + GPU_TIER_SUFFIX
+
+
+def gpu_tier_info(info: WorkerInfo) -> WorkerInfo:
+    """The entry of the blocks the device of ``info``'s engine or worker holds, beside its own
+    (which any tier's blocks are in): ``role`` TIER_ROLE, routed to never."""
+    return dataclasses.replace(info, worker_id=gpu_tier_id(info.worker_id), role=TIER_ROLE)
 
 
 def status_line(feed: EngineEventFeed, now_s: float | None = None) -> str:

@@ -26,15 +26,14 @@ speed is a profile (loadtest/profiles.py), not a model run.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import heapq
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvswitch.cache_index.engine_feed import gpu_tier_id
-from kvswitch.cache_index.index import TIER_ROLE, WorkerInfo
+from kvswitch.cache_index.engine_feed import gpu_tier_id, gpu_tier_info
+from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.loadtest.policies import ALL_POLICIES, make_any_policy
 from kvswitch.loadtest.profiles import PROFILES, get_profile
@@ -345,8 +344,7 @@ async def _simulate(
         await index.register(info, ttl_s=math.inf)
         if config.offload_capacity_blocks:
             # The device tier's entry, as a worker with a host tier keeps one (INDEX.md).
-            tier = dataclasses.replace(info, worker_id=gpu_tier_id(info.worker_id), role=TIER_ROLE)
-            await index.register(tier, ttl_s=math.inf)
+            await index.register(gpu_tier_info(info), ttl_s=math.inf)
         # NOTE: no channel: a simulated worker is not behind gRPC.
         handle = WorkerHandle(info, channel=None, stub=None)  # type: ignore[arg-type]
         workers.append(

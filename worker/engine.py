@@ -453,11 +453,11 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        """Requests a step may run, or will once their blocks land from the host tier; or blocks
-        still being copied out to it (so that a serving loop steps on, reporting, until they
-        are done)."""
+        """Requests a step may run, or will once their blocks land from the host tier. (Blocks
+        being copied out are no work of the steps': the engine core reports their end when the
+        tier wakes it.)"""
         return self.scheduler.num_unfinished > 0 or (
-            self.offload is not None and self.offload.num_copies > 0
+            self.offload is not None and self.offload.num_loads > 0
         )
 
     def take_events(self) -> list[CacheEvent]:
@@ -709,8 +709,8 @@ class LLMEngine:
             raise self._fail_step(list(self.requests), e) from e
         self.stats.num_preemptions += len(scheduled.preempted)
         if not scheduled.requests:
-            if self.offload is not None and self.offload.num_copies:
-                self.offload.wait(_HOST_WAIT_S)  # nothing to run until a copy ends
+            if self.offload is not None and self.offload.num_loads:
+                self.offload.wait(_HOST_WAIT_S)  # nothing to run until a load lands
             return StepOutputs()
         try:
             batch = self._batch(scheduled)

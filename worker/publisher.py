@@ -22,15 +22,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import enum
 import logging
 import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvswitch.cache_index.engine_feed import gpu_tier_id
-from kvswitch.cache_index.index import TIER_ROLE, ApplyStatus, BlockIndex, WorkerInfo
+from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
 from kvswitch.serving import end_if_cancelled
 
 logger = logging.getLogger(__name__)
@@ -258,11 +256,6 @@ class TierSplit:
             self.all.batches.append(batch)
             device = [e for e in batch.events if getattr(e, "medium", None) is None]
             self.device.batches.append(batch._replace(events=device))
-
-    @staticmethod
-    def device_info(info: WorkerInfo) -> WorkerInfo:
-        """The device tier's entry beside the worker's own: never routed to."""
-        return dataclasses.replace(info, worker_id=gpu_tier_id(info.worker_id), role=TIER_ROLE)
 
 
 class _TierSource:

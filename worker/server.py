@@ -20,6 +20,7 @@ import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvswitch.cache_index.connect import connect_index
+from kvswitch.cache_index.engine_feed import gpu_tier_info
 from kvswitch.cache_index.events import CacheEvent
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.vllm_events import to_engine_events
@@ -321,7 +322,7 @@ async def _serve_engine(
             # the device's alone, so that the router weighs each matched block by its tier.
             split = TierSplit(engine)
             publisher = EventPublisher(index, split.all, info)
-            tier_publisher = EventPublisher(index, split.device, TierSplit.device_info(info))
+            tier_publisher = EventPublisher(index, split.device, gpu_tier_info(info))
             tier_publisher.start()
         else:
             publisher = EventPublisher(index, engine, info)
