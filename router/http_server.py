@@ -104,7 +104,7 @@ async def serve_http(app: Any, config: FrontConfig, channel: grpc.aio.Channel) -
     """Serve ``app`` (calling on ``channel``) on ``config.host``:``config.http_port``, over TLS
     where ``config.security`` says so; OSError if the port cannot be bound (``channel`` closed)."""
     try:
-        sock = _bind(config.host, config.http_port)
+        sock = _bind(config.host, config.http_port, reuse_port=config.reuse_port)
     except OSError:
         await channel.close()
         raise
@@ -137,11 +137,14 @@ async def serve_http(app: Any, config: FrontConfig, channel: grpc.aio.Channel) -
     return front_server
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            # NOTE: the kernel spreads new connections over the processes bound to the port.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host.strip("[]"), port))
         sock.listen(2048)
     except OSError:

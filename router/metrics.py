@@ -34,6 +34,7 @@ class WorkerLoadSample(NamedTuple):
     worker_id: str
     num_in_flight_requests: int
     num_outstanding_tokens: int
+    num_replica_requests: int = 0  # the other router replicas' in flight there
 
 
 class RouterMetrics:
@@ -189,8 +190,15 @@ class _WorkerLoadCollector:
             "The worker's outstanding work in tokens, as the routing policy sees it",
             labels=["worker_id"],
         )
+        replicas = GaugeMetricFamily(
+            "kvswitch_router_worker_replica_requests",
+            "Requests the other router replicas have in flight on the worker, as they told",
+            labels=["worker_id"],
+        )
         for sample in self._worker_loads():
             in_flight.add_metric([sample.worker_id], sample.num_in_flight_requests)
             outstanding.add_metric([sample.worker_id], sample.num_outstanding_tokens)
+            replicas.add_metric([sample.worker_id], sample.num_replica_requests)
         yield in_flight
         yield outstanding
+        yield replicas

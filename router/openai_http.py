@@ -125,6 +125,7 @@ class FrontConfig:
     lora_updates: bool = False  # serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     embedding_pooling: str = ""  # /v1/embeddings' pooling; "" = the checkpoint's, else "last"
     tenant_header: str = ""  # the header naming a request's tenant (router/tenants.py)
+    reuse_port: bool = False  # the port is shared with the router's other processes
 
     @classmethod
     def of(cls, config: Any) -> FrontConfig:

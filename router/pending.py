@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -98,8 +98,11 @@ class PendingBlocks:
     def __len__(self) -> int:
         return self._num_live
 
-    def add(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
-        """``worker_id`` will soon hold the chain ``block_hashes`` (full blocks only)."""
+    def add(
+        self, worker_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
+    ) -> None:
+        """``worker_id`` will soon hold the chain ``block_hashes`` (full blocks only), for
+        ``ttl_s`` (default: this table's) unless confirmed first."""
         if not block_hashes:
             return
         # NOTE: the last hash names the whole chain; a repeated guess replaces the old one, so a
@@ -113,9 +116,15 @@ class PendingBlocks:
         guesses = self._workers.get(worker_id)
         if guesses is None:
             guesses = self._workers[worker_id] = _WorkerGuesses()
-        guess = _Guess(worker_id, tuple(block_hashes), self._clock() + self.ttl_s, num_requests)
+        expires_s = self._clock() + (self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s))
+        guess = _Guess(worker_id, tuple(block_hashes), expires_s, num_requests)
         guesses.add(guess)
-        self._by_deadline.append(guess)
+        if ttl_s is None or not self._by_deadline or self._by_deadline[-1].expires_s <= expires_s:
+            self._by_deadline.append(guess)
+        else:
+            # NOTE: a shorter lifetime (a guess handed over by another router, some of its
+            # lifetime spent) goes where its deadline falls: the queue stays in deadline order.
+            bisect.insort(self._by_deadline, guess, key=lambda g: g.expires_s)
         self._num_live += 1
 
     def match(
@@ -156,6 +165,14 @@ class PendingBlocks:
         guess.num_requests -= 1
         if guess.num_requests <= 0:
             self._drop(guess)
+
+    def live(self) -> Iterator[tuple[str, tuple[bytes, ...], float]]:
+        """Every live guess: its worker, its chain and the seconds it has left."""
+        self._expire()
+        now = self._clock()
+        for worker_id, guesses in self._workers.items():
+            for guess in guesses.by_end.values():
+                yield worker_id, guess.block_hashes, guess.expires_s - now
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every guess about a worker (it failed or left)."""

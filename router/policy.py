@@ -94,6 +94,9 @@ class RouteRequest:
     # Leading blocks after which routed requests have gone different ways (router/heat.py); the
     # tokens past them are private to one line of requests. None: not known, every one is shared.
     num_shared_blocks: int | None = None
+    # Where a rotation over tied workers stands: the requests routed so far by every router
+    # replica (router/replicas.py), so that replicas break ties alike. None: the policy's own.
+    rotation: int | None = None
 
     @property
     def num_private_tokens(self) -> int:
@@ -140,7 +143,8 @@ class RoundRobin(Policy):
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
         ordered = sorted(workers, key=lambda w: w.worker_id)
-        worker = ordered[next(self._counter) % len(ordered)]
+        turn = next(self._counter) if request.rotation is None else request.rotation
+        worker = ordered[turn % len(ordered)]
         return Decision(worker.worker_id, self.name, "next in turn", worker.num_matched_blocks, 0.0)
 
 
@@ -161,21 +165,25 @@ class RankedPolicy(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def _pick(self, keyed: list[tuple[tuple, WorkerState]]) -> WorkerState:
+    def _pick(
+        self, keyed: list[tuple[tuple, WorkerState]], rotation: int | None = None
+    ) -> WorkerState:
+        """``rotation``: where the rotation over tied workers stands; None: the policy's own
+        count of picks."""
         best = min(key for key, _ in keyed)
         tied = [w for key, w in keyed if key == best]
         most_free = max(w.num_free_blocks for w in tied)
         tied = sorted(
             (w for w in tied if w.num_free_blocks == most_free), key=lambda w: w.worker_id
         )
-        return tied[next(self._counter) % len(tied)]
+        return tied[(next(self._counter) if rotation is None else rotation) % len(tied)]
 
 
 class LeastLoaded(RankedPolicy):
     name = "least_loaded"
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
-        worker = self._pick([((w.num_outstanding_tokens,), w) for w in workers])
+        worker = self._pick([((w.num_outstanding_tokens,), w) for w in workers], request.rotation)
         return Decision(
             worker.worker_id,
             self.name,
@@ -192,7 +200,7 @@ class PrefixPolicy(RankedPolicy):
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerState]) -> Decision:
         keyed = [((-w.num_matched_blocks, w.num_outstanding_tokens), w) for w in workers]
-        worker = self._pick(keyed)
+        worker = self._pick(keyed, request.rotation)
         reason = (
             "longest cached prefix"
             if worker.num_matched_blocks
@@ -310,7 +318,7 @@ class CostPolicy(RankedPolicy):
             cost, worker = self._rng.choices(costs, weights=weights)[0]
             reason = "sampled by cost"
         else:
-            worker = self._pick([((c,), w) for c, w in costs])
+            worker = self._pick([((c,), w) for c, w in costs], request.rotation)
             cost = next(c for c, w in costs if w is worker)
             reason = "lowest cost" if worker.num_matched_blocks else "no cached prefix: lowest load"
         holder = fetches.get(worker.worker_id)

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import Decision, Policy, RouteRequest, WorkerState, make_policy
 from kvswitch.router.workers import PREFILL_ROLES, WorkerDirectory, WorkerHandle
 from kvswitch.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvswitch.router.replicas import ReplicaSync
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +141,10 @@ class Router:
         self.last_lookup_s = 0.0  # how long the last index match took
         self.num_lookup_errors = 0  # lookups the index failed; those requests routed on load
         self._lookup_warning = Throttled(logger)
+        # The other router replicas, told of every routed request (router/replicas.py); None
+        # for a router alone.
+        self.replicas: ReplicaSync | None = None
+        self.num_routed = 0  # requests routed, by this router and (told) its replicas
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -260,6 +268,7 @@ class Router:
             plan.block_size,
             num_hot_blocks=self.heat.hot_blocks(plan.block_hashes, matches, len(handles)),
             num_shared_blocks=self.heat.shared_blocks(plan.block_hashes),
+            rotation=self.num_routed if self.replicas is not None else None,
         )
 
         def states(candidates: dict[str, WorkerHandle]) -> list[WorkerState]:
@@ -306,18 +315,24 @@ class Router:
 
     def routed(self, plan: RoutePlan, decision: Decision) -> None:
         """The request went to ``decision.worker_id``: guess that its blocks will be there."""
-        if not decision.fetch_from:
+        guessed = not decision.fetch_from
+        if guessed:
             # NOTE: not while its prefix is on its way from a peer: a request that followed the
             # guess there would find nothing yet and compute it all; unguessed, it is routed by
             # what the index knows, and takes the prefix from its holder too.
             self.pending.add(decision.worker_id, plan.block_hashes)
         self.heat.record(plan.block_hashes)
+        self.num_routed += 1
+        if self.replicas is not None:
+            self.replicas.routed(decision.worker_id, plan.block_hashes, guessed)
 
     def withdrawn(self, plan: RoutePlan, decision: Decision | None) -> None:
         """The request ``routed`` by ``decision`` will not run there after all (the worker
         refused it, or it never reached the worker): take back the guess ``routed`` made."""
         if decision is not None and not decision.fetch_from:
             self.pending.discard(decision.worker_id, plan.block_hashes)
+            if self.replicas is not None:
+                self.replicas.withdrawn(decision.worker_id, plan.block_hashes)
 
     def num_uncached_tokens(self, plan: RoutePlan, decision: Decision) -> int:
         request = RouteRequest(len(plan.token_ids), plan.block_size)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
 
 from kvswitch.cache_index import grpc_index
 from kvswitch.cache_index.connect import DEFAULT_PREFIX, connect_index, redacted
@@ -35,6 +36,7 @@ from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
+from kvswitch.router.replicas import ReplicaSync
 from kvswitch.router.router import Router, TierWeights
 from kvswitch.router.servicer import RouterServicer
 from kvswitch.router.tenants import TenantLimits
@@ -155,6 +157,12 @@ class RouterConfig:
     # What an engine's matched block counts for: held by its GPU, or only by a lower tier (CPU).
     gpu_block_weight: float = 1.0
     cpu_block_weight: float = 0.8
+    # Scaling out (router/replicas.py): this many router processes on the one port; several
+    # routers (these, or on other hosts) tell each other what they route through the index's
+    # Redis ("auto": whenever the index is a Redis; "off": never).
+    processes: int = 1
+    reuse_port: bool = False  # share the ports with other routers (the kernel spreads clients)
+    replica_sync: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -177,6 +185,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.pending_ttl_s <= 0:
             raise ValueError(f"pending_ttl_s must be positive, got {self.pending_ttl_s}")
+        self._check_processes()
         self.directory_config()
         self.disagg_config()
         self.limits()
@@ -309,6 +318,41 @@ class RouterConfig:
             )
         return weights
 
+    def _check_processes(self) -> None:
+        if self.replica_sync not in ("auto", "off"):
+            raise ValueError(f"replica_sync must be auto or off, got {self.replica_sync!r}")
+        if self.processes < 1:
+            raise ValueError(f"processes must be at least 1, got {self.processes}")
+        if self.processes == 1:
+            return
+        if not self.shares_index():
+            raise ValueError(
+                "processes > 1 needs an index the processes share: --index redis://HOST:PORT "
+                "(each process would hold an embedded index of its own)"
+            )
+        if 0 in (self.port, self.http_port, self.metrics_port):
+            raise ValueError(
+                "processes > 1 needs fixed ports: the processes share --port and --http-port, "
+                "and process i serves metrics on --metrics-port + i"
+            )
+        if self.engines():
+            raise ValueError(
+                "processes > 1 cannot follow engines' KV events (each process would apply "
+                "them): follow them with one router, and let others share its index"
+            )
+
+    def shares_index(self) -> bool:
+        """Whether the index is one other routers can share: a Redis."""
+        return self.index.partition("://")[0] in (
+            "redis",
+            "rediss",
+            "redis+cluster",
+            "rediss+cluster",
+        )
+
+    def syncs_replicas(self) -> bool:
+        return self.replica_sync == "auto" and self.shares_index()
+
     def directory_config(self) -> DirectoryConfig:
         return DirectoryConfig(
             refresh_s=self.refresh_s,
@@ -362,6 +406,8 @@ class RouterServer:
             await self.engine_feeds.stop()
         if self.engine_forwarder is not None:
             await self.engine_forwarder.close()
+        if self.router.replicas is not None:
+            await self.router.replicas.stop()
         await self.router.directory.stop()
         await self.index.close()
         if self.metrics_server is not None:
@@ -373,8 +419,10 @@ class RouterStartError(Exception):
     index cannot be reached."""
 
 
-async def start_router(config: RouterConfig) -> RouterServer:
-    """Bind the port, open the index and start serving; ``RouterStartError`` says why not."""
+async def start_router(config: RouterConfig, *, front_key: str = "") -> RouterServer:
+    """Bind the port, open the index and start serving; ``RouterStartError`` says why not.
+    ``front_key``: what this router's HTTP front proves its calls with (router/forwarded.py); a
+    new one if empty (the processes of one router share theirs: a front's call may reach any)."""
     try:
         tokenizer, no_tokenizer_reason = _load_tokenizer(config.model)
     except (ValueError, OSError, TokenizerFileError) as e:
@@ -389,7 +437,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
     server = grpc.aio.server(
         interceptors=[guard],
         options=[
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if config.reuse_port else 0),
             # NOTE: gRPC reads a request up to this size, so that the guard can answer one over
             # max_message_bytes with its size and the limit; a larger one gRPC cuts off itself.
             (
@@ -431,6 +479,9 @@ async def start_router(config: RouterConfig) -> RouterServer:
         pending=PendingBlocks(config.pending_ttl_s),
         tier_weights=config.tier_weights(),
     )
+    if config.syncs_replicas():
+        router.replicas = ReplicaSync.for_router(config.index, config.index_prefix, router)
+        directory.on_load = router.replicas.load_changed
     metrics = RouterMetrics(
         worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)
     )
@@ -455,13 +506,13 @@ async def start_router(config: RouterConfig) -> RouterServer:
             api_key=config.engine_api_key,
             follows_engines=engine_feeds is not None,
         )
-    front_key, http_front = "", None
+    http_front = None
     if config.http_port >= 0:
         # NOTE: imported only when served: FastAPI and uvicorn take about a second to import.
         from kvswitch.router.http_server import start_http_front
         from kvswitch.router.openai_http import FrontConfig
 
-        front_key = new_front_key()
+        front_key = front_key or new_front_key()
         try:
             http_front = await start_http_front(
                 FrontConfig.of(config), router, address, front_key, forwarder
@@ -503,6 +554,11 @@ async def start_router(config: RouterConfig) -> RouterServer:
         await health_servicer.set(grpc_index.SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     await directory.start()
+    if router.replicas is not None:
+        try:
+            await router.replicas.start()
+        except (RedisError, OSError) as e:
+            raise RouterStartError(f"cannot reach the other routers' channel: {e}") from e
     if engine_feeds is not None:
         engine_feeds.start()
     loop = asyncio.get_running_loop()
@@ -545,7 +601,16 @@ async def serve(config: RouterConfig) -> None:
 
 
 def run(config: RouterConfig) -> None:
-    """``serve`` on uvloop where it is installed."""
+    """``serve`` on uvloop where it is installed; with ``config.processes`` > 1, as that many
+    processes (router/processes.py)."""
+    if config.processes > 1:
+        from kvswitch.router import processes
+
+        try:
+            processes.run(config)
+        except RuntimeError as e:
+            raise RouterStartError(str(e)) from e
+        return
     run_event_loop(serve(config))
 
 
@@ -571,7 +636,9 @@ async def _report_health(
 
 def _worker_loads(directory: WorkerDirectory) -> list[WorkerLoadSample]:
     return [
-        WorkerLoadSample(h.worker_id, h.num_in_flight, h.num_outstanding_tokens())
+        WorkerLoadSample(
+            h.worker_id, h.num_in_flight, h.num_outstanding_tokens(), h.peer.num_requests
+        )
         for h in directory.handles()
     ]
 
@@ -594,6 +661,16 @@ def _read_counters(router: Router) -> list[ReadCounter]:
             "kvswitch_router_pending_guesses_expired",
             "Such guesses that lapsed unconfirmed: the worker never reported those blocks in time",
             lambda: router.pending.num_expired,
+        ),
+        (
+            "kvswitch_router_replica_routes",
+            "Requests the other router replicas said they routed (router/replicas.py)",
+            lambda: router.replicas.num_routes_applied if router.replicas else 0,
+        ),
+        (
+            "kvswitch_router_replica_errors",
+            "Messages to or from the other router replicas lost to a Redis error",
+            lambda: router.replicas.num_errors if router.replicas else 0,
         ),
         (
             "kvswitch_router_background_errors",

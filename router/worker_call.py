@@ -93,8 +93,10 @@ async def relay(
     try:
         async for response in call:
             if response.HasField("chunk"):
-                directory.first_token(flight)
+                # NOTE: in this order, the first token's output goes out with the prefill's end
+                # to the other router replicas.
                 directory.produced(flight, len(response.chunk.token_ids))
+                directory.first_token(flight)
             yield response
     except asyncio.CancelledError:
         task = asyncio.current_task()

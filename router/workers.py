@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import httpx2
@@ -56,6 +57,37 @@ logger = logging.getLogger(__name__)
 # goes to a "both" or "decode" worker; a prompt to prefill for another worker to a "prefill" one.
 DECODE_ROLES = ("both", "decode")
 PREFILL_ROLES = ("prefill",)
+
+
+@dataclass(slots=True)
+class PeerLoad:
+    """What the other router replicas have in flight on one worker, as they last told
+    (``router/replicas.py``); zero for a router alone."""
+
+    num_requests: int = 0
+    num_prefill_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, num_requests: int, num_prefill_tokens: int, num_output_tokens: int) -> None:
+        self.num_requests += num_requests
+        self.num_prefill_tokens += num_prefill_tokens
+        self.num_output_tokens += num_output_tokens
+
+
+class LoadListener(Protocol):
+    """Told how a router's own requests in flight on a worker change: requests, prompt tokens
+    not yet prefilled and output tokens still to come, each added (taken away when negative).
+    ``urgent``: a request began, was prefilled or ended (other routers should hear now); not: a
+    request's output tokens came (they may hear later)."""
+
+    def __call__(
+        self,
+        worker_id: str,
+        num_requests: int,
+        num_prefill_tokens: int,
+        num_output_tokens: int,
+        urgent: bool,
+    ) -> None: ...
 
 
 @dataclass
@@ -80,6 +112,9 @@ class WorkerHandle:
     # running there stop waiting for it and fail over. One slow answer does not set it.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False  # no longer live; the channel closes when nothing is in flight
+    # What the other router replicas have in flight here; one object per worker id, shared with
+    # the directory, which the replicas' messages update.
+    peer: PeerLoad = field(default_factory=PeerLoad)
 
     @property
     def worker_id(self) -> str:
@@ -94,17 +129,27 @@ class WorkerHandle:
         still being prefilled here for another request that the request being routed shares;
         that prefill serves both, so it is not charged to the newcomer a second time."""
         reported = self.load.num_queued_prefill_tokens if self.load is not None else 0
-        return max(max(reported, self.num_prefill_tokens) - num_shared_prefill_tokens, 0)
+        counted = self.num_prefill_tokens + self.peer.num_prefill_tokens
+        return max(max(reported, counted) - num_shared_prefill_tokens, 0)
+
+    def num_output_tokens_queued(self) -> int:
+        """Output tokens the requests routed here (by this router and its replicas) may still
+        produce."""
+        return self.num_output_tokens + self.peer.num_output_tokens
 
     def num_outstanding_tokens(self, num_shared_prefill_tokens: int = 0) -> int:
         """Work queued here, in tokens: prompt to prefill and output to decode."""
-        return self.num_prefill_tokens_queued(num_shared_prefill_tokens) + self.num_output_tokens
+        return (
+            self.num_prefill_tokens_queued(num_shared_prefill_tokens)
+            + self.num_output_tokens_queued()
+        )
 
     def num_requests(self) -> int:
-        """Requests running or waiting here: as reported, or as this router counts them."""
+        """Requests running or waiting here: as reported, or as this router and its replicas
+        count them."""
         load = self.load
         reported = load.num_running_requests + load.num_waiting_requests if load else 0
-        return max(reported, self.num_in_flight)
+        return max(reported, self.num_in_flight + self.peer.num_requests)
 
     @property
     def loras(self) -> Sequence[str]:
@@ -134,7 +179,7 @@ class WorkerHandle:
         return WorkerState(
             worker_id=self.worker_id,
             num_matched_blocks=num_matched_blocks,
-            num_outstanding_tokens=num_prefill_tokens + self.num_output_tokens,
+            num_outstanding_tokens=num_prefill_tokens + self.num_output_tokens_queued(),
             num_free_blocks=self.load.num_free_blocks if self.load is not None else 0,
             # NOTE: an engine's size comes with its load (its registration cannot say it).
             num_total_blocks=self.info.num_blocks
@@ -152,7 +197,7 @@ class InFlight:
 
     handle: WorkerHandle
     num_prefill_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # still to come
     prefilled: bool = False
     finished: bool = False
 
@@ -213,6 +258,11 @@ class WorkerDirectory:
         self._http: httpx2.AsyncClient | None = None  # engines' polls, once one joins
         # Engine id -> its GPU-tier entry, for engines that told of another tier.
         self.gpu_tiers: dict[str, str] = {}
+        # What router replicas have in flight, per worker id (a worker they know before this
+        # router does gets its entry early), and who hears how this router's own change
+        # (``LoadListener``).
+        self.peer_loads: dict[str, PeerLoad] = {}
+        self.on_load: LoadListener | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -270,6 +320,14 @@ class WorkerDirectory:
     def handles(self) -> list[WorkerHandle]:
         return [h for h in self._handles.values() if not h.removed]
 
+    def peer_load(self, worker_id: str) -> PeerLoad:
+        """What the router replicas have in flight on ``worker_id``: the object its handle
+        reads, made on first use."""
+        load = self.peer_loads.get(worker_id)
+        if load is None:
+            load = self.peer_loads[worker_id] = PeerLoad()
+        return load
+
     # -- accounting ----------------------------------------------------------------------------
 
     def begin(
@@ -278,6 +336,8 @@ class WorkerDirectory:
         handle.num_in_flight += 1
         handle.num_prefill_tokens += num_prefill_tokens
         handle.num_output_tokens += num_output_tokens
+        if self.on_load is not None:
+            self.on_load(handle.worker_id, 1, num_prefill_tokens, num_output_tokens, True)
         return InFlight(handle, num_prefill_tokens, num_output_tokens)
 
     def first_token(self, flight: InFlight) -> None:
@@ -285,11 +345,15 @@ class WorkerDirectory:
         if not flight.prefilled:
             flight.prefilled = True
             flight.handle.num_prefill_tokens -= flight.num_prefill_tokens
+            if self.on_load is not None and flight.num_prefill_tokens:
+                self.on_load(flight.handle.worker_id, 0, -flight.num_prefill_tokens, 0, True)
 
     def produced(self, flight: InFlight, num_tokens: int) -> None:
         num_tokens = min(num_tokens, flight.num_output_tokens)
         flight.num_output_tokens -= num_tokens
         flight.handle.num_output_tokens -= num_tokens
+        if self.on_load is not None and num_tokens:
+            self.on_load(flight.handle.worker_id, 0, 0, -num_tokens, False)
 
     def finish(self, flight: InFlight) -> None:
         """The request is over on this worker (finished, failed or cancelled)."""
@@ -300,6 +364,8 @@ class WorkerDirectory:
         flight.finished = True
         handle = flight.handle
         handle.num_in_flight -= 1
+        if self.on_load is not None:
+            self.on_load(handle.worker_id, -1, 0, 0, True)
         # NOTE: a request that ends frees a place there (one the worker refused is marked full
         # again right after this).
         handle.full = False
@@ -359,6 +425,7 @@ class WorkerDirectory:
                 else:
                     channel = self._security.channel(info.address, self._channel_options)
                     handle = WorkerHandle(info, channel, worker_pb2_grpc.WorkerStub(channel))
+                handle.peer = self.peer_load(worker_id)
                 self._handles[worker_id] = handle
                 if self._polling:
                     self._start_polling(handle)

@@ -251,6 +251,14 @@ ROUTER_HELP = {
     "when a request does not say: last (the last token's) or mean; empty = as the checkpoint's "
     "sentence-transformers config (modules.json) says, else last",
     "grace_s": "seconds running requests get to finish on Ctrl-C / SIGTERM",
+    "processes": "run this many router processes on the one --port and --http-port (the kernel "
+    "spreads clients' connections over them), routing as one through the shared --index (a "
+    "Redis); process i serves metrics on --metrics-port + i (docs/ROUTER.md)",
+    "reuse_port": "share --port and --http-port with other routers on this host (SO_REUSEPORT); "
+    "--processes sets it for its own",
+    "replica_sync": "routers sharing a Redis index tell each other what they route (requests in "
+    "flight per worker, blocks about to be cached) on its pub/sub, so that they route as one: "
+    "auto = whenever the index is a Redis, off = never (docs/ROUTER.md)",
     **SECURITY_HELP,
     "block_hash": BLOCK_HASH_HELP,
     "engine": "an OpenAI-API engine to route to, NAME=http://HOST:8000 (a vLLM server, or a "
