@@ -137,6 +137,7 @@ class ReplicaSync:
         self.num_applied = 0  # the others' messages applied
         self.num_routes_applied = 0  # their "route" items
         self.num_inflight_applied = 0  # their "inflight" items
+        self.num_guesses_taken = 0  # guesses taken from another router's "state" on starting
         self.num_errors = 0  # publishes and subscriptions that failed
 
     @classmethod
@@ -164,6 +165,11 @@ class ReplicaSync:
             loop.create_task(self._publish_forever(), name="replicas-publish"),
             loop.create_task(self._heartbeat_forever(), name="replicas-heartbeat"),
         ]
+        self.hello()
+
+    def hello(self) -> None:
+        """Ask the other routers for their guesses (they answer with "state")."""
+        self._state_taken = False
         self._queue({"k": "hello"})
 
     async def stop(self) -> None:
@@ -276,6 +282,7 @@ class ReplicaSync:
             for worker_id, chain, ttl_s in item.get("guesses", ()):
                 if ttl_s > 0:
                     router.pending.add(worker_id, split_chain(chain), ttl_s)
+                    self.num_guesses_taken += 1
         elif kind == "bye":
             self._forget(sender)
 
@@ -310,11 +317,26 @@ class ReplicaSync:
         self._items.append(item)
         self._wake.set()
 
-    async def _flush(self) -> None:
+    def take_message(self) -> bytes | None:
+        """The items queued so far as one message (what the next publish sends); None if
+        there are none."""
         items, self._items = self._items, []
-        if items:
-            body = {"v": VERSION, "router": self.router_id, "items": items}
-            await self._redis.publish(self.channel, msgpack.packb(body))
+        if not items:
+            return None
+        return msgpack.packb({"v": VERSION, "router": self.router_id, "items": items})
+
+    def heartbeat(self) -> None:
+        """Forget the routers gone quiet and queue this router's "load"."""
+        self.expire_peers()
+        # NOTE: a copy: the items queued after this one must not show in it.
+        loads = {worker_id: list(counts) for worker_id, counts in self._ledger.items()}
+        self._unsent_output.clear()
+        self._queue({"k": "load", "loads": loads})
+
+    async def _flush(self) -> None:
+        message = self.take_message()
+        if message is not None:
+            await self._redis.publish(self.channel, message)
             self.num_published += 1
 
     async def _publish_forever(self) -> None:
@@ -332,11 +354,7 @@ class ReplicaSync:
     async def _heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            self.expire_peers()
-            # NOTE: a copy: the items queued after this one must not show in it.
-            loads = {worker_id: list(counts) for worker_id, counts in self._ledger.items()}
-            self._unsent_output.clear()
-            self._queue({"k": "load", "loads": loads})
+            self.heartbeat()
 
     async def _receive(self, pubsub: Any) -> None:
         while True:
@@ -354,5 +372,4 @@ class ReplicaSync:
                 await asyncio.sleep(RECONNECT_S)
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.subscribe(self.channel)
-                    self._state_taken = False
-                    self._queue({"k": "hello"})
+                    self.hello()

@@ -668,6 +668,11 @@ def _read_counters(router: Router) -> list[ReadCounter]:
             lambda: router.replicas.num_routes_applied if router.replicas else 0,
         ),
         (
+            "kvswitch_router_replica_guesses_taken",
+            "Guesses taken from a running router replica as this one started (or rejoined)",
+            lambda: router.replicas.num_guesses_taken if router.replicas else 0,
+        ),
+        (
             "kvswitch_router_replica_errors",
             "Messages to or from the other router replicas lost to a Redis error",
             lambda: router.replicas.num_errors if router.replicas else 0,
