@@ -39,6 +39,14 @@ class GenerateOptions(TypedDict, total=False):
     logprobs: int | None
     prompt_logprobs: int | None
     pooling: str | None
+    priority: str
+
+
+# A request's priority class by name (kvswitch.v1.Priority).
+PRIORITIES = {
+    "interactive": common_pb2.PRIORITY_INTERACTIVE,
+    "batch": common_pb2.PRIORITY_BATCH,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,8 @@ class GenerateParams:
     prompt_logprobs: int | None = None
     # "last" or "mean": the prompt's embedding in the first chunk; None = none.
     pooling: str | None = None
+    # "interactive" or "batch": on a busy worker, interactive requests start first.
+    priority: str = "interactive"
 
     @classmethod
     def from_options(cls, prompt: str | None, options: Mapping[str, object]) -> GenerateParams:
@@ -113,6 +123,8 @@ class GenerateParams:
                 raise ValueError(f"{name} must be an int in [0, {_MAX_LOGPROBS}], got {value!r}")
         if self.pooling not in (None, "last", "mean"):
             raise ValueError(f"pooling must be 'last', 'mean' or None, got {self.pooling!r}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be 'interactive' or 'batch', got {self.priority!r}")
         if self.request_id is not None and not self.request_id:
             raise ValueError("request_id is empty; pass None to have one generated")
         for name in ("request_id", "lora", "cache_salt"):
@@ -132,6 +144,7 @@ class GenerateParams:
                 prompt_logprobs=self.prompt_logprobs,
             ),
             pooling=self.pooling or "",
+            priority=PRIORITIES[self.priority],
             lora=self.lora or "",
             cache_salt=self.cache_salt or "",
             routing=router_pb2.RoutingOverrides(

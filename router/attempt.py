@@ -241,6 +241,7 @@ class Attempts:
             # NOTE: with nothing to decode, no blocks are held, and the prefill worker ends the
             # text (a character cut short is U+FFFD) where it would leave it to the decode worker.
             hold_blocks_ms=round(self._disagg.lease_s * 1000) if goes_on else 0,
+            priority=self._request.priority,
         )
         num_uncached = self._router.num_uncached_tokens(attempt.resumed, decision)
         flight = self._directory.begin(handle, num_uncached, 1)
@@ -305,6 +306,7 @@ class Attempts:
             num_pending_text_tokens=progress.num_pending_text_tokens,
             # The first chunk carried the embedding: a resumed stream asks for none.
             pooling=self._request.pooling if not progress.sent else "",
+            priority=self._request.priority,
         )
         source = self._blocks_from(attempt.route)
         if source is not None:

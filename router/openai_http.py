@@ -662,6 +662,11 @@ class OpenAIFront:
             sampling=sampling,
             lora=self._lora_of(body.model, body.lora) or "",
             cache_salt=body.cache_salt or "",
+            priority=(
+                common_pb2.PRIORITY_BATCH
+                if body.priority == "batch"
+                else common_pb2.PRIORITY_INTERACTIVE
+            ),
         )
         if body.routing is not None:
             call.routing.policy = body.routing.policy

@@ -107,6 +107,19 @@ def _null_is(default: object) -> BeforeValidator:
     return BeforeValidator(lambda value: default if value is None else value)
 
 
+def _priority(value: Any) -> Any:
+    if value is None or value in ("interactive", "batch"):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "batch" if value > 0 else "interactive"  # vLLM's: lower starts earlier
+    raise ValueError("must be 'interactive', 'batch' or an integer (above 0: batch)")
+
+
+# A request's priority class ("interactive", the default, or "batch"); vLLM's integer priority is
+# taken too, 0 or below as interactive.
+Priority = Annotated[str | None, BeforeValidator(_priority)]
+
+
 class _Strict(BaseModel):
     # NOTE: strict: "max_tokens": "5" is an error, as on OpenAI, not 5.
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -155,6 +168,7 @@ class _GenerateRequest(_Strict):
     # kvswitch's own, as in the gRPC GenerateRequest.
     lora: str | None = None
     cache_salt: str | None = None
+    priority: Priority = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_UINT32_MAX)]] | None = None
     routing: RoutingOptions | None = None
     # vLLM's: each choice (each chunk's, streaming) carries the output's token ids too.
@@ -287,6 +301,7 @@ class EmbeddingRequest(_Strict):
     pooling: Annotated[str | None, _only(None, *POOLINGS)] = None
     lora: str | None = None
     cache_salt: str | None = None
+    priority: Priority = None
     routing: RoutingOptions | None = None
 
     @field_validator("input", mode="before")

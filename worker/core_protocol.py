@@ -7,7 +7,8 @@ sent, which the cache-event numbering relies on.
 Serving process to core::
 
     [ADD, request_id, prompt (little-endian uint32 bytes), block_hashes, params, cache_salt,
-     num_resumed_tokens, hold_s, lora, pooling]
+     num_resumed_tokens, hold_s, lora, pooling, priority]
+                                       priority: 0 interactive, 1 batch (absent: 0)
     [ABORT, request_id]
     [RELEASE, lease_id]                a finished request's blocks, held for a peer, can go
     [SNAPSHOT, call_id, device_only]   device_only: the device tier's hashes alone

@@ -53,7 +53,9 @@ from kvswitch.worker.model_runner import (
 )
 from kvswitch.worker.offload import HostTier
 from kvswitch.worker.request import (
+    INTERACTIVE,
     POOLINGS,
+    PRIORITIES,
     FinishReason,
     FirstToken,
     PullSlots,
@@ -277,6 +279,7 @@ class LLMEngine:
         block_hashes: list[bytes] | None = None,
         hold_s: float = 0.0,
         pooling: str | None = None,
+        priority: int = INTERACTIVE,
     ) -> Request:
         """The request ``add_request`` would queue, checked (ValueError) but not queued. It reads
         only what never changes in the engine, so any thread may call it.
@@ -287,9 +290,12 @@ class LLMEngine:
         hashed it already. ``hold_s``: once finished, the request's cached blocks are held this
         long under a lease named by its id, for a peer to copy (``release_lease``).
         ``pooling``: give the prompt's embedding, its final hidden states pooled this way
-        (``POOLINGS``), with its first token.
+        (``POOLINGS``), with its first token. ``priority``: ``INTERACTIVE`` or ``BATCH`` (it
+        waits behind every interactive request).
         """
         check_hold(hold_s)
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be 0 (interactive) or 1 (batch), not {priority!r}")
         if pooling is not None and pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
         prompt = np.asarray(prompt_token_ids)
@@ -306,6 +312,7 @@ class LLMEngine:
         request.num_resumed_tokens = num_resumed_tokens
         request.hold_s = hold_s
         request.pooling = pooling
+        request.priority = priority
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         request.stop_token_ids |= self._eos_token_ids
         return request

@@ -51,7 +51,9 @@ from kvswitch.worker.engine_config import check_lora_name
 from kvswitch.worker.engine_core import build_and_run, core_process_main
 from kvswitch.worker.kv_layout import KVLayout
 from kvswitch.worker.request import (
+    INTERACTIVE,
     POOLINGS,
+    PRIORITIES,
     PullSlots,
     RequestOutput,
     SamplingParams,
@@ -354,12 +356,14 @@ class EngineClient:
         hold_s: float = 0.0,
         block_hashes: list[bytes] | None = None,
         pooling: str | None = None,
+        priority: int = INTERACTIVE,
     ) -> asyncio.Queue[RequestOutput | EngineError]:
         """Queue a request in the engine and return the queue its outputs will arrive on.
         ``hold_s``: once it finished, hold its cached blocks this long for a peer to fetch, under
         a lease named by ``request_id`` (``release``). ``block_hashes``: the prompt's chain
         (``self.hasher(cache_salt, lora)``), when the caller hashed it already. ``pooling``: the
         prompt's embedding comes with its first token (``LLMEngine.make_request``).
+        ``priority``: ``INTERACTIVE`` or ``BATCH`` (it waits behind the interactive ones).
 
         Raises ValueError (a message for the user) if the request can never run, and
         ``EngineStopped`` if the engine is stopping or gone; nothing is queued then.
@@ -369,10 +373,12 @@ class EngineClient:
         )
         if pooling is not None and pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be 0 (interactive) or 1 (batch), not {priority!r}")
         if block_hashes is None:
             block_hashes = self.hasher(cache_salt, lora).hash_blocks(prompt)
         fields = [prompt.tobytes(), block_hashes, wire.params_to_wire(params)]
-        fields += [cache_salt, num_resumed_tokens, hold_s, lora, pooling]
+        fields += [cache_salt, num_resumed_tokens, hold_s, lora, pooling, priority]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_running()

@@ -202,6 +202,7 @@ class EngineCore:
         hold_s: float,
         lora: str | None,
         pooling: str | None = None,
+        priority: int = 0,
         *unknown: Any,
     ) -> Request | tuple[str, str]:
         """The request, or ``(request_id, why it cannot run)``."""
@@ -216,6 +217,7 @@ class EngineCore:
                 block_hashes=block_hashes,
                 hold_s=hold_s,
                 pooling=pooling,
+                priority=priority,
             )
         except ValueError as e:
             return request_id, str(e)

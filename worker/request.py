@@ -72,6 +72,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Priority classes (kvswitch.v1.Priority): who starts first among waiting requests.
+INTERACTIVE = 0
+BATCH = 1
+PRIORITIES = (INTERACTIVE, BATCH)
+
+
 class RequestStatus(enum.Enum):
     WAITING_FOR_REMOTE_KV = "waiting for remote kv"  # holds its blocks; a transfer fills them
     WAITING = "waiting"
@@ -118,6 +124,7 @@ class Request:
         "num_tokens",
         "params",
         "pooling",
+        "priority",
         "prompt_hidden",
         "request_id",
         "status",
@@ -172,6 +179,8 @@ class Request:
         self.first_token_s: float | None = None
         # Pool the prompt's final hidden states into an embedding this way (POOLINGS); None: no.
         self.pooling: str | None = None
+        # INTERACTIVE (0) or BATCH (1): a batch request waits behind every interactive one.
+        self.priority = INTERACTIVE
         # The prompt's final hidden states, gathered step by step (and from the hidden-state
         # cache) while prompt logprobs or an embedding wait for them; rows [0, num_hidden_rows)
         # are filled. None: the request needs none.

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvswitch.worker.block_pool import KVBlock
 from kvswitch.worker.kv_cache_manager import KVCacheManager
-from kvswitch.worker.request import PullSlots, Request, RequestStatus
+from kvswitch.worker.request import BATCH, PullSlots, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,18 @@ class Scheduler:
         return running + waiting + sum(r.num_tokens for r in self.waiting_for_kv.values())
 
     def add(self, request: Request) -> None:
+        """Queue a new request: behind every waiting request of its priority or a higher one,
+        ahead of the lower ones (an interactive request passes the waiting batch ones)."""
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        waiting = self.waiting
+        if request.priority == BATCH or not waiting or waiting[-1].priority != BATCH:
+            waiting.append(request)
+            return
+        # NOTE: batch requests wait at the tail: walk back over them.
+        i = len(waiting)
+        while i > 0 and waiting[i - 1].priority == BATCH:
+            i -= 1
+        waiting.insert(i, request)
 
     def add_awaiting_kv(self, request: Request) -> PullSlots:
         """Queue a request whose prompt's KV a transfer brings, holding its blocks

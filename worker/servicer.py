@@ -208,6 +208,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     num_resumed_tokens=request.num_resumed_tokens,
                     hold_s=request.hold_blocks_ms / 1000,
                     pooling=request.pooling or None,
+                    priority=request.priority,
                 )
         except EngineStopped as e:
             self._metrics.requests.finished("rejected")

@@ -31,7 +31,7 @@ class RoutingOverrides(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "lora", "cache_salt", "routing", "pooling")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "lora", "cache_salt", "routing", "pooling", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     routing: RoutingOverrides
     pooling: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., routing: _Optional[_Union[RoutingOverrides, _Mapping]] = ..., pooling: _Optional[str] = ...) -> None: ...
+    priority: _common_pb2.Priority
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., routing: _Optional[_Union[RoutingOverrides, _Mapping]] = ..., pooling: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("worker_id", "policy", "reason", "num_matched_blocks", "score")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvswitch.worker.engine import EngineConfig, LLMEngine, kv_cache_budget_bytes
-from kvswitch.worker.request import FinishReason, SamplingParams
+from kvswitch.worker.request import BATCH, INTERACTIVE, FinishReason, SamplingParams
 
 BLOCK_BYTES = 32 << 10  # one 16-token block of the built-in model in fp32
 
@@ -196,3 +196,25 @@ def test_cpu_threads_bounds_the_engine_cores_torch_threads() -> None:
     assert result.stdout.strip() == "1"
     with pytest.raises(ValueError, match="cpu_threads must be >= 0"):
         EngineConfig(cpu_threads=-1)
+
+
+def test_an_interactive_request_starts_before_the_batch_ones_waiting() -> None:
+    """One sequence at a time: while one runs, two batch requests and then two interactive ones
+    queue; the interactive ones start first, each class in arrival order."""
+    engine = make_engine(max_num_seqs=1)
+    params = SamplingParams(max_tokens=4)
+    engine.add_request("running", [256, *b"first in"], params, priority=BATCH)
+    engine.step()
+    for request_id, priority in [
+        ("batch-1", BATCH),
+        ("batch-2", BATCH),
+        ("chat-1", INTERACTIVE),
+        ("chat-2", INTERACTIVE),
+    ]:
+        engine.add_request(request_id, [256, *request_id.encode()], params, priority=priority)
+    started = []
+    while engine.has_unfinished():
+        started += engine.step().first
+    assert started == ["chat-1", "chat-2", "batch-1", "batch-2"]
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request("bad", [256, 1], params, priority=7)
