@@ -48,7 +48,7 @@ from kvswitch.loadtest.trace import (
 )
 from kvswitch.router.heat import PrefixHeat
 from kvswitch.router.pending import PendingBlocks
-from kvswitch.router.policy import fetch_costs, make_policy
+from kvswitch.router.policy import Decision, fetch_costs, make_policy
 from kvswitch.router.router import RoutePlan, Router, TierWeights
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
 
@@ -82,6 +82,11 @@ class SimConfig:
     offload_capacity_blocks: int = 0
     reload_tokens_per_s: float = 200_000.0
     cpu_block_weight: float = 0.8  # what the router counts a host-tier block for (the router's)
+    # Router replicas (router/replicas.py): request i is routed by replica i mod this; each
+    # hears the others' routes (guesses, heat, the tie rotation) this late, or never (< 0).
+    # They share the workers' in-flight counts at once.
+    router_replicas: int = 1
+    replica_delay_ms: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -140,6 +145,10 @@ class SimConfig:
             raise ValueError(f"load_poll_s must be a number >= 0, got {self.load_poll_s}")
         if not 0 < self.pending_ttl_s < math.inf:
             raise ValueError(f"pending_ttl_s must be a positive number, got {self.pending_ttl_s}")
+        if self.router_replicas < 1:
+            raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
+        if not self.replica_delay_ms < math.inf:
+            raise ValueError("replica_delay_ms must be finite (below 0: replicas never hear)")
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -324,6 +333,66 @@ class _SimDirectory(WorkerDirectory):
         return [h for h in self._sim_handles if h.worker_id not in exclude]
 
 
+class _Replicas:
+    """Router replicas on one fleet: request i goes to replica i mod their number, and each
+    hears the others' routes (a guess, a heat count, the tie rotation moved on) after
+    ``replica_delay_ms``, as router/replicas.py tells them; or never, with a delay below 0. The
+    workers' in-flight counts (the handles) they share at once."""
+
+    def __init__(
+        self,
+        router: Router,
+        config: SimConfig,
+        policy: str,
+        weights: dict[str, float] | None,
+        clock: _Clock,
+    ) -> None:
+        self.routers = [router]
+        for r in range(1, config.router_replicas):
+            replica = Router(
+                router.index,
+                router.directory,
+                None,
+                namespace=router.namespace,
+                pending=PendingBlocks(config.pending_ttl_s, clock),
+                heat=PrefixHeat(clock=clock),
+                tier_weights=router.tier_weights,
+            )
+            replica.default_policy = make_any_policy(
+                policy, weights, rng=random.Random(config.seed + r)
+            )
+            self.routers.append(replica)
+        self.delay_s = config.replica_delay_ms / 1000
+        self.syncs = len(self.routers) > 1 and self.delay_s >= 0
+        for replica in self.routers:
+            replica.shared_rotation = self.syncs
+        # (when, order, the replica that hears, worker, chain, guessed)
+        self._heard: list[tuple[float, int, int, str, list[bytes], bool]] = []
+        self._order = 0
+
+    def take(self, k: int, now_s: float) -> Router:
+        """The replica that routes request ``k``, told every route due by ``now_s``."""
+        while self._heard and self._heard[0][0] <= now_s:
+            _, _, r, worker_id, block_hashes, guessed = heapq.heappop(self._heard)
+            replica = self.routers[r]
+            if guessed:
+                replica.pending.add(worker_id, block_hashes)
+            replica.heat.record(block_hashes)
+            replica.num_routed += 1
+        return self.routers[k % len(self.routers)]
+
+    def routed(
+        self, router: Router, block_hashes: list[bytes], decision: Decision, now_s: float
+    ) -> None:
+        if not self.syncs:
+            return
+        for r, replica in enumerate(self.routers):
+            if replica is not router:
+                self._order += 1
+                heard = (now_s + self.delay_s, self._order, r, decision.worker_id)
+                heapq.heappush(self._heard, (*heard, block_hashes, not decision.fetch_from))
+
+
 async def _simulate(
     requests: Sequence[SimRequest], config: SimConfig, policy: str, rate_scale: float, check: bool
 ) -> PolicyRun:
@@ -378,6 +447,7 @@ async def _simulate(
     weights = config.weights() if policy == "cost" else None
     # NOTE: the router's default set aside: the simulator also replays other routers' rules.
     router.default_policy = make_any_policy(policy, weights, rng=random.Random(config.seed))
+    replicas = _Replicas(router, config, policy, weights, clock)
 
     jobs: list[Job] = []
     worker_ids: list[str] = []
@@ -419,8 +489,10 @@ async def _simulate(
                 worker.check()
         await deliver(now_s)
         plan = sim_request.plan
+        router = replicas.take(len(jobs), now_s)
         decision, handle = await router.choose(plan)
         router.routed(plan, decision)
+        replicas.routed(router, plan.block_hashes, decision, now_s)
         num_uncached = router.num_uncached_tokens(plan, decision)
         # The router's count of the request on its worker; the worker counts it down.
         router.directory.begin(handle, num_uncached, request.num_output_tokens)

@@ -145,6 +145,8 @@ class Router:
         # for a router alone.
         self.replicas: ReplicaSync | None = None
         self.num_routed = 0  # requests routed, by this router and (told) its replicas
+        # Break ties by ``num_routed``, as the replicas do, not by the policy's own count.
+        self.shared_rotation = False
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -268,7 +270,7 @@ class Router:
             plan.block_size,
             num_hot_blocks=self.heat.hot_blocks(plan.block_hashes, matches, len(handles)),
             num_shared_blocks=self.heat.shared_blocks(plan.block_hashes),
-            rotation=self.num_routed if self.replicas is not None else None,
+            rotation=self.num_routed if self.shared_rotation else None,
         )
 
         def states(candidates: dict[str, WorkerHandle]) -> list[WorkerState]:

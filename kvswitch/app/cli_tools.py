@@ -54,6 +54,11 @@ SIM_HELP = {
     "(the built-in model, measured); see docs/SIMULATOR.md",
     "load_poll_s": "seconds between the load reports the router polls from each worker; 0 = "
     "the router sees each worker's load as it is",
+    "router_replicas": "router replicas: request i is routed by replica i mod this many, each "
+    "with its own guesses, heat and tie rotation (docs/SIMULATOR.md)",
+    "replica_delay_ms": "router replicas hear each other's routes this late (the replica channel's "
+    "delivery time); below 0: never (replicas that share nothing but the index and the workers' "
+    "in-flight counts)",
     "pending_ttl_s": "seconds a routed prompt counts as cached on its worker before the index "
     "confirms it",
     "cost_weights": "the cost policy's weights, 'key=value,...' (prefill_weight, decode_weight, "
