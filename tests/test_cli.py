@@ -220,6 +220,15 @@ def test_bench_pool_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert 16 < figures["event_bytes_per_stored_block"] < 40  # a 16-byte hash and framing
 
 
+def test_json_dash_is_stdout_not_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    main(["bench", "hash", "--duration-s", "0.05", "--json", "-"])
+    assert json.loads(capsys.readouterr().out)["tokens_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_hash_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "hash.json"
     main(["bench", "hash", "--duration-s", "0.1", "--json", str(out)])

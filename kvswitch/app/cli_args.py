@@ -91,11 +91,12 @@ def plain_doc(doc: str | None) -> str:
 
 
 def write_json(result: dict[str, Any], path: Path | None, *, echo: bool = True) -> None:
-    """``result`` as JSON on stdout (unless not ``echo``) and in the file ``path``, if given."""
+    """``result`` as JSON on stdout (unless not ``echo``) and in the file ``path``, if given
+    (``STDOUT``: on stdout alone)."""
     text = json.dumps(result, indent=2, sort_keys=True)
-    if echo:
+    if echo or path == STDOUT:
         print(text)
-    if path is not None:
+    if path is not None and path != STDOUT:
         path.write_text(text + "\n")
         print(f"wrote {path}", file=sys.stderr)
 
