@@ -26,6 +26,7 @@ speed is a profile (loadtest/profiles.py), not a model run.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import math
 import random
@@ -364,33 +365,57 @@ class _Replicas:
             self.routers.append(replica)
         self.delay_s = config.replica_delay_ms / 1000
         self.syncs = len(self.routers) > 1 and self.delay_s >= 0
-        for replica in self.routers:
+        for r, replica in enumerate(self.routers):
             replica.shared_rotation = self.syncs
-        # (when, order, the replica that hears, worker, chain, guessed)
-        self._heard: list[tuple[float, int, int, str, list[bytes], bool]] = []
+            if self.syncs:
+                replica.pending.on_confirm = functools.partial(self._confirmed, r)
+        # (when, order, the replica that hears, worker, chain or None for a confirmation,
+        # guessed)
+        self._heard: list[tuple[float, int, int, str, list[bytes] | bytes, bool]] = []
         self._order = 0
+        self._now_s = 0.0
 
     def take(self, k: int, now_s: float) -> Router:
         """The replica that routes request ``k``, told every route due by ``now_s``."""
+        self._now_s = now_s
         while self._heard and self._heard[0][0] <= now_s:
-            _, _, r, worker_id, block_hashes, guessed = heapq.heappop(self._heard)
+            heard_s, _, r, worker_id, block_hashes, guessed = heapq.heappop(self._heard)
             replica = self.routers[r]
-            if guessed:
-                replica.pending.add(worker_id, block_hashes)
-            replica.heat.record(block_hashes)
+            if isinstance(block_hashes, bytes):  # a confirmation: the chain's last hash
+                replica.pending.confirmed(worker_id, block_hashes)
+                continue
+            # NOTE: as of when it was heard, not of this request's arrival: the guess's
+            # lifetime and the heat's decay start then.
+            ttl_s = replica.pending.ttl_s - (now_s - heard_s)
+            if guessed and ttl_s > 0:
+                replica.pending.add(worker_id, block_hashes, ttl_s)
+            replica.heat.record(block_hashes, heard_s)
             replica.num_routed += 1
         return self.routers[k % len(self.routers)]
 
     def routed(
         self, router: Router, block_hashes: list[bytes], decision: Decision, now_s: float
     ) -> None:
-        if not self.syncs:
-            return
+        if self.syncs:
+            guessed = not decision.fetch_from
+            self._tell(router, decision.worker_id, block_hashes, guessed, now_s)
+
+    def _confirmed(self, r: int, worker_id: str, last_hash: bytes) -> None:
+        self._tell(self.routers[r], worker_id, last_hash, False, self._now_s)
+
+    def _tell(
+        self,
+        router: Router,
+        worker_id: str,
+        what: list[bytes] | bytes,
+        guessed: bool,
+        now_s: float,
+    ) -> None:
         for r, replica in enumerate(self.routers):
             if replica is not router:
                 self._order += 1
-                heard = (now_s + self.delay_s, self._order, r, decision.worker_id)
-                heapq.heappush(self._heard, (*heard, block_hashes, not decision.fetch_from))
+                heard = (now_s + self.delay_s, self._order, r, worker_id)
+                heapq.heappush(self._heard, (*heard, what, guessed))
 
 
 async def _simulate(

@@ -81,9 +81,10 @@ class PrefixHeat:
     def __len__(self) -> int:
         return len(self._counts)
 
-    def record(self, block_hashes: Sequence[bytes]) -> None:
-        """A request with this chain was routed."""
-        now = self._clock()
+    def record(self, block_hashes: Sequence[bytes], at_s: float | None = None) -> None:
+        """A request with this chain was routed (``at_s``: then, by this clock; default now,
+        and never before the last record)."""
+        now = self._clock() if at_s is None else at_s
         self._bump(self._total, now)
         counts = self._counts
         depth = 1

@@ -94,6 +94,9 @@ class PendingBlocks:
         self._num_live = 0
         self.num_confirmed = 0
         self.num_expired = 0
+        # Told of each guess the index confirms: its worker and its chain's last hash (router
+        # replicas drop their copy, router/replicas.py).
+        self.on_confirm: Callable[[str, bytes], None] | None = None
 
     def __len__(self) -> int:
         return self._num_live
@@ -149,7 +152,18 @@ class PendingBlocks:
         for guess in confirmed:
             self.num_confirmed += 1
             self._drop(guess)
+            if self.on_confirm is not None:
+                self.on_confirm(guess.worker_id, guess.block_hashes[-1])
         return matches
+
+    def confirmed(self, worker_id: str, last_hash: bytes) -> None:
+        """Another router's index lookup confirmed its copy of the guess that ``worker_id``
+        holds the chain ending in ``last_hash``: drop this one too, if it is still here."""
+        guesses = self._workers.get(worker_id)
+        guess = guesses.by_end.get(last_hash) if guesses is not None else None
+        if guess is not None:
+            self.num_confirmed += 1
+            self._drop(guess)
 
     def discard(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
         """Take back one ``add(worker_id, block_hashes)``: its request will not make the worker

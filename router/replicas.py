@@ -17,6 +17,9 @@ channel of the index's Redis, what changes the others' choices, and applies what
                 tokens it may produce), was prefilled (0, minus its prompt tokens) or ended
                 (minus 1); the output tokens streamed there since the last item, taken off
     "withdraw"  {"worker", "chain"}: a route's request will not run there after all
+    "confirm"   {"worker", "end": <the chain's last hash>}: the index now lists a guess's
+                blocks there, so the guess goes (else the others' copies would outlive it: if
+                the blocks were evicted meanwhile, they would still count them as held)
     "load"      {"loads": {worker: [requests, prefill, output]}}: the sum of the sender's
                 "inflight" items so far, every ``heartbeat_s``: it replaces what the others
                 summed, so one lost message is not counted for ever
@@ -190,6 +193,9 @@ class ReplicaSync:
             {"k": "route", "worker": worker_id, "chain": join_chain(block_hashes), "guess": guessed}
         )
 
+    def confirmed(self, worker_id: str, last_hash: bytes) -> None:
+        self._queue({"k": "confirm", "worker": worker_id, "end": last_hash})
+
     def withdrawn(self, worker_id: str, block_hashes: Sequence[bytes]) -> None:
         self._queue({"k": "withdraw", "worker": worker_id, "chain": join_chain(block_hashes)})
 
@@ -269,6 +275,8 @@ class ReplicaSync:
             self.num_inflight_applied += 1
         elif kind == "withdraw":
             router.pending.discard(item["worker"], split_chain(item["chain"]))
+        elif kind == "confirm":
+            router.pending.confirmed(item["worker"], item["end"])
         elif kind == "load":
             self._drop_load(peer)
             peer.loads = {w: list(counts) for w, counts in item.get("loads", {}).items()}

@@ -482,6 +482,7 @@ async def start_router(config: RouterConfig, *, front_key: str = "") -> RouterSe
     if config.syncs_replicas():
         router.replicas = ReplicaSync.for_router(config.index, config.index_prefix, router)
         router.shared_rotation = True
+        router.pending.on_confirm = router.replicas.confirmed
         directory.on_load = router.replicas.load_changed
     metrics = RouterMetrics(
         worker_loads=lambda: _worker_loads(directory), counters=_read_counters(router)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from kvswitch.loadtest.policies import ALL_POLICIES
 from kvswitch.loadtest.profiles import CPU
 from kvswitch.loadtest.rate_search import find_rate_scale
 from kvswitch.loadtest.sim import SimConfig, check_capacity, prepare, simulate
-from kvswitch.loadtest.trace import TraceRequest
+from kvswitch.loadtest.trace import TraceRequest, load_trace
 from tests.loadtest.helpers import B, chat_trace, config, sim_requests, spaced
 
 
@@ -80,6 +81,25 @@ def test_a_burst_on_one_document_follows_the_routers_guess(policy: str) -> None:
     # Guesses that lapse at once: the index learns the blocks only as the first chunk ends.
     unguessed = simulate(requests, config(pending_ttl_s=1e-6), policy, 1.0)
     assert len(set(unguessed.worker_ids)) == 4
+
+
+def test_router_replicas_that_hear_each_other_at_once_route_as_one_router() -> None:
+    """Four replicas, each request to the next: told every route (guesses, heat, tie rotation)
+    and every confirmation as it happens, they choose what one router chooses, request by
+    request; told nothing, a burst on one document spreads over the replicas' first choices."""
+    # Documents on many small workers: guesses confirmed, then evicted, and prefixes turning hot.
+    requests = prepare(load_trace("generated:docs,num_requests=1200", B), B)
+    fleet = config(workers=64, capacity_blocks=17, profile="gpu")
+    one = simulate(requests, fleet, "cost", 1.0)
+    replicas = simulate(
+        requests, replace(fleet, router_replicas=4, replica_delay_ms=0), "cost", 1.0
+    )
+    assert replicas.worker_ids == one.worker_ids
+    documents = sim_requests(*burst(8))
+    alone = simulate(documents, config(router_replicas=4, replica_delay_ms=-1), "cost", 1.0)
+    together = simulate(documents, config(router_replicas=4, replica_delay_ms=0), "cost", 1.0)
+    assert len(set(together.worker_ids)) == 1
+    assert len(set(alone.worker_ids)) > 1
 
 
 def test_the_rate_search_finds_the_target_utilization() -> None:

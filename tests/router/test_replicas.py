@@ -495,6 +495,18 @@ def test_routes_share_guesses_heat_and_the_tie_rotation() -> None:
     assert b._router.pending.match(CHAIN, {}) == {}
 
 
+def test_a_guess_the_index_confirms_on_one_router_goes_on_the_others() -> None:
+    a, b = _replica(), _replica()
+    a._router.pending.on_confirm = a.confirmed
+    a.routed("w1", CHAIN, guessed=True)
+    a._router.pending.add("w1", CHAIN)
+    _send(a, b)
+    assert a._router.pending.match(CHAIN, {"w1": 4}) == {"w1": 4}  # the index lists it now
+    _send(a, b)
+    # Evicted since: b no longer counts the blocks as about to be there, as a would not.
+    assert b._router.pending.match(CHAIN, {}) == {} == a._router.pending.match(CHAIN, {})
+
+
 def test_a_starting_router_takes_the_guesses_of_one_that_runs() -> None:
     a, c = _replica(), _replica()
     a._router.pending.add("w3", CHAIN)
