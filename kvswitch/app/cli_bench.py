@@ -124,6 +124,20 @@ RELAY_HELP = {
     "duration_s": "seconds each window measures",
 }
 
+ROUTERS_HELP = {
+    "routers": "which to measure, comma-separated: kvswitch-engines (engine mode, HTTP), "
+    "kvswitch-http and kvswitch-grpc (before kvswitch workers), sglang-router, vllm-router",
+    "num_engines": "stub engines behind each router",
+    "num_requests": "non-streamed completions per router, one after another",
+    "prompt_chars": "characters of each non-streamed completion's prompt",
+    "num_output_tokens": "tokens each non-streamed completion answers with",
+    "stream_tokens": "tokens of each streamed completion (one event a token)",
+    "concurrency": "streams open at once while the router's CPU is measured",
+    "duration_s": "seconds of streaming per router",
+    "sglang_router": "the sglang-router executable (pip install sglang-router==0.3.2)",
+    "vllm_router": "the vllm-router executable (pip install vllm-router==0.1.17)",
+}
+
 ROUTER_BENCH_HELP = {
     "num_prompt_tokens": "prompt length in tokens, sent as token ids",
     "block_size": "tokens per block",
@@ -347,6 +361,7 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
     from kvswitch.benchmarks import pool as pool_bench
     from kvswitch.benchmarks import relay as relay_bench
     from kvswitch.benchmarks import router as router_bench
+    from kvswitch.benchmarks import routers as routers_bench
     from kvswitch.benchmarks import scoring as score_bench
     from kvswitch.benchmarks import serve as serve_bench
     from kvswitch.benchmarks import startup as startup_bench
@@ -418,6 +433,14 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             relay_bench.RelayBenchConfig,
             RELAY_HELP,
             "streamed tokens a router relays a second, per core of its own, against direct",
+        ),
+        (
+            "routers",
+            routers_bench.run,
+            routers_bench.RoutersBenchConfig,
+            ROUTERS_HELP,
+            "kvswitch's router beside sglang-router and vllm-router, before the same stub "
+            "engines: added latency, CPU per relayed token",
         ),
         (
             "lookup",

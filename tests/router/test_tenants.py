@@ -5,7 +5,9 @@ or the API key)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
 import grpc
 import httpx2
@@ -14,7 +16,7 @@ import pytest
 from kvswitch.router.tenants import TenantLimits, key_tenant
 from kvswitch.serving import retry_after_ms
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.router.harness import ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster
+from tests.router.harness import ROUTER_CONFIG, WORKER_CONFIG, BackgroundCluster, wait_until
 
 PROMPT = router_pb2.TokenIds(ids=[256, *b"a tenant's question"])
 
@@ -118,3 +120,48 @@ def test_a_tenant_past_its_rate_waits_and_an_api_key_names_a_tenant() -> None:
         # NOTE: 100 s less the time the first request took, however slow the machine.
         assert 50_000 < int(refused.headers["retry-after-ms"]) <= 100_000
         assert post("key-b").status_code == 200  # the other key is another tenant
+
+
+def test_a_flooding_tenant_is_held_to_its_streams_and_another_is_never_refused() -> None:
+    """Tenant a floods (eight threads, each sending again as soon as one ends) past its two
+    streams; tenant b's requests meanwhile are all served, and the worker never holds more
+    than a's two streams and b's one."""
+    router = dataclasses.replace(ROUTER_CONFIG, tenant_header="x-tenant", max_streams_per_tenant=2)
+    worker_config = dataclasses.replace(WORKER_CONFIG, engine_in_process=True)
+    with (
+        BackgroundCluster(1, router, worker_config) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        worker = cluster.workers[0]
+        stop = threading.Event()
+        outcomes: collections.Counter = collections.Counter()
+        most_at_worker = 0
+
+        def flood() -> None:
+            while not stop.is_set():
+                try:
+                    list(_call(channel, "a", 8))
+                    outcomes["served"] += 1
+                except grpc.RpcError as e:
+                    outcomes[e.code()] += 1
+
+        threads = [threading.Thread(target=flood) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_until(
+                lambda: (
+                    outcomes[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 20 and outcomes["served"] >= 2
+                ),
+                "tenant a served and refused",
+            )
+            for _ in range(10):
+                call = _call(channel, "b", 8)
+                most_at_worker = max(most_at_worker, worker.engine.num_requests)
+                assert list(call)[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+        assert set(outcomes) == {"served", grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert most_at_worker <= 3

@@ -1,0 +1,398 @@
+"""``kvswitch bench routers``: kvswitch's router beside the routers people would pick instead, in
+front of the same stub engines, from the same client, in one run.
+
+The engines are stubs with no model (``benchmarks/stub_engines.py``): each answers a completion
+at once with ``num_output_tokens`` tokens, or streams ``stream_tokens`` of them one server-sent
+event a token. Routers, each started alone in front of ``num_engines`` of them:
+
+- ``kvswitch-engines``: ``kvswitch router`` in engine mode (``--engine``: the stubs as OpenAI-API
+  engines, their KV events followed), its HTTP API;
+- ``kvswitch-grpc`` and ``kvswitch-http``: ``kvswitch router`` before gRPC stub workers answering
+  the same way, over its gRPC API and over its HTTP API;
+- ``sglang-router`` (``launch --policy cache_aware``) and ``vllm-router`` (``--policy
+  cache_aware``), where their executables are found (``pip install sglang-router==0.3.2
+  vllm-router==0.1.17``; elsewhere, ``--sglang-router PATH``); a router not found is reported as
+  such, never silently left out.
+
+Per router: ``p50_ms`` / ``p99_ms`` of ``num_requests`` non-streamed completions sent one after
+another (a prompt of ``prompt_chars`` characters), and ``added_p50_ms`` / ``added_p99_ms``, less the
+same straight to a stub (the HTTP stubs for the HTTP routers, the gRPC stubs for gRPC); then
+``cpu_us_per_token``: the router's CPU time (its processes, from ``/proc``) while ``concurrency``
+streams of ``stream_tokens`` tokens run for ``duration_s``, over the tokens the clients read.
+Everything shares the machine's cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvswitch.benchmarks.stub_engines import MODEL, serve_grpc_stubs, serve_http_stubs
+from kvswitch.benchmarks.timing import machine_info
+from kvswitch.cache_index.local_redis import free_port
+from kvswitch.serving import start_server_process
+
+ROUTERS = ("kvswitch-engines", "kvswitch-http", "kvswitch-grpc", "sglang-router", "vllm-router")
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RoutersBenchConfig:
+    routers: str = ",".join(ROUTERS)
+    num_engines: int = 2
+    num_requests: int = 400  # non-streamed, one after another, per router (and straight)
+    prompt_chars: int = 2000
+    num_output_tokens: int = 16
+    stream_tokens: int = 256  # a streamed request's tokens
+    concurrency: int = 4  # streams open at once
+    duration_s: float = 3.0
+    sglang_router: str = "sglang-router"  # its executable
+    vllm_router: str = "vllm-router"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.names()) - set(ROUTERS)
+        if unknown or not self.names():
+            raise ValueError(
+                f"routers must list some of {', '.join(ROUTERS)}, got {self.routers!r}"
+            )
+        for name in ("num_engines", "num_requests", "prompt_chars", "num_output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.stream_tokens < 2 or self.concurrency < 1 or not self.duration_s > 0:
+            raise ValueError("stream_tokens >= 2, concurrency >= 1 and duration_s > 0, please")
+
+    def names(self) -> list[str]:
+        return [n.strip() for n in self.routers.split(",") if n.strip()]
+
+
+def run(config: RoutersBenchConfig) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    results: dict[str, Any] = {}
+    ports = [free_port() for _ in range(config.num_engines)]
+    event_ports = [free_port() for _ in range(config.num_engines)]
+    ready = context.Queue()
+    stubs = context.Process(
+        target=serve_http_stubs,
+        args=(config.num_engines, config.num_output_tokens, ports, event_ports, ready),
+        daemon=True,
+    )
+    stubs.start()
+    try:
+        ready.get(timeout=READY_TIMEOUT_S)
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        print("  straight to the HTTP stubs", file=sys.stderr)
+        direct_http = _latencies(config, _http_completion(config, ports))
+        for name in config.names():
+            if name in ("kvswitch-grpc", "kvswitch-http"):
+                continue
+            command = _http_router_command(name, config, urls, event_ports)
+            if command is None:
+                results[name] = {"skipped": f"{name} is not installed"}
+                continue
+            print(f"  {name}", file=sys.stderr)
+            with _router(command) as (pid, port):
+                results[name] = _measure_http(config, pid, port, direct_http)
+        if {"kvswitch-grpc", "kvswitch-http"} & set(config.names()):
+            results.update(_measure_kvswitch_workers(config, context, direct_http))
+    finally:
+        stubs.kill()
+    return {
+        "config": asdict(config),
+        "machine": machine_info(),
+        "direct_http_p50_ms": _ms(direct_http, 0.5),
+        "routers": results,
+    }
+
+
+# -- the routers -----------------------------------------------------------------------------------
+
+
+def _http_router_command(
+    name: str, config: RoutersBenchConfig, urls: list[str], event_ports: list[int]
+) -> tuple[list[str], int] | None:
+    port = free_port()
+    if name == "kvswitch-engines":
+        engines: list[str] = []
+        for k, (url, event_port) in enumerate(zip(urls, event_ports, strict=True)):
+            engines += ["--engine", f"e{k}={url}"]
+            engines += ["--engine-events", f"e{k}=tcp://127.0.0.1:{event_port}"]
+        return [
+            *_kvswitch(),
+            "router",
+            "--port",
+            "0",
+            "--http-port",
+            str(port),
+            "--namespace",
+            MODEL,
+            *engines,
+        ], port
+    executable = shutil.which(
+        config.sglang_router if name == "sglang-router" else config.vllm_router
+    )
+    if executable is None:
+        return None
+    common = ["--worker-urls", *urls, "--policy", "cache_aware", "--host", "127.0.0.1"]
+    if name == "sglang-router":
+        return [executable, "launch", *common, "--port", str(port), "--log-level", "warn"], port
+    return [executable, *common, "--port", str(port), "--log-level", "warning"], port
+
+
+def _kvswitch() -> list[str]:
+    return [sys.executable, "-m", "kvswitch.app.cli"]
+
+
+@contextlib.contextmanager
+def _router(command: tuple[list[str], int]) -> Iterator[tuple[int, int]]:
+    """The router started, its pid and HTTP port once a completion goes through it."""
+    args, port = command
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{args[0]} exited with {process.returncode} while starting")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                connection.request("POST", "/v1/completions", body, _JSON)
+                if connection.getresponse().status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{args[0]} did not route a completion in {READY_TIMEOUT_S} s")
+            time.sleep(0.2)
+        yield process.pid, port
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _measure_kvswitch_workers(
+    config: RoutersBenchConfig, context: Any, direct_http: list[float]
+) -> dict[str, Any]:
+    """kvswitch's router before gRPC stub workers: over gRPC (against the stubs straight) and
+    over its HTTP API (against the HTTP stubs straight)."""
+    import grpc
+
+    from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    http_port = free_port()
+    popen, address = start_server_process(["router", "--port", "0", "--http-port", str(http_port)])
+    addresses = context.Queue()
+    stubs = context.Process(
+        target=serve_grpc_stubs,
+        args=(config.num_engines, f"grpc://{address}", addresses),
+        daemon=True,
+    )
+    stubs.start()
+    results: dict[str, Any] = {}
+    try:
+        workers = [addresses.get(timeout=READY_TIMEOUT_S) for _ in range(config.num_engines)]
+        prompt = ("The quick brown fox. " * (config.prompt_chars // 20 + 1))[: config.prompt_chars]
+        ids = list(prompt.encode())
+        sampling = common_pb2.SamplingParams(max_tokens=config.num_output_tokens)
+        router_channel = grpc.insecure_channel(address)
+        route = router_pb2_grpc.RouterStub(router_channel).Generate
+        request = router_pb2.GenerateRequest(text=prompt, sampling=sampling)
+        _wait_for(lambda: _grpc_ok(route, request), "kvswitch's router to see its workers")
+        if "kvswitch-grpc" in config.names():
+            print("  kvswitch-grpc", file=sys.stderr)
+            channels = [grpc.insecure_channel(w) for w in workers]
+            worker_calls = [worker_pb2_grpc.WorkerStub(c).Generate for c in channels]
+            worker_request = worker_pb2.WorkerGenerateRequest(
+                prompt_token_ids=ids, sampling=sampling
+            )
+            turn = iter(range(1 << 62))
+
+            def straight() -> None:
+                list(worker_calls[next(turn) % len(worker_calls)](worker_request))
+
+            direct_grpc = _latencies(config, straight)
+            routed = _latencies(config, lambda: list(route(request)))
+            stream_request = router_pb2.GenerateRequest(
+                text=prompt, sampling=common_pb2.SamplingParams(max_tokens=config.stream_tokens)
+            )
+
+            def stream() -> int:
+                return sum(
+                    len(r.chunk.token_ids) for r in route(stream_request) if r.HasField("chunk")
+                )
+
+            results["kvswitch-grpc"] = {
+                **_figures(routed, direct_grpc),
+                "direct_p50_ms": _ms(direct_grpc, 0.5),
+                **_cpu_per_token(config, popen.pid, stream),
+            }
+            for channel in channels:
+                channel.close()
+        if "kvswitch-http" in config.names():
+            print("  kvswitch-http", file=sys.stderr)
+            results["kvswitch-http"] = _measure_http(config, popen.pid, http_port, direct_http)
+        router_channel.close()
+    finally:
+        stubs.kill()
+        popen.terminate()
+        popen.wait(30)
+    return results
+
+
+def _grpc_ok(call: Callable, request: Any) -> bool:
+    import grpc
+
+    try:
+        list(call(request, timeout=5))
+    except grpc.RpcError:
+        return False
+    return True
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+# -- the client ------------------------------------------------------------------------------------
+
+_JSON = {"content-type": "application/json"}
+
+
+def _http_completion(config: RoutersBenchConfig, ports: list[int]) -> Callable[[], None]:
+    """One non-streamed completion per call, on keep-alive connections to ``ports`` in turn."""
+    prompt = ("The quick brown fox. " * (config.prompt_chars // 20 + 1))[: config.prompt_chars]
+    body = json.dumps(
+        {"model": MODEL, "prompt": prompt, "max_tokens": config.num_output_tokens}
+    ).encode()
+    connections = [http.client.HTTPConnection("127.0.0.1", p, timeout=30) for p in ports]
+    turn = iter(range(1 << 62))
+
+    def call() -> None:
+        connection = connections[next(turn) % len(connections)]
+        connection.request("POST", "/v1/completions", body, _JSON)
+        response = connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"a completion answered {response.status}: {data[:200]!r}")
+
+    return call
+
+
+def _http_stream(config: RoutersBenchConfig, port: int) -> Callable[[], int]:
+    """One streamed completion per call; the tokens read."""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Stream, please.",
+            "max_tokens": config.stream_tokens,
+            "stream": True,
+        }
+    ).encode()
+    local = threading.local()
+
+    def call() -> int:
+        if not hasattr(local, "connection"):
+            local.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        local.connection.request("POST", "/v1/completions", body, _JSON)
+        response = local.connection.getresponse()
+        num_tokens = 0
+        for line in response:
+            if line.startswith(b"data: {") and b'"text":"x"' in line.replace(b" ", b""):
+                num_tokens += 1
+        return num_tokens
+
+    return call
+
+
+def _measure_http(
+    config: RoutersBenchConfig, pid: int, port: int, direct: list[float]
+) -> dict[str, Any]:
+    routed = _latencies(config, _http_completion(config, [port]))
+    return {**_figures(routed, direct), **_cpu_per_token(config, pid, _http_stream(config, port))}
+
+
+def _latencies(config: RoutersBenchConfig, call: Callable[[], object]) -> list[float]:
+    for _ in range(min(50, config.num_requests)):
+        call()  # warm up: connections, caches, a JIT
+    samples = []
+    for _ in range(config.num_requests):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return sorted(samples)
+
+
+def _cpu_per_token(config: RoutersBenchConfig, pid: int, stream: Callable[[], int]) -> dict:
+    counts = [0] * config.concurrency
+    deadline = time.monotonic() + config.duration_s
+
+    def run(slot: int) -> None:
+        while time.monotonic() < deadline:
+            counts[slot] += stream()
+
+    threads = [threading.Thread(target=run, args=(slot,)) for slot in range(config.concurrency)]
+    cpu_before = _cpu_s(pid)
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed_s = time.monotonic() - started
+    cpu_s = _cpu_s(pid) - cpu_before
+    num_tokens = sum(counts)
+    if not num_tokens:
+        raise RuntimeError("no streamed token came through")
+    return {
+        "tokens_per_s": num_tokens / elapsed_s,
+        "cpu_us_per_token": cpu_s / num_tokens * 1e6,
+        "router_cores": cpu_s / elapsed_s,
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) of ``pid`` and the processes under it, from /proc."""
+    total = 0.0
+    for task in [pid, *_descendants(pid)]:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    with contextlib.suppress(OSError):
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in map(int, children):
+            found += [child, *_descendants(child)]
+    return found
+
+
+def _figures(routed: list[float], direct: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": _ms(routed, 0.5),
+        "p99_ms": _ms(routed, 0.99),
+        "added_p50_ms": _ms(routed, 0.5) - _ms(direct, 0.5),
+        "added_p99_ms": _ms(routed, 0.99) - _ms(direct, 0.99),
+    }
+
+
+def _ms(sorted_s: list[float], q: float) -> float:
+    return sorted_s[min(int(q * len(sorted_s)), len(sorted_s) - 1)] * 1000
