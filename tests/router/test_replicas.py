@@ -9,7 +9,9 @@ counts, the state the replicas share (router/replicas.py).
 
 Request ``i`` goes to router ``i mod N``; before request ``i + 1``, every router must count the
 same requests in flight per worker and the same outstanding tokens (read from its metrics): the
-test waits on that event, not on the clock.
+test waits on that event, not on the clock. The routers run as processes on this host, as the
+processes of one ``kvswitch router --processes 2`` on one port, and each on a host (a network
+namespace) of its own; a router killed and started again takes the running one's guesses.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -41,6 +44,7 @@ from kvswitch.router.workers import WorkerDirectory, WorkerHandle
 from kvswitch.serving import start_server_process
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.publisher import EventPublisher
+from tests.deploy.netns import hosts_or_skip
 from tests.router.harness import wait_until
 
 NAMESPACE = "replica-stub"
@@ -68,6 +72,7 @@ class StubFleet:
     end when ``release`` is called."""
 
     index_url: str
+    host: str = "127.0.0.1"  # where the stubs listen
     received: list[str] = field(default_factory=list)  # the worker of each request, in order
     _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     _release: asyncio.Event | None = None
@@ -125,7 +130,7 @@ class StubFleet:
         for k in range(NUM_WORKERS):
             server = grpc.aio.server()
             worker_pb2_grpc.add_WorkerServicer_to_server(Stub(f"stub-{k}"), server)
-            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            address = f"{self.host}:{server.add_insecure_port(f'{self.host}:0')}"
             await server.start()
             index = await connect_index(self.index_url)
             info = WorkerInfo(f"stub-{k}", address, NAMESPACE, BLOCK_SIZE, num_blocks=4096)
@@ -148,6 +153,7 @@ class Routers:
     processes: list[Any]
     addresses: list[str]
     metrics_ports: list[int]
+    metrics_hosts: list[str] | None = None  # where each serves its metrics; None: 127.0.0.1
 
     @classmethod
     def start(cls, index_url: str, count: int, *extra: str) -> Routers:
@@ -171,7 +177,7 @@ class Routers:
     def loads(self, i: int) -> dict[str, tuple[float, float]]:
         """Router ``i``'s view per worker: requests in flight (its own and the other routers'),
         outstanding tokens."""
-        url = f"http://127.0.0.1:{self.metrics_ports[i]}/metrics"
+        url = self.metrics_url(i)
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
         requests: dict[str, float] = {}
@@ -188,9 +194,13 @@ class Routers:
                     tokens[worker_id] = sample.value
         return {w: (requests.get(w, 0), tokens.get(w, 0)) for w in tokens}
 
+    def metrics_url(self, i: int) -> str:
+        host = self.metrics_hosts[i] if self.metrics_hosts else "127.0.0.1"
+        return f"http://{host}:{self.metrics_ports[i]}/metrics"
+
     def counter(self, i: int, name: str) -> float:
         """The sum of router ``i``'s samples of ``name``."""
-        url = f"http://127.0.0.1:{self.metrics_ports[i]}/metrics"
+        url = self.metrics_url(i)
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
         return sum(
@@ -359,6 +369,60 @@ def test_router_processes_share_one_port_and_route_as_one(
         popen.terminate()
         assert popen.wait(60) == 0
     assert all(not Path(f"/proc/{pid}").exists() for pid in children)
+
+
+def test_routers_on_hosts_of_their_own_spread_a_burst_as_one_router_does(
+    redis_url: str, one_router_spread: list[str]
+) -> None:
+    """Four routers, each on a host (a network namespace) of its own, Redis on another, the
+    stub workers on this process's own address on their network: the burst goes where one
+    router sends it."""
+    hosts = hosts_or_skip()
+    processes: list[Any] = []
+    try:
+        redis_host = hosts.add("redis", 2)
+        here = hosts.attach_here(99)
+        processes.append(
+            hosts.popen(
+                "redis", "redis-server", "--bind", redis_host, "--port", "6379", "--save", "",
+                "--appendonly", "no", "--protected-mode", "no",
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        index = f"redis://{redis_host}:6379"
+        wait_until(lambda: _redis_answers(redis_host), "redis-server on its host")
+        fleet = StubFleet(index, host=here)
+        fleet.start()
+        addresses, router_hosts = [], []
+        for k in range(4):
+            router_host = hosts.add(f"r{k}", 11 + k)
+            args = ["--host", router_host, "--port", "50051", "--metrics-port", "9100"]
+            popen, address = start_server_process(
+                ["router", *args, "--index", index, "--insecure"], prefix=hosts.prefix_for(f"r{k}")
+            )
+            processes.append(popen)
+            addresses.append(address)
+            router_hosts.append(router_host)
+        routers = Routers([], addresses, [9100] * 4, router_hosts)
+        try:
+            assert route_burst(fleet, routers, salt="hosts") == one_router_spread
+        finally:
+            fleet.stop()
+    finally:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait(30)
+        hosts.close()
+
+
+def _redis_answers(host: str) -> bool:
+    try:
+        with socket.create_connection((host, 6379), timeout=1) as connection:
+            connection.sendall(b"PING\r\n")
+            return connection.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 def _free_port_pair() -> int:
