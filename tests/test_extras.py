@@ -37,6 +37,7 @@ IMPORT_NAMES = {
     "sentencepiece": "sentencepiece",
     "fastapi": "fastapi",
     "uvicorn": "uvicorn",
+    "httptools": "httptools",
     "jinja2": "jinja2",
     "httpx2": "httpx2",
     "safetensors": "safetensors",
