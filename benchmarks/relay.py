@@ -42,6 +42,10 @@ class RelayBenchConfig:
     num_clients: int = 2  # client processes
     num_output_tokens: int = 4096  # a request's tokens
     tokens_per_message: int = 1  # a stub's tokens per streamed message
+    # 0: a stub streams as fast as it is read. Above 0: every stream gets one token a step of
+    # this many milliseconds (a decode step's), and a stub sends what its reader has not taken
+    # yet in one message, as a worker does (worker/servicer.py ``_next_outputs``).
+    step_ms: float = 0.0
     duration_s: float = 3.0
 
     def __post_init__(self) -> None:
@@ -55,6 +59,8 @@ class RelayBenchConfig:
             raise ValueError("tokens_per_message must be in [1, num_output_tokens]")
         if not self.duration_s > 0:
             raise ValueError(f"duration_s must be positive, got {self.duration_s}")
+        if not 0 <= self.step_ms < 10_000:
+            raise ValueError(f"step_ms must be in [0, 10000), got {self.step_ms}")
 
     def router_counts(self) -> list[int]:
         return [int(n) for n in self.routers.split(",") if n.strip()]
@@ -71,12 +77,40 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
     from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
     from kvswitch.worker.publisher import EventPublisher
 
+    class Steps:
+        """A decode step every ``step_ms``: its number, and an event set as it ends."""
+
+        def __init__(self) -> None:
+            self.step = 0
+            self.ended = asyncio.Event()
+
+        async def run(self) -> None:
+            while True:
+                await asyncio.sleep(config.step_ms / 1000)
+                self.step += 1
+                ended, self.ended = self.ended, asyncio.Event()
+                ended.set()
+
+    steps = Steps()
+    chunks: dict[int, Any] = {}
+
+    def chunk_of(num_tokens: int) -> Any:
+        if num_tokens not in chunks:
+            chunks[num_tokens] = worker_pb2.WorkerGenerateResponse(
+                chunk=common_pb2.TokenChunk(token_ids=list(range(num_tokens)))
+            )
+        return chunks[num_tokens]
+
     class Stub(worker_pb2_grpc.WorkerServicer):
         def __init__(self, worker_id: str) -> None:
             self.worker_id = worker_id
 
         async def Generate(self, request, context):
             wanted = request.sampling.max_tokens or config.num_output_tokens
+            if config.step_ms:
+                async for response in self._paced(wanted):
+                    yield response
+                return
             size = config.tokens_per_message
             chunk = worker_pb2.WorkerGenerateResponse(
                 chunk=common_pb2.TokenChunk(token_ids=list(range(size)))
@@ -86,6 +120,21 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
             stats = common_pb2.RequestStats(
                 worker_id=self.worker_id, num_output_tokens=wanted // size * size
             )
+            yield worker_pb2.WorkerGenerateResponse(
+                final=worker_pb2.WorkerGenerateFinal(
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH, stats=stats
+                )
+            )
+
+        async def _paced(self, wanted: int) -> Any:
+            """A token a step; those the reader has not taken yet go as one message."""
+            first, sent = steps.step, 0
+            while sent < wanted:
+                await steps.ended.wait()
+                ready = min(steps.step - first, wanted) - sent
+                yield chunk_of(ready)
+                sent += ready
+            stats = common_pb2.RequestStats(worker_id=self.worker_id, num_output_tokens=sent)
             yield worker_pb2.WorkerGenerateResponse(
                 final=worker_pb2.WorkerGenerateFinal(
                     finish_reason=common_pb2.FINISH_REASON_LENGTH, stats=stats
@@ -108,6 +157,7 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
 
     async def main() -> None:
         servers, publishers = [], []
+        ticking = [asyncio.create_task(steps.run())] if config.step_ms else []
         for k in range(config.num_workers):
             server = grpc.aio.server()
             worker_pb2_grpc.add_WorkerServicer_to_server(Stub(f"stub-{k}"), server)
@@ -121,6 +171,8 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
             publishers.append(publisher)
             addresses.put(address)
         await asyncio.to_thread(stop.wait)
+        for task in ticking:
+            task.cancel()
         for publisher in publishers:
             await publisher.stop()
         for server in servers:
@@ -136,7 +188,7 @@ def _client(
     targets: list[str], routed: bool, num_streams: int, config: RelayBenchConfig, results: Any
 ) -> None:
     """Keep ``num_streams`` streams open to ``targets`` (round robin) for the window; put
-    (tokens read a second, requests finished, tokens read) on ``results``."""
+    (tokens read a second, requests finished, tokens read, messages read) on ``results``."""
     from kvswitch.cache_index.hashing import tokens_to_bytes
     from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -151,7 +203,7 @@ def _client(
     else:
         request = worker_pb2.WorkerGenerateRequest(prompt_token_ids_u32le=prompt, sampling=sampling)
         calls = [worker_pb2_grpc.WorkerStub(c).Generate for c in channels]
-    counts = [[0, 0] for _ in range(num_streams)]
+    counts = [[0, 0, 0] for _ in range(num_streams)]  # tokens, requests, messages
     started = time.monotonic()
     deadline = started + config.duration_s
 
@@ -161,6 +213,7 @@ def _client(
             for message in call(request, timeout=60):
                 if message.HasField("chunk"):
                     counts[slot][0] += len(message.chunk.token_ids)
+                    counts[slot][2] += 1
                     if time.monotonic() >= deadline:
                         break
             else:
@@ -175,7 +228,8 @@ def _client(
     for channel in channels:
         channel.close()
     num_tokens = sum(c[0] for c in counts)
-    results.put((num_tokens / elapsed_s, sum(c[1] for c in counts), num_tokens))
+    num_messages = sum(c[2] for c in counts)
+    results.put((num_tokens / elapsed_s, sum(c[1] for c in counts), num_tokens, num_messages))
 
 
 def _cpu_s(pid: int) -> float:
@@ -186,9 +240,10 @@ def _cpu_s(pid: int) -> float:
 
 def _window(
     context: Any, targets: list[str], routed: bool, config: RelayBenchConfig, pids: list[int]
-) -> tuple[float, float, int, int]:
+) -> tuple[float, float, int, int, int]:
     """One measured window: (tokens a second, the ``pids``' CPU seconds over it, requests
-    finished, tokens read). The CPU time spans the clients' start too, when routers idle."""
+    finished, tokens read, messages read). The CPU time spans the clients' start too, when
+    routers idle."""
     results = context.Queue()
     shares = [config.concurrency // config.num_clients] * config.num_clients
     for i in range(config.concurrency % config.num_clients):
@@ -207,7 +262,13 @@ def _window(
         client.join(30)
     # NOTE: each client's rate over its own window: they start a process each, not at once.
     rate = sum(t[0] for t in totals)
-    return rate, cpu_s, sum(t[1] for t in totals), sum(t[2] for t in totals)
+    return (
+        rate,
+        cpu_s,
+        sum(t[1] for t in totals),
+        sum(t[2] for t in totals),
+        sum(t[3] for t in totals),
+    )
 
 
 def run(config: RelayBenchConfig) -> dict[str, object]:
@@ -237,7 +298,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
             targets = [address for _, address in in_use]
             _wait_for_stubs(targets, config)
             print(f"  through {count} router(s) ...", file=sys.stderr)
-            tokens_per_s, cpu_s, num_requests, num_tokens = _window(
+            tokens_per_s, cpu_s, num_requests, num_tokens, num_messages = _window(
                 context, targets, True, config, [process.pid for process, _ in in_use]
             )
             figures[f"routers_{count}"] = {
@@ -246,6 +307,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
                 "tokens_per_s_per_core": num_tokens / cpu_s if cpu_s else 0.0,
                 "router_cpu_us_per_token": cpu_s / num_tokens * 1e6 if num_tokens else 0.0,
                 "requests_finished": num_requests,
+                "tokens_per_message_read": num_tokens / num_messages if num_messages else 0.0,
             }
     finally:
         stop.set()
@@ -263,6 +325,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
         "concurrency": config.concurrency,
         "num_output_tokens": config.num_output_tokens,
         "tokens_per_message": config.tokens_per_message,
+        "step_ms": config.step_ms,
         "duration_s": config.duration_s,
         "machine": machine_info(),
     }

@@ -350,6 +350,20 @@ def test_bench_relay_counts_tokens_through_a_router_and_its_cpu(tmp_path: Path) 
     assert figures["tokens_per_s_per_core"] == routed["tokens_per_s_per_core"] > 0
 
 
+def test_bench_relay_paced_streams_a_token_a_step(tmp_path: Path) -> None:
+    """With --step-ms, a stream gets one token a step: two streams at 5 ms steps read at most
+    400 tokens a second (as fast as read, they would be thousands)."""
+    out = tmp_path / "relay.json"
+    args = ["--routers", "1", "--duration-s", "0.5", "--concurrency", "2", "--num-clients", "1"]
+    main(
+        ["bench", "relay", *args, "--step-ms", "5", "--num-output-tokens", "64", "--json", str(out)]
+    )
+    figures = json.loads(out.read_text())
+    for tokens_per_s in (figures["direct_tokens_per_s"], figures["routers_1"]["tokens_per_s"]):
+        assert 0 < tokens_per_s <= 400 * 1.2
+    assert figures["routers_1"]["tokens_per_message_read"] >= 1.0
+
+
 def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     args = ["--num-seqs", "8", "--context-len", "128", "--num-steps", "3"]

@@ -121,6 +121,9 @@ RELAY_HELP = {
     "num_clients": "client processes",
     "num_output_tokens": "tokens each request streams",
     "tokens_per_message": "tokens a stub sends in one streamed message",
+    "step_ms": "0: stubs stream as fast as they are read; above 0: every stream gets one token a "
+    "step of this many ms, and a stub sends what its reader has not taken yet in one message, "
+    "as a worker does",
     "duration_s": "seconds each window measures",
 }
 
