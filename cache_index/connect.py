@@ -12,6 +12,7 @@ to hand it to a server, whose command line anyone on the host can read.
 from __future__ import annotations
 
 import os
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvswitch.cache_index.index import BlockIndex
@@ -63,6 +64,21 @@ async def connect_index(
         except GrpcIndex.unavailable_errors as e:
             raise IndexUnreachable(str(e)) from e
     raise ValueError(f"unknown index URL scheme {scheme!r}: use {SCHEMES}")
+
+
+def pubsub_client(url: str) -> Any:
+    """A plain ``redis.asyncio.Redis`` to the server a Redis index URL names (for a cluster, the
+    node it names: every node relays pub/sub), with the password as ``connect_index`` takes it
+    (the URL's, else ``KVSWITCH_INDEX_PASSWORD``). ValueError for a URL that is not a Redis's."""
+    from redis.asyncio import Redis
+
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        raise ValueError(f"{redacted(url)} is not a Redis URL")
+    options: dict[str, Any] = {}
+    if urlsplit(url).password is None and os.environ.get(INDEX_PASSWORD_ENV):
+        options["password"] = os.environ[INDEX_PASSWORD_ENV]
+    return Redis.from_url(f"{scheme.partition('+')[0]}://{rest}", **options)
 
 
 def redacted(url: str) -> str:

@@ -59,6 +59,7 @@ import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from kvswitch.cache_index.connect import pubsub_client
 from kvswitch.cache_index.hashing import HASH_BYTES
 from kvswitch.logs import Throttled
 
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 VERSION = 1
 CHANNEL_SUFFIX = ":routers"  # the channel is the index's key prefix and this
 RECONNECT_S = 0.5
+SUBSCRIBE_TIMEOUT_S = 5.0
 
 Loads = dict[str, tuple[int, int, int]]  # worker id -> requests, prefill tokens, output tokens
 
@@ -147,11 +149,10 @@ class ReplicaSync:
     def for_router(
         cls, url: str, prefix: str, router: Router, config: ReplicaConfig | None = None
     ) -> ReplicaSync:
-        """The sync of routers sharing the Redis at ``url`` (a Redis Cluster URL names one of
-        its nodes: pub/sub reaches every node) and the index prefix ``prefix``."""
-        scheme, _, rest = url.partition("://")
-        redis = Redis.from_url(f"{scheme.partition('+')[0]}://{rest}")
-        return cls(redis, prefix + CHANNEL_SUFFIX, router, config)
+        """The sync of routers sharing the Redis index at ``url`` (its password as the index
+        takes it; a Redis Cluster URL names one of its nodes, and pub/sub reaches every node)
+        and the index prefix ``prefix``."""
+        return cls(pubsub_client(url), prefix + CHANNEL_SUFFIX, router, config)
 
     @property
     def num_peers(self) -> int:
@@ -160,8 +161,15 @@ class ReplicaSync:
 
     async def start(self) -> None:
         """Subscribe (the channel answers before this returns), say hello, start publishing."""
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = self._redis.pubsub()
         await pubsub.subscribe(self.channel)
+        # NOTE: the answer read now, so that a channel this user may not use fails the start.
+        deadline_s = self._clock() + SUBSCRIBE_TIMEOUT_S
+        while (await pubsub.get_message(timeout=0.1) or {}).get("type") != "subscribe":
+            if self._clock() > deadline_s:
+                await pubsub.aclose()
+                raise TimeoutError(f"no answer to SUBSCRIBE {self.channel}")
+        pubsub.ignore_subscribe_messages = True
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._receive(pubsub), name="replicas-receive"),
@@ -174,6 +182,10 @@ class ReplicaSync:
         """Ask the other routers for their guesses (they answer with "state")."""
         self._state_taken = False
         self._queue({"k": "hello"})
+
+    async def close(self) -> None:
+        """Close the connections, saying nothing (``start`` failed, or never ran)."""
+        await self._redis.aclose()
 
     async def stop(self) -> None:
         """Say bye (the others drop this router's load at once) and close."""

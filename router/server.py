@@ -560,7 +560,19 @@ async def start_router(config: RouterConfig, *, front_key: str = "") -> RouterSe
         try:
             await router.replicas.start()
         except (RedisError, OSError) as e:
-            raise RouterStartError(f"cannot reach the other routers' channel: {e}") from e
+            # NOTE: the index answered, so this is a channel this Redis user may not use (an
+            # ACL without it): routing alone is how routers ran before they shared anything.
+            channel = router.replicas.channel
+            logger.warning(
+                "routing alone: the other routers' channel %s cannot be used (%s); routers on "
+                "this index will not share their guesses nor their requests in flight (an ACL "
+                "user needs the channel: &%s)",
+                channel,
+                e,
+                channel,
+            )
+            await router.replicas.close()
+            _route_alone(router)
     if engine_feeds is not None:
         engine_feeds.start()
     loop = asyncio.get_running_loop()
@@ -634,6 +646,14 @@ async def _report_health(
                 await health_servicer.set(service, status)
             logger.info("%s", "serving" if serving else "not serving: no routable worker")
         await directory.wait_for_change(HEALTH_RECHECK_S)
+
+
+def _route_alone(router: Router) -> None:
+    """Unhook the replica channel: the router keeps its own counts only."""
+    router.replicas = None
+    router.shared_rotation = False
+    router.pending.on_confirm = None
+    router.directory.on_load = None
 
 
 def _worker_loads(directory: WorkerDirectory) -> list[WorkerLoadSample]:

@@ -43,6 +43,7 @@ COMMANDS = [
     ["bench", "index"],
     ["bench", "router"],
     ["bench", "relay"],
+    ["bench", "routers"],
     ["bench", "serve"],
     ["bench", "lookup"],
     ["bench", "step"],

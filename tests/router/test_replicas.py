@@ -17,6 +17,8 @@ namespace) of its own; a router killed and started again takes the running one's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -31,6 +33,7 @@ from typing import Any
 import grpc
 import msgpack
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.cache_index.connect import connect_index
@@ -40,7 +43,9 @@ from kvswitch.cache_index.local_redis import LocalRedis, free_port
 from kvswitch.cache_index.memory_index import MemoryIndex
 from kvswitch.router.replicas import ReplicaSync
 from kvswitch.router.router import Router
+from kvswitch.router.server import RouterConfig, start_router
 from kvswitch.router.workers import WorkerDirectory, WorkerHandle
+from kvswitch.security import INDEX_PASSWORD_ENV
 from kvswitch.serving import start_server_process
 from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.publisher import EventPublisher
@@ -596,3 +601,39 @@ def test_messages_of_another_version_or_kind_or_from_itself() -> None:
     assert _peer_load(a, "w0") == (0, 0, 0)  # its own message came back
     with pytest.raises(ValueError):
         b.apply(b"\xc1 not msgpack")
+
+
+def test_the_channel_takes_the_index_password_and_a_user_without_it_routes_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two routers on a Redis with a password, given as the index takes it (in the
+    environment): they hear each other. A router whose ACL user may use the index's keys but no
+    channel starts and routes alone, saying so."""
+    with LocalRedis(password="s3cret") as server:
+        with redis.Redis(port=server.port, password="s3cret") as admin:
+            rules = ("on", ">acl-pass", "resetkeys", "~kvswitch:*", "resetchannels", "+@all")
+            admin.execute_command("ACL", "SETUSER", "keys-only", *rules)
+        monkeypatch.setenv(INDEX_PASSWORD_ENV, "s3cret")
+        config = RouterConfig(port=0, index=f"redis://127.0.0.1:{server.port}", grace_s=0)
+        acl = dataclasses.replace(
+            config, index=f"redis://keys-only:acl-pass@127.0.0.1:{server.port}"
+        )
+
+        async def main() -> None:
+            first, second = await start_router(config), await start_router(config)
+            try:
+                assert first.router.replicas is not None and second.router.replicas is not None
+                deadline = asyncio.get_running_loop().time() + 30
+                while first.router.replicas.num_peers < 1:
+                    assert asyncio.get_running_loop().time() < deadline, "never heard"
+                    await asyncio.sleep(0.05)
+                alone = await start_router(acl)
+                assert alone.router.replicas is None and not alone.router.shared_rotation
+                await alone.stop(0)
+            finally:
+                await first.stop(0)
+                await second.stop(0)
+
+        with caplog.at_level(logging.WARNING, logger="kvswitch.router.server"):
+            asyncio.run(main())
+    assert "routing alone" in caplog.text and "&kvswitch:routers" in caplog.text
