@@ -44,7 +44,8 @@ class RelayBenchConfig:
     tokens_per_message: int = 1  # a stub's tokens per streamed message
     # 0: a stub streams as fast as it is read. Above 0: every stream gets one token a step of
     # this many milliseconds (a decode step's), and a stub sends what its reader has not taken
-    # yet in one message, as a worker does (worker/servicer.py ``_next_outputs``).
+    # yet in one message, once there are tokens_per_message (a worker's --stream-interval), as a
+    # worker does (worker/servicer.py ``_next_outputs``).
     step_ms: float = 0.0
     duration_s: float = 3.0
 
@@ -127,11 +128,14 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
             )
 
         async def _paced(self, wanted: int) -> Any:
-            """A token a step; those the reader has not taken yet go as one message."""
+            """A token a step; those the reader has not taken yet go as one message, once
+            there are ``tokens_per_message`` (a worker's --stream-interval) or the end."""
             first, sent = steps.step, 0
             while sent < wanted:
                 await steps.ended.wait()
                 ready = min(steps.step - first, wanted) - sent
+                if ready < config.tokens_per_message and sent + ready < wanted:
+                    continue
                 yield chunk_of(ready)
                 sent += ready
             stats = common_pb2.RequestStats(worker_id=self.worker_id, num_output_tokens=sent)

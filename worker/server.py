@@ -290,6 +290,7 @@ async def _serve_engine(
         max_requests=config.max_num_seqs + config.max_waiting_requests,
         peers=FleetPeers(lambda: publisher.index if publisher else None, engine.namespace),
         allow_pull_blocks=config.allow_pull_blocks,
+        stream_interval=config.stream_interval,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -134,8 +134,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         max_requests: int = 0,
         peers: FleetPeers | None = None,
         allow_pull_blocks: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         self._max_requests = max_requests  # running and waiting; 0 = no limit
+        self._stream_interval = stream_interval  # the fewest tokens a chunk waits for
         self._engine = engine
         self._transfers = transfers if transfers is not None else BlockTransfers(engine)
         self._puller = KVPuller(
@@ -245,7 +247,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finish_reason = "error"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
             while not done:
-                outputs, error = await _next_outputs(queue)
+                outputs, error = await _next_outputs(queue, self._stream_interval)
                 if error is not None:
                     done = True
                     finish_reason = "error"
@@ -402,17 +404,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def _next_outputs(
-    queue: asyncio.Queue[RequestOutput | EngineError],
+    queue: asyncio.Queue[RequestOutput | EngineError], min_tokens: int = 1
 ) -> tuple[list[RequestOutput], EngineError | None]:
-    """Wait for one output, then take every one already queued: a client that reads slower than
-    the engine decodes gets several tokens per chunk instead of falling behind. An error, if one
-    came, is the queue's last item."""
-    items = [await queue.get()]
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    if isinstance(items[-1], EngineError):
-        return [], items[-1]
-    return cast("list[RequestOutput]", items), None
+    """Wait for outputs of ``min_tokens`` tokens at least, then take every one already queued:
+    a client that reads slower than the engine decodes gets several tokens per chunk instead of
+    falling behind. The first token (its output carries the TTFT), the end and an error do not
+    wait for more. An error, if one came, is the queue's last item."""
+    items: list[RequestOutput | EngineError] = []
+    while True:
+        items.append(await queue.get())
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        last = items[-1]
+        if isinstance(last, EngineError):
+            return [], last
+        outputs = cast("list[RequestOutput]", items)
+        if (
+            last.finished
+            or min_tokens <= 1
+            or sum(len(o.new_token_ids) for o in outputs) >= min_tokens
+            or any(o.ttft_s is not None for o in outputs)
+        ):
+            return outputs, None
 
 
 def _error_status(request_id: str, error: EngineError) -> tuple[grpc.StatusCode, str]:

@@ -60,6 +60,9 @@ class WorkerConfig:
     # NOTE: a request admitted behind a full batch waits about max_waiting_requests /
     # max_num_seqs request times: as many as run, it is at most twice as slow as at capacity.
     max_waiting_requests: int = 64
+    # A stream's chunks carry at least this many tokens (the first token and the last ones go at
+    # once): fewer messages for the router to relay, each token later by up to this many steps.
+    stream_interval: int = 1
     cpu_threads: int = 0  # CPU: torch's threads for a step; 0 = one per core
     check_integrity: bool = False  # check the KV cache's invariants whenever the engine is idle
     max_hashes_per_chunk: int = 4096  # Snapshot's default chunk size
@@ -148,6 +151,8 @@ class WorkerConfig:
             )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.role not in ROLES:

@@ -60,6 +60,9 @@ WORKER_HELP = {
     "--kv-cache-bytes), where workers on the same host copy blocks straight out of it, the "
     "fastest way blocks move between two workers (docs/DISAGGREGATION.md)",
     "max_num_seqs": "most requests computed together in one step",
+    "stream_interval": "tokens a streamed chunk carries at least (the first token and a "
+    "stream's end go at once): N cuts the messages the router relays N-fold, each token "
+    "reaching the client up to N-1 decode steps later",
     "max_waiting_requests": "requests that may wait for a place in the batch (beyond "
     "--max-num-seqs); past them the worker answers RESOURCE_EXHAUSTED and the router tries "
     "another worker",

@@ -105,6 +105,29 @@ def test_generate_streams_the_engines_tokens(
     assert tokens[:8] == expected
 
 
+def test_a_stream_interval_sends_several_tokens_a_chunk_and_the_first_at_once(
+    reference: LLMEngine,
+) -> None:
+    """--stream-interval 4: the first token at once (its chunk carries the TTFT: with any
+    already decoded), then chunks of four tokens at least, the last of what is left: at most
+    four chunks for eleven tokens, the same tokens and text as one by one."""
+    [expected] = reference.generate([PROMPT], SamplingParams(max_tokens=11))
+    background = BackgroundWorker(dataclasses.replace(CONFIG, stream_interval=4))
+    try:
+        request = worker_pb2.WorkerGenerateRequest(
+            prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=11)
+        )
+        chunks = [
+            r.chunk for r in background.stub.Generate(request, timeout=30) if r.chunk.token_ids
+        ]
+    finally:
+        background.close()
+    sizes = [len(c.token_ids) for c in chunks]
+    assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 4, sizes
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert "".join(c.text for c in chunks) == ByteTokenizer().decode(expected)
+
+
 @pytest.mark.parametrize(
     ("prompt", "kwargs", "message"),
     [
