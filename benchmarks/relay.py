@@ -11,8 +11,16 @@ straight to the stubs, and count the tokens they read.
 Figures, for each number of routers (``routers``): ``tokens_per_s`` through them,
 ``router_cpu_s`` their CPU time (user + system, from ``/proc``) over the window,
 ``tokens_per_s_per_core`` (tokens over that CPU time: what one core of router relays),
-``router_cpu_us_per_token``; and ``direct_tokens_per_s``, the clients straight to the stubs.
-Every process shares the machine's cores, so the per-core figure is the one to compare.
+``router_cpu_us_per_token``, ``tokens_per_message_read``; and ``direct_tokens_per_s``, the
+clients straight to the stubs. Every process shares the machine's cores, so the per-core figure
+is the one to compare.
+
+Decode-paced (``step_ms`` > 0), every stream gets a token a step, and a stub sends what its
+reader has not taken yet as one message once it holds ``tokens_per_message`` (a worker's
+``--stream-interval``). Each message's first token id is then the time it was sent (the
+machine's monotonic clock, in microseconds modulo 2^32), and the clients sample each fourth
+message's delay: ``direct_message_delay_us`` and, per router count, ``message_delay_us`` and
+``added_delay_us`` (their difference: the router's added latency), at p50 and p99.
 """
 
 from __future__ import annotations
@@ -93,14 +101,11 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
                 ended.set()
 
     steps = Steps()
-    chunks: dict[int, Any] = {}
 
-    def chunk_of(num_tokens: int) -> Any:
-        if num_tokens not in chunks:
-            chunks[num_tokens] = worker_pb2.WorkerGenerateResponse(
-                chunk=common_pb2.TokenChunk(token_ids=list(range(num_tokens)))
-            )
-        return chunks[num_tokens]
+    def stamped(num_tokens: int) -> Any:
+        """A chunk of ``num_tokens`` tokens, the first the time it is sent (``stamp``)."""
+        token_ids = [stamp(), *range(1, num_tokens)]
+        return worker_pb2.WorkerGenerateResponse(chunk=common_pb2.TokenChunk(token_ids=token_ids))
 
     class Stub(worker_pb2_grpc.WorkerServicer):
         def __init__(self, worker_id: str) -> None:
@@ -136,7 +141,7 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
                 ready = min(steps.step - first, wanted) - sent
                 if ready < config.tokens_per_message and sent + ready < wanted:
                     continue
-                yield chunk_of(ready)
+                yield stamped(ready)
                 sent += ready
             stats = common_pb2.RequestStats(worker_id=self.worker_id, num_output_tokens=sent)
             yield worker_pb2.WorkerGenerateResponse(
@@ -208,6 +213,8 @@ def _client(
         request = worker_pb2.WorkerGenerateRequest(prompt_token_ids_u32le=prompt, sampling=sampling)
         calls = [worker_pb2_grpc.WorkerStub(c).Generate for c in channels]
     counts = [[0, 0, 0] for _ in range(num_streams)]  # tokens, requests, messages
+    # Paced: each message's time from the stub's send to here, in microseconds (a sample).
+    delays_us: list[list[int]] = [[] for _ in range(num_streams)]
     started = time.monotonic()
     deadline = started + config.duration_s
 
@@ -218,6 +225,8 @@ def _client(
                 if message.HasField("chunk"):
                     counts[slot][0] += len(message.chunk.token_ids)
                     counts[slot][2] += 1
+                    if config.step_ms and counts[slot][2] % 4 == 0:
+                        delays_us[slot].append((stamp() - message.chunk.token_ids[0]) % STAMP_END)
                     if time.monotonic() >= deadline:
                         break
             else:
@@ -233,7 +242,29 @@ def _client(
         channel.close()
     num_tokens = sum(c[0] for c in counts)
     num_messages = sum(c[2] for c in counts)
-    results.put((num_tokens / elapsed_s, sum(c[1] for c in counts), num_tokens, num_messages))
+    delays = [d for slot in delays_us for d in slot]
+    results.put(
+        (num_tokens / elapsed_s, sum(c[1] for c in counts), num_tokens, num_messages, delays)
+    )
+
+
+STAMP_END = 1 << 32
+
+
+def stamp() -> int:
+    """Now, in microseconds of the machine's monotonic clock (every process reads the same),
+    modulo 2^32: what fits a token id."""
+    return (time.monotonic_ns() // 1000) % STAMP_END
+
+
+def _quantiles(sorted_us: list[int]) -> dict[str, float]:
+    if not sorted_us:
+        return {"p50": 0.0, "p99": 0.0}
+    pick = sorted_us.__getitem__
+    return {
+        "p50": float(pick(len(sorted_us) // 2)),
+        "p99": float(pick(min(len(sorted_us) * 99 // 100, len(sorted_us) - 1))),
+    }
 
 
 def _cpu_s(pid: int) -> float:
@@ -244,10 +275,10 @@ def _cpu_s(pid: int) -> float:
 
 def _window(
     context: Any, targets: list[str], routed: bool, config: RelayBenchConfig, pids: list[int]
-) -> tuple[float, float, int, int, int]:
+) -> tuple[float, float, int, int, int, list[int]]:
     """One measured window: (tokens a second, the ``pids``' CPU seconds over it, requests
-    finished, tokens read, messages read). The CPU time spans the clients' start too, when
-    routers idle."""
+    finished, tokens read, messages read, paced messages' delays in us, sorted). The CPU time
+    spans the clients' start too, when routers idle."""
     results = context.Queue()
     shares = [config.concurrency // config.num_clients] * config.num_clients
     for i in range(config.concurrency % config.num_clients):
@@ -272,6 +303,7 @@ def _window(
         sum(t[1] for t in totals),
         sum(t[2] for t in totals),
         sum(t[3] for t in totals),
+        sorted(d for t in totals for d in t[4]),
     )
 
 
@@ -289,8 +321,10 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
     try:
         workers = [addresses.get(timeout=60) for _ in range(config.num_workers)]
         print(f"  {config.num_workers} stub workers; clients straight to them ...", file=sys.stderr)
-        direct, *_ = _window(context, workers, False, config, [])
+        direct, _, _, _, _, direct_delays = _window(context, workers, False, config, [])
         figures["direct_tokens_per_s"] = direct
+        if config.step_ms:
+            figures["direct_message_delay_us"] = _quantiles(direct_delays)
         for count in config.router_counts():
             while len(routers) < count:
                 routers.append(
@@ -302,7 +336,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
             targets = [address for _, address in in_use]
             _wait_for_stubs(targets, config)
             print(f"  through {count} router(s) ...", file=sys.stderr)
-            tokens_per_s, cpu_s, num_requests, num_tokens, num_messages = _window(
+            tokens_per_s, cpu_s, num_requests, num_tokens, num_messages, delays = _window(
                 context, targets, True, config, [process.pid for process, _ in in_use]
             )
             figures[f"routers_{count}"] = {
@@ -313,6 +347,14 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
                 "requests_finished": num_requests,
                 "tokens_per_message_read": num_tokens / num_messages if num_messages else 0.0,
             }
+            if config.step_ms:
+                # The router's added latency: a message's delay through it less straight.
+                routed = _quantiles(delays)
+                figures[f"routers_{count}"]["message_delay_us"] = routed  # type: ignore[index]
+                figures[f"routers_{count}"]["added_delay_us"] = {  # type: ignore[index]
+                    q: routed[q] - figures["direct_message_delay_us"][q]  # type: ignore[index]
+                    for q in routed
+                }
     finally:
         stop.set()
         stubs.join(30)

@@ -363,6 +363,10 @@ def test_bench_relay_paced_streams_a_token_a_step(tmp_path: Path) -> None:
     for tokens_per_s in (figures["direct_tokens_per_s"], figures["routers_1"]["tokens_per_s"]):
         assert 0 < tokens_per_s <= 400 * 1.2
     assert figures["routers_1"]["tokens_per_message_read"] >= 1.0
+    # Each message's time from the stub's send to the client's read, straight and through.
+    direct, routed = figures["direct_message_delay_us"], figures["routers_1"]["message_delay_us"]
+    assert 0 < direct["p50"] <= direct["p99"] and 0 < routed["p50"] <= routed["p99"]
+    assert figures["routers_1"]["added_delay_us"]["p50"] == routed["p50"] - direct["p50"]
 
 
 def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:
