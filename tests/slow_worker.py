@@ -26,13 +26,13 @@ def hold_then_block() -> None:
     next_outputs = servicer._next_outputs
     blocked = [False]
 
-    async def held_next_outputs(queue):
+    async def held_next_outputs(queue, *args):
         if not blocked[0]:
             blocked[0] = True
             while not hold_file.exists():
                 await asyncio.sleep(0.01)
             time.sleep(block_s)  # NOTE: on purpose, in the event loop
-        return await next_outputs(queue)
+        return await next_outputs(queue, *args)
 
     servicer._next_outputs = held_next_outputs
 
