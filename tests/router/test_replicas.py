@@ -637,3 +637,35 @@ def test_the_channel_takes_the_index_password_and_a_user_without_it_routes_alone
         with caplog.at_level(logging.WARNING, logger="kvswitch.router.server"):
             asyncio.run(main())
     assert "routing alone" in caplog.text and "&kvswitch:routers" in caplog.text
+
+
+def test_the_documented_acl_user_runs_routers_that_hear_each_other() -> None:
+    """docs/SECURITY.md's Redis user for the index, as written there: two routers under it
+    register nothing themselves but read the index and hear each other on the channel."""
+    security = Path(__file__).parents[2] / "docs" / "SECURITY.md"
+    (line,) = [
+        line
+        for line in security.read_text().splitlines()
+        if line.startswith("ACL SETUSER kvswitch")
+    ]
+    with LocalRedis() as server:
+        with redis.Redis(port=server.port) as admin:
+            admin.execute_command(*line.split())
+        config = RouterConfig(
+            port=0, index=f"redis://kvswitch:CHANGE-ME@127.0.0.1:{server.port}", grace_s=0
+        )
+
+        async def main() -> None:
+            first, second = await start_router(config), await start_router(config)
+            try:
+                assert first.router.replicas is not None
+                deadline = asyncio.get_running_loop().time() + 30
+                while first.router.replicas.num_peers < 1:
+                    assert asyncio.get_running_loop().time() < deadline, "never heard"
+                    await asyncio.sleep(0.05)
+                assert await first.index.live_workers() == []
+            finally:
+                await first.stop(0)
+                await second.stop(0)
+
+        asyncio.run(main())
