@@ -81,6 +81,7 @@ class RelayBenchConfig:
 def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop: Any) -> None:
     import asyncio
 
+    from kvswitch.benchmarks.stub_engines import NoEvents
     from kvswitch.cache_index.connect import connect_index
     from kvswitch.cache_index.index import WorkerInfo
     from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -152,17 +153,6 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
 
         async def GetLoad(self, request, context):
             return worker_pb2.WorkerLoad(worker_id=self.worker_id, num_free_blocks=1024)
-
-    class NoEvents:
-        def take_cache_events(self) -> list:
-            return []
-
-        def snapshot(self):
-            from concurrent.futures import Future
-
-            future: Future = Future()
-            future.set_result((0, []))
-            return future
 
     async def main() -> None:
         servers, publishers = [], []

@@ -21,6 +21,21 @@ MODEL = "stub"
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
 
+
+class NoEvents:
+    """A stub worker's event source: no cache events, an empty snapshot."""
+
+    def take_cache_events(self) -> list:
+        return []
+
+    def snapshot(self) -> Any:
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        future.set_result((0, []))
+        return future
+
+
 _METRICS = (
     f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="{NUM_BLOCKS}"}} 1.0\n'
     'vllm:num_requests_running{model_name="stub"} 0.0\n'
@@ -181,17 +196,6 @@ def serve_grpc_stubs(num_engines: int, index_url: str, addresses: Any) -> None:
 
         async def GetLoad(self, request: Any, context: Any) -> Any:
             return worker_pb2.WorkerLoad(worker_id=self.worker_id, num_free_blocks=NUM_BLOCKS)
-
-    class NoEvents:
-        def take_cache_events(self) -> list:
-            return []
-
-        def snapshot(self) -> Any:
-            from concurrent.futures import Future
-
-            future: Future = Future()
-            future.set_result((0, []))
-            return future
 
     async def main() -> None:
         holders = []

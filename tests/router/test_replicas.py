@@ -36,6 +36,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvswitch.benchmarks.stub_engines import NoEvents
 from kvswitch.cache_index.connect import connect_index
 from kvswitch.cache_index.hashing import tokens_to_bytes
 from kvswitch.cache_index.index import WorkerInfo
@@ -57,18 +58,6 @@ BLOCK_SIZE = 16
 NUM_WORKERS = 4
 DOCUMENT = [(7 * i) % 250 + 1 for i in range(1024)]  # 64 blocks
 MAX_TOKENS = 64
-
-
-class _NoEvents:
-    def take_cache_events(self) -> list:
-        return []
-
-    def snapshot(self) -> Any:
-        from concurrent.futures import Future
-
-        future: Future = Future()
-        future.set_result((0, []))
-        return future
 
 
 @dataclass
@@ -139,7 +128,7 @@ class StubFleet:
             await server.start()
             index = await connect_index(self.index_url)
             info = WorkerInfo(f"stub-{k}", address, NAMESPACE, BLOCK_SIZE, num_blocks=4096)
-            publisher = EventPublisher(index, _NoEvents(), info)
+            publisher = EventPublisher(index, NoEvents(), info)
             publisher.start()
             servers.append(server)
             publishers.append(publisher)
