@@ -6,6 +6,8 @@ feed subscribes, names each batch's blocks (``EngineBlockNames``) and applies th
 as the engine's own entries, the engine registered there as a worker of the fleet::
 
     start       -> register; replay from 0 (what the engine holds now, if its buffer has it all)
+    first seq > 0 after an empty replay
+                -> replay from 0 again (batches sent before the subscription took went nowhere)
     seq == next -> apply
     seq >  next -> a batch was lost: replay from next
     seq <  next, a later ts -> the engine restarted: its entries cleared, then apply
@@ -130,7 +132,8 @@ class EngineEventFeed:
         self._seen_ts.clear()
 
     async def wait_subscribed(self) -> None:
-        """Until the subscription is made (what a test publishes after)."""
+        """Until the subscription is made and the engine's buffer replayed (what a test
+        publishes after; the engine may not have heard of the subscription yet)."""
         await self._subscribed.wait()
 
     async def run(self) -> None:
@@ -150,8 +153,8 @@ class EngineEventFeed:
         num_connects = 0
         try:
             await self._resync()
-            self._subscribed.set()
             await self._catch_up(0)
+            self._subscribed.set()
             while not self.status.failed:
                 ready = dict(await poller.poll())
                 if monitor in ready:
@@ -185,9 +188,18 @@ class EngineEventFeed:
         expected = status.next_seq
         if expected is None:
             if seq > 0:
-                status.degraded = f"it joined at batch {seq}: blocks stored before are not known"
-                await self._resync()  # registered degraded, for every reader of the index
-            await self._apply(seq, batch)
+                # NOTE: batches sent after the first replay, before the subscription reached
+                # the engine, went nowhere: its buffer may still hold them all.
+                await self._catch_up(0)
+            if status.next_seq is None:
+                if seq > 0:
+                    status.degraded = f"it joined at batch {seq}: blocks stored before are unknown"
+                    await self._resync()  # registered degraded, for every reader of the index
+                await self._apply(seq, batch)
+            elif seq >= status.next_seq:
+                if seq > status.next_seq:
+                    await self._clear(f"batches {status.next_seq}..{seq - 1} were lost")
+                await self._apply(seq, batch)
         elif seq == expected:
             await self._apply(seq, batch)
         elif seq > expected:

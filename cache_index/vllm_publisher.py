@@ -139,7 +139,12 @@ class KVEventPublisher:
         self._own_context = context is None
         context = context or zmq.Context()
         self._context = context
-        self._pub = context.socket(zmq.PUB)
+        # NOTE: XPUB sends as PUB does and hears each subscription, so that a caller can wait
+        # for a subscriber before publishing (a batch sent before one is heard goes nowhere).
+        self._pub = context.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._num_subscriptions = 0
+        self._subscribed = threading.Condition()
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.IPV6, 1)  # NOTE: tcp://[::1]:PORT, loopback only
         self._pub.set_hwm(hwm)
@@ -173,6 +178,15 @@ class KVEventPublisher:
         subscriber that dropped them sees (fault injection, for tests)."""
         self._queue.put(num_batches)
 
+    def wait_subscribed(self, num_subscriptions: int = 1, timeout_s: float = 30.0) -> bool:
+        """Whether ``num_subscriptions`` subscriptions (one per subscriber, again after each
+        reconnection) were heard within ``timeout_s``: batches published after one is heard
+        reach that subscriber."""
+        with self._subscribed:
+            return self._subscribed.wait_for(
+                lambda: self._num_subscriptions >= num_subscriptions, timeout_s
+            )
+
     def close(self) -> None:
         """Send what is queued, then close both sockets."""
         self._queue.put(None)
@@ -183,6 +197,8 @@ class KVEventPublisher:
     def _serve(self) -> None:
         try:
             while True:
+                while self._pub.poll(0):
+                    self._hear_subscription(self._pub.recv())
                 if self._replay is not None:
                     while self._replay.poll(0):
                         self._answer_replay()
@@ -208,6 +224,12 @@ class KVEventPublisher:
             self._pub.close()
             if self._replay is not None:
                 self._replay.close()
+
+    def _hear_subscription(self, message: bytes) -> None:
+        if message[:1] == b"\x01":  # NOTE: b"\x00" + topic is an unsubscription
+            with self._subscribed:
+                self._num_subscriptions += 1
+                self._subscribed.notify_all()
 
     def _answer_replay(self) -> None:
         assert self._replay is not None

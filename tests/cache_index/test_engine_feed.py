@@ -83,6 +83,7 @@ async def following(engine: Engine, index: BlockIndex, block_size: int = B):
     task = asyncio.create_task(feed.run())
     try:
         await asyncio.wait_for(feed.wait_subscribed(), 30)
+        assert await asyncio.to_thread(engine.publisher.wait_subscribed)
         yield feed, task
     finally:
         task.cancel()
@@ -127,6 +128,29 @@ def test_a_restarted_engine_is_cleared_and_a_lost_batch_replayed(make_index: Mak
                 assert [await matched(index, tag) for tag in (1, 2, 3, 4)] == [0, 0, 0, 3]
                 assert not feed.status.degraded
                 assert len(feed.names) == 3
+        finally:
+            engine.publisher.close()
+            await index.close()
+
+    asyncio.run(main())
+
+
+def test_batches_sent_before_the_subscription_took_are_replayed() -> None:
+    """The feed's first replay found nothing; the engine's first batch then went out before it
+    heard of the subscription (lost on the way), and the second arrived: the first comes from
+    the replay, the feed not degraded."""
+
+    async def main() -> None:
+        index, engine = MemoryIndex(), Engine()
+        try:
+            async with following(engine, index) as (feed, _):
+                engine.publisher.lose(1)
+                engine.publisher.publish([stored(1, 100)])
+                engine.publisher.publish([stored(2, 200)])
+                await until(lambda: feed.status.num_batches == 2, feed)
+                assert not feed.status.degraded
+                assert feed.status.num_replays == 2
+                assert [await matched(index, tag) for tag in (1, 2)] == [3, 3]
         finally:
             engine.publisher.close()
             await index.close()

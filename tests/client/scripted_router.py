@@ -90,7 +90,7 @@ class ReceivedCall:
     request: router_pb2.GenerateRequest
     metadata: dict[str, str]
     time_remaining_s: float | None
-    cancelled: threading.Event  # set when the client cancels while the call hangs
+    cancelled: threading.Event  # set when the client cancels the call
 
 
 class ScriptedRouter(router_pb2_grpc.RouterServicer):
@@ -117,20 +117,21 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
                     (("retry-after-ms", str(script.failure_retry_after_ms)),)
                 )
             await context.abort(script.failure_code, f"scripted failure {num_calls}")
-        for num_sent, chunk in enumerate(script.chunks):
-            if num_sent == script.fail_after_chunks:
-                await context.abort(script.failure_code, f"failed after {num_sent} chunks")
-            if num_sent == script.hang_after_chunks:
-                # NOTE: a client's cancel reaches a grpc.aio handler as CancelledError at its
-                # await (context.cancelled() does not report it), so a hanging call sees it here.
-                try:
+        # NOTE: a client's cancel reaches a grpc.aio handler as CancelledError at its own await
+        # (context.cancelled() does not report it), or, where it came while grpc was sending a
+        # chunk yielded, as GeneratorExit at that yield once grpc drops the handler.
+        try:
+            for num_sent, chunk in enumerate(script.chunks):
+                if num_sent == script.fail_after_chunks:
+                    await context.abort(script.failure_code, f"failed after {num_sent} chunks")
+                if num_sent == script.hang_after_chunks:
                     await asyncio.sleep(60)
-                except asyncio.CancelledError:
-                    call.cancelled.set()
-                    raise
-            yield router_pb2.GenerateResponse(chunk=chunk)
-        if script.final is not None:
-            yield router_pb2.GenerateResponse(final=script.final)
+                yield router_pb2.GenerateResponse(chunk=chunk)
+            if script.final is not None:
+                yield router_pb2.GenerateResponse(final=script.final)
+        except (asyncio.CancelledError, GeneratorExit):
+            call.cancelled.set()
+            raise
 
 
 class BackgroundRouter:

@@ -156,6 +156,7 @@ def test_a_feed_whose_index_went_away_follows_its_engine_again() -> None:
         feeds.start()
         try:
             await asyncio.wait_for(feed.wait_subscribed(), 30)
+            assert await asyncio.to_thread(engine.publisher.wait_subscribed)
             engine.publisher.publish([stored(1, 100)])
             await until(lambda: feed.status.num_batches == 1, feed)
             redis_server.stop()
@@ -211,6 +212,8 @@ def test_a_prefix_only_the_cpu_holds_counts_below_one_on_the_gpu() -> None:
         try:
             for feed in feeds.feeds:
                 await asyncio.wait_for(feed.wait_subscribed(), 30)
+            for engine in (x, y):
+                assert await asyncio.to_thread(engine.publisher.wait_subscribed)
             x.publisher.publish([stored(1, 100)])
             y.publisher.publish([stored(1, 100)])
             y.publisher.publish([EngineBlockStored((100, 101, 102), None, (), 0, medium="CPU")])
