@@ -29,13 +29,17 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx2
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 from starlette.background import BackgroundTask
 
-from kvswitch.router.engines import engine_client
+from kvswitch.router.engine_http import (
+    EngineConnectError,
+    EngineConnectionLost,
+    EngineHTTP,
+    EngineResponse,
+)
 from kvswitch.router.limits import RequestLimits
 from kvswitch.router.openai_protocol import OpenAIError
 from kvswitch.router.openai_stream import until_disconnected
@@ -123,7 +127,7 @@ class _Forward:
 
 
 class EngineForwarder:
-    """Sends the front's requests to engines over one pooled HTTP client (``close`` it)."""
+    """Sends the front's requests to engines over keep-alive connections (``close`` them)."""
 
     def __init__(
         self,
@@ -144,16 +148,11 @@ class EngineForwarder:
         self._metrics = metrics
         self._max_failovers = max_failovers
         # NOTE: no read timeout: a long prompt's first token, or a long answer, takes its time;
-        # a client that gives up cancels the forward, and that closes the engine's stream.
-        self._client = engine_client(
-            security,
-            api_key,
-            timeout=httpx2.Timeout(None, connect=CONNECT_TIMEOUT_S),
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        # a client that gives up cancels the forward, and that closes the engine's connection.
+        self._client = EngineHTTP(security, api_key, connect_timeout_s=CONNECT_TIMEOUT_S)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._client.close()
 
     def has_engines(self) -> bool:
         """Whether the fleet has engines: this router follows some (it waits for them as for
@@ -208,14 +207,12 @@ class EngineForwarder:
             )
             forward = _Forward(plan, route, flight, predicted)
             headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
-            upstream = self._client.build_request(
-                "POST", handle.info.address + request.url.path, content=body, headers=headers
-            )
             try:
-                response = await until_disconnected(
-                    request, self._client.send(upstream, stream=True)
+                response, content = await until_disconnected(
+                    request,
+                    self._exchange(handle.info.address, request.url.path, body, headers, stream),
                 )
-            except (httpx2.ConnectError, httpx2.ConnectTimeout) as e:
+            except EngineConnectError as e:
                 # NOTE: nothing reached the engine: the request can go to another at no cost.
                 self._withdraw(forward)
                 directory.mark_down(handle)
@@ -230,36 +227,51 @@ class EngineForwarder:
                         code="bad_gateway",
                     ) from None
                 continue
+            except EngineConnectionLost as e:
+                self._withdraw(forward)
+                raise OpenAIError(
+                    502, f"engine {handle.worker_id}: {e}", code="bad_gateway"
+                ) from None
             except BaseException:
                 self._withdraw(forward)
                 raise
-            return await self._answer(request, forward, response, stream)
+            return self._answer(forward, response, content)
 
-    async def _answer(
-        self, request: Request, forward: _Forward, response: httpx2.Response, stream: bool
+    async def _exchange(
+        self, address: str, path: str, body: bytes, headers: dict[str, str], stream: bool
+    ) -> tuple[EngineResponse, bytes | None]:
+        """The engine's answer; its body too, unless it is a stream to relay."""
+        response = await self._client.post(address, path, body, headers)
+        if stream and response.status == 200:
+            return response, None
+        try:
+            return response, await response.read()
+        finally:
+            response.close()
+
+    def _answer(
+        self, forward: _Forward, response: EngineResponse, content: bytes | None
     ) -> Response:
+        """The client's answer: the engine's ``content`` where it was read whole, else its
+        stream relayed."""
         engine = forward.flight.handle.worker_id
-        self._metrics.requests.labels(engine, str(response.status_code)).inc()
+        self._metrics.requests.labels(engine, str(response.status)).inc()
         headers = {
             "x-kvswitch-worker": engine,
             "x-kvswitch-route-reason": forward.route.decision.reason,
         }
         media_type = response.headers.get("content-type")
-        if response.status_code != 200 or not stream:
-            try:
-                content = await until_disconnected(request, response.aread())
-            finally:
-                await response.aclose()
-                self._router.directory.finish(forward.flight)
-            if response.status_code != 200:
+        if content is not None:
+            if response.status != 200:
                 self._withdraw(forward)
-                return Response(content, response.status_code, headers, media_type=media_type)
+                return Response(content, response.status, headers, media_type=media_type)
+            self._router.directory.finish(forward.flight)
             self._read_usage(forward, content)
             return Response(content, 200, headers=headers, media_type=media_type)
         headers["cache-control"] = "no-cache"
 
         async def close() -> None:  # a stream whose client left before it began
-            await response.aclose()
+            response.close()
             self._router.directory.finish(forward.flight)
 
         return StreamingResponse(
@@ -270,7 +282,7 @@ class EngineForwarder:
             background=BackgroundTask(close),
         )
 
-    async def _relay(self, forward: _Forward, response: httpx2.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, forward: _Forward, response: EngineResponse) -> AsyncIterator[bytes]:
         """The engine's events as they come, their usage read on the way, and what they say of
         the request's progress counted against the engine's load as a worker's stream is: the
         prompt off its queue at the first event, an output token off it at each later one."""
@@ -278,7 +290,7 @@ class EngineForwarder:
         flight = forward.flight
         pending = b""
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.chunks():
                 yield chunk
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
@@ -292,7 +304,7 @@ class EngineForwarder:
                     if b'"prompt_tokens"' in line:
                         self._read_usage(forward, line[len(b"data: ") :])
         finally:
-            await response.aclose()
+            response.close()
             self._router.directory.finish(forward.flight)
 
     def _read_usage(self, forward: _Forward, content: bytes) -> None:
