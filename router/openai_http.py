@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 import time
@@ -45,7 +46,7 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from kvswitch.cache_index.hashing import tokens_to_bytes
+from kvswitch.cache_index.hashing import TokenIds, tokens_to_bytes
 from kvswitch.checkpoint import embedding_pooling, is_random
 from kvswitch.router.chat_template import ChatTemplateError, load_chat_template
 from kvswitch.router.engine_request import EngineRequest
@@ -142,7 +143,7 @@ class ServedModels(Protocol):
 
     tokenizer: Tokenizer | None
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> TokenIds:
         """The token ids of ``text``; NoTokenizerError without a tokenizer."""
         ...
 
@@ -166,7 +167,7 @@ class RouterModels:
         self._router = router
         self.tokenizer = router.tokenizer
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> TokenIds:
         return self._router.tokenize(text)
 
     def names(self) -> list[str]:
@@ -254,7 +255,7 @@ class OpenAIFront:
         prompt = body.prompt
         if isinstance(prompt, str):
             call.text = prompt
-            count_prompt = self._counter(lambda: len(self._models.tokenize(prompt)), len(prompt))
+            count_prompt = functools.partial(self._tokenize, prompt, len)
         else:
             call.token_ids.ids_u32le = tokens_to_bytes(np.asarray(prompt, np.uint32))
             count_prompt = self._counter(lambda: len(prompt), 0)
@@ -544,19 +545,19 @@ class OpenAIFront:
         except ValueError as e:  # a bad prompt, or routing
             raise OpenAIError(400, str(e), param=param) from None
 
-    async def _engine_prompt(self, view: EngineRequest, chat: bool) -> list[int]:
+    async def _engine_prompt(self, view: EngineRequest, chat: bool) -> TokenIds:
         """The token ids the router routes ``view`` by: its prompt's, or its conversation as
         the chat template renders it (its text alone where the template cannot)."""
         if not chat:
             prompt = view.routed_prompt()
             if not isinstance(prompt, str):
                 return list(prompt)
-            return await self._off_loop_if_long(lambda: self._models.tokenize(prompt), len(prompt))
+            return await self._tokenize(prompt, _same)
         messages = view.chat_messages()
         template = self._template
         num_chars = sum(len(m["content"]) for m in messages)
 
-        def encode() -> list[int]:
+        def encode() -> TokenIds:
             if template is not None:
                 with contextlib.suppress(ChatTemplateError):
                     return template.encode(template.render(messages))
@@ -591,9 +592,7 @@ class OpenAIFront:
     async def _echo(self, prompt: str | list[int]) -> tuple[str, list[int]]:
         """The prompt's text and token ids, for an answer that echoes it."""
         if isinstance(prompt, str):
-            return prompt, await self._off_loop_if_long(
-                lambda: self._models.tokenize(prompt), len(prompt)
-            )
+            return prompt, await self._tokenize(prompt, _as_list)
         tokenizer = self._models.tokenizer
         text = tokenizer.decode(prompt) if tokenizer is not None else ""
         return text, list(prompt)
@@ -784,14 +783,32 @@ class OpenAIFront:
     def _counter(self, count: Callable[[], int], num_chars: int) -> Callable[[], Awaitable[int]]:
         return lambda: self._off_loop_if_long(count, num_chars)
 
-    async def _off_loop_if_long(self, work: Callable[[], T], num_chars: int) -> T:
+    async def _tokenize(self, text: str, then: Callable[[list[int]], T]) -> T:
+        """``then`` of ``text``'s token ids; on a thread past the tokenizer's ``inline_chars``."""
+        tokenizer = self._models.tokenizer
+        inline_chars = tokenizer.inline_chars if tokenizer is not None else len(text)
+        return await self._off_loop_if_long(
+            lambda: then(self._models.tokenize(text)), len(text), inline_chars
+        )
+
+    async def _off_loop_if_long(
+        self, work: Callable[[], T], num_chars: int, inline_chars: int = _INLINE_RENDER_CHARS
+    ) -> T:
         # NOTE: as the servicer tokenizes: a long prompt on a thread, not stalling the streams.
         try:
-            if num_chars <= _INLINE_RENDER_CHARS:
+            if num_chars <= inline_chars:
                 return work()
             return await asyncio.to_thread(work)
         except NoTokenizerError as e:
             raise OpenAIError(400, str(e), param="prompt") from None
+
+
+def _same(token_ids: TokenIds) -> TokenIds:
+    return token_ids
+
+
+def _as_list(token_ids: TokenIds) -> list[int]:
+    return token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
 
 
 def _route_headers(final: router_pb2.GenerateFinal | None) -> dict[str, str]:

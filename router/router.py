@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -180,11 +181,18 @@ class Router:
         block_hashes = hasher.hash_blocks(ids)
         return RoutePlan(ids, namespace, block_size, block_hashes, lora, cache_salt, max_model_len)
 
-    def tokenize(self, text: str) -> list[int]:
-        """The prompt's token ids; NoTokenizerError when the model has no tokenizer."""
+    def tokenize(self, text: str) -> np.ndarray:
+        """The prompt's token ids (uint32); NoTokenizerError when the model has no tokenizer."""
         if self.tokenizer is None:
             raise NoTokenizerError(f"{self.no_tokenizer_reason}: send the prompt as token ids")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_array(text)
+
+    def inline_chars(self) -> int:
+        """The longest text ``tokenize`` is called with on the event loop (longer on a
+        thread): the tokenizer's ``inline_chars``."""
+        if self.tokenizer is None:
+            return sys.maxsize  # NOTE: nothing to encode: NoTokenizerError at once
+        return self.tokenizer.inline_chars
 
     def extend(self, plan: RoutePlan, token_ids: Sequence[int]) -> RoutePlan:
         """The plan of the same request with ``token_ids`` appended to its prompt (resuming a

@@ -45,8 +45,6 @@ from kvswitch.serving import RETRY_AFTER_KEY
 from kvswitch.v1 import router_pb2, router_pb2_grpc
 
 DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens 0 means this, as on the worker
-# Longer text prompts are tokenized on a thread, shorter ones on the loop (cheaper than the hop).
-_INLINE_TOKENIZE_CHARS = 1024
 _ANSWER_MARGIN_S = 0.1  # a waiting request gives up this long before its deadline
 _CLIENT_RETRY_AFTER_MS = 100  # asked of a client at its limit of open streams
 # What the router's own request ids start with, on the workers (their logs, engine, leases).
@@ -242,11 +240,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise ValueError("the request has no prompt: set text or token_ids")
         if kind == "token_ids":
             token_ids = token_ids_from_proto(request.token_ids)
-        elif len(request.text) <= _INLINE_TOKENIZE_CHARS:
+        elif len(request.text) <= self._router.inline_chars():
             token_ids = self._router.tokenize(request.text)
         else:
-            # NOTE: a long prompt would stall every stream this loop relays (about 2.5 us a
-            # token with a BPE tokenizer); the tokenizers library lets go of the GIL meanwhile.
+            # NOTE: a long prompt would stall every stream this loop relays (``inline_chars``);
+            # the tokenizers library lets go of the GIL meanwhile.
             token_ids = await asyncio.to_thread(self._router.tokenize, request.text)
         check_prompt_length(len(token_ids), kind, self._limits)
         return token_ids

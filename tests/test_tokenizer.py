@@ -44,6 +44,8 @@ def test_byte_tokenizer_round_trips(text: str) -> None:
     token_ids = tokenizer.encode(text)
     assert token_ids == [256, *text.encode("utf-8")]
     assert tokenizer.decode(token_ids) == text
+    array = tokenizer.encode_array(text)  # what the router hashes, built without a list
+    assert array.dtype == np.uint32 and array.tolist() == token_ids
 
 
 def test_byte_tokenizer_bos_and_vocabulary() -> None:
@@ -156,6 +158,7 @@ def test_hf_tokenizer_round_trips_and_reads_bos_eos(hf_dir: Path) -> None:
         assert token_ids[0] == 0 and 0 not in token_ids[1:]
         assert token_ids[1:] == tokenizer.encode(text, add_bos=False)
         assert tokenizer.decode(token_ids) == text
+        assert tokenizer.encode_array(text).tolist() == token_ids
     assert tokenizer.decode([0, *tokenizer.encode("hello", add_bos=False), 1]) == "hello"
 
 
