@@ -6,7 +6,6 @@ the HTTP client goes away (``until_disconnected``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -186,20 +185,32 @@ def _event(body: dict[str, Any]) -> bytes:
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """``await work``, cancelled if the HTTP client goes away first (its request cancelled on
     the router with it)."""
-    task = asyncio.ensure_future(work)
+    current = asyncio.current_task()
+    assert current is not None
+    waiting = True
+    gone = False
+
+    def on_disconnect(watcher: asyncio.Task[None]) -> None:
+        nonlocal gone
+        # NOTE: run by the loop after the watcher ends, maybe after ``work`` ended too.
+        if waiting and not watcher.cancelled():
+            gone = True
+            current.cancel()
+
+    # NOTE: ``work`` runs in this task, one watcher beside it: no task of its own to wait on.
     watcher = asyncio.ensure_future(_disconnected(request))
+    watcher.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        current.uncancel()
         # NOTE: an answer nobody will read; the server drops it.
-        raise OpenAIError(499, "the client closed the connection", code="client_closed")
-    return task.result()
+        raise OpenAIError(499, "the client closed the connection", code="client_closed") from None
+    finally:
+        waiting = False
+        watcher.cancel()
 
 
 async def _disconnected(request: Request) -> None:

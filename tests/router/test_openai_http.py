@@ -432,3 +432,59 @@ def test_chat_uses_the_checkpoints_template(checkpoint: BackgroundCluster, tmp_p
         assert refused.value.param == "messages"
     finally:
         checkpoint.run(bare.stop(0))
+
+
+def test_a_wait_ends_when_its_http_client_goes_away_and_only_then() -> None:
+    """``until_disconnected``: the work is cancelled, and 499 raised, when the client's
+    disconnect comes first; work that ends first is its answer, and the task is not cancelled
+    after (by a disconnect that comes right then); a cancel from elsewhere stays a cancel."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from kvswitch.router.openai_protocol import OpenAIError
+    from kvswitch.router.openai_stream import until_disconnected
+
+    def request(disconnected: asyncio.Event) -> Request:
+        async def receive() -> dict:
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        return Request({"type": "http", "method": "POST", "headers": []}, receive)
+
+    async def main() -> None:
+        gone, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def work() -> int:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return 0
+
+        asyncio.get_running_loop().call_soon(gone.set)
+        with pytest.raises(OpenAIError) as left:
+            await until_disconnected(request(gone), work())
+        assert left.value.status == 499 and cancelled.is_set()
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+        # The work ends as the client goes: the answer stands, and nothing cancels this task.
+        gone = asyncio.Event()
+
+        async def quick() -> int:
+            gone.set()
+            await asyncio.sleep(0)  # NOTE: the watcher ends first, its callback runs after this
+            return 7
+
+        assert await until_disconnected(request(gone), quick()) == 7
+        await asyncio.sleep(0.05)  # where a stray cancel would land
+
+        # Cancelled from outside: a CancelledError, not the client's 499.
+        task = asyncio.ensure_future(until_disconnected(request(asyncio.Event()), work()))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
