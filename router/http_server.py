@@ -91,7 +91,7 @@ async def start_http_front(
         engines,
         adapters,
     )
-    return await serve_http(front.app, config, channel)
+    return await serve_http(front, config, channel)
 
 
 def loopback_target(address: str) -> str:

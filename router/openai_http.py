@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from kvswitch.cache_index.hashing import TokenIds, tokens_to_bytes
 from kvswitch.checkpoint import embedding_pooling, is_random
@@ -233,6 +234,29 @@ class OpenAIFront:
         self.app.add_api_route(
             "/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]
         )
+        self._hot_paths = {
+            "/v1/completions": self.completions,
+            "/v1/chat/completions": self.chat_completions,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The front as an ASGI app: a completion straight to its endpoint (past FastAPI's
+        routing and middleware, about 55 us of CPU a request on a small machine), anything
+        else through ``app``."""
+        endpoint = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self._hot_paths.get(scope["path"])
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await endpoint(request)
+        except OpenAIError as e:
+            response = await _error_response(request, e)
+        except HTTPException as e:
+            response = await _http_error_response(request, e)
+        await response(scope, receive, send)
 
     # -- endpoints ---------------------------------------------------------------------------
 

@@ -194,4 +194,4 @@ async def start_worker_http(
 
     api.app.add_api_route("/health", health, methods=["GET"])
     api.app.add_api_route("/metrics", metrics, methods=["GET"])
-    return await serve_http(api.app, front, channel)
+    return await serve_http(api, front, channel)
