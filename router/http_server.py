@@ -16,19 +16,23 @@ import math
 import socket
 import ssl
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import grpc
 import uvicorn
 
 from kvswitch.router.lora_updates import FleetAdapters
 from kvswitch.router.openai_http import FrontConfig, OpenAIFront, RouterModels
 from kvswitch.router.router import Router
 from kvswitch.serving import host_port
-from kvswitch.v1 import router_pb2_grpc
 
 if TYPE_CHECKING:
     from kvswitch.router.engine_forward import EngineForwarder
+    from kvswitch.router.local_call import LocalStub
+
+
+class Closeable(Protocol):
+    async def close(self) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class HttpFront:
     scheme: str  # http, or https where the router serves TLS
     server: uvicorn.Server
     task: asyncio.Task
-    channel: grpc.aio.Channel
+    channel: Closeable  # what its requests are sent on, closed after it
 
     @property
     def url(self) -> str:
@@ -71,27 +75,16 @@ class HttpFront:
 async def start_http_front(
     config: FrontConfig,
     router: Router,
-    router_address: str,
+    calls: LocalStub,
     front_key: str,
     engines: EngineForwarder | None = None,
 ) -> HttpFront:
-    """Serve the HTTP API on ``config.host``:``config.http_port`` in front of the router at
-    ``router_address`` (this process's), and of its OpenAI-API ``engines`` if it has any;
+    """Serve the HTTP API on ``config.host``:``config.http_port`` in front of this process's
+    router, called in-process (``calls``), and of its OpenAI-API ``engines`` if it has any;
     OSError if the port cannot be bound."""
-    # NOTE: the router's TLS and certificate, never its fleet token: the Router service
-    # checks the HTTP client's own token.
-    security = dataclasses.replace(config.security, fleet_token="")
-    channel = security.channel(loopback_target(router_address))
     adapters = FleetAdapters(router) if config.lora_updates else None
-    front = OpenAIFront(
-        config,
-        RouterModels(router),
-        router_pb2_grpc.RouterStub(channel),
-        front_key,
-        engines,
-        adapters,
-    )
-    return await serve_http(front, config, channel)
+    front = OpenAIFront(config, RouterModels(router), calls, front_key, engines, adapters)
+    return await serve_http(front, config, calls)
 
 
 def loopback_target(address: str) -> str:
@@ -100,7 +93,7 @@ def loopback_target(address: str) -> str:
     return host_port("localhost" if host in _WILDCARD_HOSTS else host.strip("[]"), int(port))
 
 
-async def serve_http(app: Any, config: FrontConfig, channel: grpc.aio.Channel) -> HttpFront:
+async def serve_http(app: Any, config: FrontConfig, channel: Closeable) -> HttpFront:
     """Serve ``app`` (calling on ``channel``) on ``config.host``:``config.http_port``, over TLS
     where ``config.security`` says so; OSError if the port cannot be bound (``channel`` closed)."""
     try:

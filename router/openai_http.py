@@ -58,6 +58,7 @@ from kvswitch.router.forwarded import (
     http_client,
 )
 from kvswitch.router.limits import MAX_UNKNOWN_OUTPUT_TOKENS, check_prompt_length, check_request
+from kvswitch.router.local_call import LocalStub
 from kvswitch.router.openai_logprobs import (
     CompletionLogprobs,
     TokenTexts,
@@ -197,7 +198,7 @@ class OpenAIFront:
         self,
         config: FrontConfig,
         models: ServedModels,
-        stub: router_pb2_grpc.RouterStub,
+        stub: router_pb2_grpc.RouterStub | LocalStub,
         front_key: str,
         engines: EngineForwarder | None = None,
         adapters: FleetAdapters | None = None,

@@ -33,6 +33,7 @@ from kvswitch.router.disagg import DisaggConfig
 from kvswitch.router.engines import EngineFeeds, parse_engines, read_engine_fleet
 from kvswitch.router.forwarded import new_front_key
 from kvswitch.router.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
+from kvswitch.router.local_call import LocalStub
 from kvswitch.router.metrics import RouterMetrics, WorkerLoadSample
 from kvswitch.router.pending import PendingBlocks
 from kvswitch.router.policy import POLICIES, fetch_costs, make_policy
@@ -377,6 +378,7 @@ class RouterServer:
     tasks: list[asyncio.Task]
     metrics: RouterMetrics
     metrics_server: MetricsServer | None = None
+    calls: LocalStub | None = None  # the HTTP front's, in-process
     http_front: HttpFront | None = None
     engine_feeds: EngineFeeds | None = None  # the engines' KV events, followed into the index
     engine_forwarder: EngineForwarder | None = None
@@ -394,8 +396,10 @@ class RouterServer:
     async def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING, give running requests ``grace_s`` to finish, then close."""
         await self.health_servicer.enter_graceful_shutdown()
-        # NOTE: together: HTTP requests are gRPC calls to this server, and end with them.
+        # NOTE: together: the HTTP front's calls end as the gRPC server's do.
         stopping = [self.server.stop(grace_s)]
+        if self.calls is not None:
+            stopping.append(self.calls.stop(grace_s))
         if self.http_front is not None:
             stopping.append(self.http_front.stop(grace_s))
         await asyncio.gather(*stopping)
@@ -508,16 +512,29 @@ async def start_router(config: RouterConfig, *, front_key: str = "") -> RouterSe
             api_key=config.engine_api_key,
             follows_engines=engine_feeds is not None,
         )
+    if config.http_port >= 0:
+        front_key = front_key or new_front_key()
+    servicer = RouterServicer(
+        router,
+        metrics,
+        max_failovers=config.max_failovers,
+        wait_for_worker_s=config.wait_for_worker_s,
+        disagg=config.disagg_config(),
+        limits=config.limits(),
+        front_key=front_key,
+        tenants=config.tenant_limits(),
+        tenant_header=config.tenant_header,
+    )
+    calls = LocalStub(servicer)
     http_front = None
     if config.http_port >= 0:
         # NOTE: imported only when served: FastAPI and uvicorn take about a second to import.
         from kvswitch.router.http_server import start_http_front
         from kvswitch.router.openai_http import FrontConfig
 
-        front_key = front_key or new_front_key()
         try:
             http_front = await start_http_front(
-                FrontConfig.of(config), router, address, front_key, forwarder
+                FrontConfig.of(config), router, calls, front_key, forwarder
             )
         except OSError as e:
             await index.close()
@@ -534,17 +551,6 @@ async def start_router(config: RouterConfig, *, front_key: str = "") -> RouterSe
             raise RouterStartError(
                 f"cannot serve metrics on {host_port(config.host, config.metrics_port)}: {e}"
             ) from e
-    servicer = RouterServicer(
-        router,
-        metrics,
-        max_failovers=config.max_failovers,
-        wait_for_worker_s=config.wait_for_worker_s,
-        disagg=config.disagg_config(),
-        limits=config.limits(),
-        front_key=front_key,
-        tenants=config.tenant_limits(),
-        tenant_header=config.tenant_header,
-    )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -597,9 +603,10 @@ async def start_router(config: RouterConfig, *, front_key: str = "") -> RouterSe
         tasks,
         metrics,
         metrics_server,
-        http_front,
-        engine_feeds,
-        forwarder,
+        calls=calls,
+        http_front=http_front,
+        engine_feeds=engine_feeds,
+        engine_forwarder=forwarder,
     )
 
 

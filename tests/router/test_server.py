@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -652,11 +653,18 @@ def _counter(metrics_address: str | None, name: str) -> float:
 
 
 class SlowTokenizer(ByteTokenizer):
-    """Takes a second to tokenize, as a BPE tokenizer takes on a very long prompt."""
+    """Takes a second to tokenize, as a BPE tokenizer takes on a very long prompt (and says
+    so: text past 1,024 characters goes to a thread)."""
+
+    inline_chars = 1024
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         time.sleep(1.0)
         return super().encode(text, add_bos=add_bos)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        time.sleep(1.0)
+        return super().encode_array(text)
 
 
 def test_a_long_text_prompt_is_tokenized_off_the_event_loop(reference: LLMEngine) -> None:
