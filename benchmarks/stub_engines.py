@@ -182,11 +182,15 @@ def serve_grpc_stubs(num_engines: int, index_url: str, addresses: Any) -> None:
 
         async def Generate(self, request: Any, context: Any) -> Any:
             wanted = request.sampling.max_tokens or 16
-            chunk = worker_pb2.WorkerGenerateResponse(
-                chunk=common_pb2.TokenChunk(token_ids=[120], text="x")
-            )
-            for _ in range(wanted):
-                yield chunk
+            # NOTE: as a worker sends them: the first token alone, then stream_interval a chunk.
+            interval = max(request.stream_interval, 1)
+            sizes = [1] + [interval] * ((wanted - 1) // interval)
+            if (wanted - 1) % interval:
+                sizes.append((wanted - 1) % interval)
+            for size in sizes:
+                yield worker_pb2.WorkerGenerateResponse(
+                    chunk=common_pb2.TokenChunk(token_ids=[120] * size, text="x" * size)
+                )
             stats = common_pb2.RequestStats(worker_id=self.worker_id, num_output_tokens=wanted)
             yield worker_pb2.WorkerGenerateResponse(
                 final=worker_pb2.WorkerGenerateFinal(

@@ -19,6 +19,9 @@ from kvswitch.v1 import common_pb2, router_pb2
 _UINT32_END = 1 << 32
 _UINT64_END = 1 << 64
 _MAX_LOGPROBS = 20
+# ``generate`` reads only the whole answer: the worker sends it in chunks of this many tokens
+# (the first token alone), each a message at every hop, not one a token.
+WHOLE_ANSWER_STREAM_INTERVAL = 64
 
 
 class GenerateOptions(TypedDict, total=False):

@@ -10,7 +10,7 @@ from typing import Unpack
 import grpc
 
 from kvswitch.client.channel import TlsOption, call_metadata, channel_credentials, check_timeout_s
-from kvswitch.client.request import GenerateOptions, GenerateParams
+from kvswitch.client.request import WHOLE_ANSWER_STREAM_INTERVAL, GenerateOptions, GenerateParams
 from kvswitch.client.result import Chunk, GenerateResult, ResultBuilder
 from kvswitch.client.retry import Attempts, RetryBudget, RetryPolicy
 from kvswitch.v1 import router_pb2, router_pb2_grpc
@@ -56,7 +56,7 @@ class Client:
         **options: Unpack[GenerateOptions],
     ) -> GenerateResult:
         """Runs one request to the end; raises ``KvswitchError`` if it fails."""
-        with self.stream(prompt, timeout_s=timeout_s, **options) as stream:
+        with self._start(prompt, timeout_s, options, WHOLE_ANSWER_STREAM_INTERVAL) as stream:
             for _ in stream:
                 pass
             return stream.result
@@ -72,7 +72,17 @@ class Client:
 
         ``timeout_s`` overrides the client's default deadline. The arguments are checked here,
         before anything is sent (``ValueError``)."""
+        return self._start(prompt, timeout_s, options)
+
+    def _start(
+        self,
+        prompt: str | None,
+        timeout_s: float | None,
+        options: GenerateOptions,
+        stream_interval: int = 0,
+    ) -> Stream:
         request = GenerateParams.from_options(prompt, options).to_request()
+        request.stream_interval = stream_interval
         timeout_s = check_timeout_s(timeout_s) or self._timeout_s
         attempts = Attempts(request.request_id, self._retry, timeout_s, self.retry_budget)
         return Stream(self._stub, request, self._metadata, attempts)

@@ -307,6 +307,7 @@ class Attempts:
             # The first chunk carried the embedding: a resumed stream asks for none.
             pooling=self._request.pooling if not progress.sent else "",
             priority=self._request.priority,
+            stream_interval=self._request.stream_interval,
         )
         source = self._blocks_from(attempt.route)
         if source is not None:

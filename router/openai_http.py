@@ -108,6 +108,8 @@ RANDOM_WEIGHTS_MAX_TOKENS = 64
 DEFAULT_MAX_TOKENS_HEADER = "x-kvswitch-default-max-tokens"
 _UINT32_MAX = (1 << 32) - 1
 _INLINE_RENDER_CHARS = 1024  # longer conversations are rendered and tokenized on a thread
+# The tokens a chunk of a non-streamed answer waits for (GenerateRequest.stream_interval).
+_WHOLE_ANSWER_STREAM_INTERVAL = 64
 _EMBEDDING_CALLS = 16  # the inputs of one embeddings request routed at once
 
 
@@ -480,8 +482,12 @@ class OpenAIFront:
                 f"takes at most {self._config.max_message_bytes}",
                 code="request_too_large",
             )
-        rpc = self._stub.Generate(call, metadata=self._metadata(request))
         stops = StopStrings(body.stop_strings()) if body.stop else None
+        if not body.stream and stops is None:
+            # NOTE: the answer is read whole: few chunks, each a message at every hop. With stop
+            # strings, a token a chunk, so that the count of tokens up to a stop stays exact.
+            call.stream_interval = _WHOLE_ANSWER_STREAM_INTERVAL
+        rpc = self._stub.Generate(call, metadata=self._metadata(request))
         output = RouterOutput(rpc, stops, prompt_param, count_prompt, keep_output=keep_output)
         shown = self._logprobs_shown(call, output, reply.chat, echo)
         prefix = echo[0] if echo is not None else ""

@@ -374,11 +374,10 @@ def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:
     args = ["--num-seqs", "8", "--context-len", "128", "--num-steps", "3"]
     main(["bench", "step", *args, "--json", str(out)])
     figures = json.loads(out.read_text())
-    assert 0 < figures["host_step_ms"] < figures["step_ms"]
-    assert figures["forward_ms"] > 0
-    assert figures["step_ms"] == pytest.approx(
-        figures["host_step_ms"] + figures["forward_ms"], rel=0.5
-    )
+    assert 0 < figures["host_step_ms_min"] <= figures["host_step_ms"] < figures["step_ms"]
+    # NOTE: each step's host time is its time less its forward's; the medians of the three
+    # need not add up (one slow step on a busy machine moves one median, not the others).
+    assert 0 < figures["forward_ms"] < figures["step_ms"]
     assert "parts_ms" not in figures
 
 

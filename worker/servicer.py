@@ -231,6 +231,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             worker_id=self._worker_id,
             num_prompt_tokens=len(prompt_token_ids),
         )
+        # NOTE: the fewest tokens a chunk waits for: the request's own, else this worker's.
+        stream_interval = request.stream_interval or self._stream_interval
         done = False  # the engine is finished with the request
         finish_reason = "abort"  # until the engine says otherwise: the RPC was cancelled
         ttft_s: float | None = None
@@ -247,7 +249,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finish_reason = "error"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(e))
             while not done:
-                outputs, error = await _next_outputs(queue, self._stream_interval)
+                outputs, error = await _next_outputs(queue, stream_interval)
                 if error is not None:
                     done = True
                     finish_reason = "error"

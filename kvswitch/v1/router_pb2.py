@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvswitch.v1 import common_pb2 as kvswitch_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/router.proto\x12\x0bkvswitch.v1\x1a\x18kvswitch/v1/common.proto\"*\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x11\n\tids_u32le\x18\x02 \x01(\x0c\"\x8f\x01\n\x10RoutingOverrides\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12;\n\x07weights\x18\x02 \x03(\x0b\x32*.kvswitch.v1.RoutingOverrides.WeightsEntry\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kvswitch.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvswitch.v1.SamplingParams\x12\x0c\n\x04lora\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12.\n\x07routing\x18\x07 \x01(\x0b\x32\x1d.kvswitch.v1.RoutingOverrides\x12\x0f\n\x07pooling\x18\x08 \x01(\t\x12\'\n\x08priority\x18\t \x01(\x0e\x32\x15.kvswitch.v1.PriorityB\x08\n\x06prompt\"m\n\rRouteDecision\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12num_matched_blocks\x18\x04 \x01(\r\x12\r\n\x05score\x18\x05 \x01(\x01\"\x96\x01\n\rGenerateFinal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.kvswitch.v1.FinishReason\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.kvswitch.v1.RequestStats\x12)\n\x05route\x18\x03 \x01(\x0b\x32\x1a.kvswitch.v1.RouteDecision\"q\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvswitch.v1.TokenChunkH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.kvswitch.v1.GenerateFinalH\x00\x42\x06\n\x04kind2S\n\x06Router\x12I\n\x08Generate\x12\x1c.kvswitch.v1.GenerateRequest\x1a\x1d.kvswitch.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/router.proto\x12\x0bkvswitch.v1\x1a\x18kvswitch/v1/common.proto\"*\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x11\n\tids_u32le\x18\x02 \x01(\x0c\"\x8f\x01\n\x10RoutingOverrides\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12;\n\x07weights\x18\x02 \x03(\x0b\x32*.kvswitch.v1.RoutingOverrides.WeightsEntry\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kvswitch.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvswitch.v1.SamplingParams\x12\x0c\n\x04lora\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12.\n\x07routing\x18\x07 \x01(\x0b\x32\x1d.kvswitch.v1.RoutingOverrides\x12\x0f\n\x07pooling\x18\x08 \x01(\t\x12\'\n\x08priority\x18\t \x01(\x0e\x32\x15.kvswitch.v1.Priority\x12\x17\n\x0fstream_interval\x18\n \x01(\rB\x08\n\x06prompt\"m\n\rRouteDecision\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12num_matched_blocks\x18\x04 \x01(\r\x12\r\n\x05score\x18\x05 \x01(\x01\"\x96\x01\n\rGenerateFinal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.kvswitch.v1.FinishReason\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.kvswitch.v1.RequestStats\x12)\n\x05route\x18\x03 \x01(\x0b\x32\x1a.kvswitch.v1.RouteDecision\"q\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvswitch.v1.TokenChunkH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.kvswitch.v1.GenerateFinalH\x00\x42\x06\n\x04kind2S\n\x06Router\x12I\n\x08Generate\x12\x1c.kvswitch.v1.GenerateRequest\x1a\x1d.kvswitch.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,13 +41,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTINGOVERRIDES_WEIGHTSENTRY']._serialized_start=209
   _globals['_ROUTINGOVERRIDES_WEIGHTSENTRY']._serialized_end=255
   _globals['_GENERATEREQUEST']._serialized_start=258
-  _globals['_GENERATEREQUEST']._serialized_end=552
-  _globals['_ROUTEDECISION']._serialized_start=554
-  _globals['_ROUTEDECISION']._serialized_end=663
-  _globals['_GENERATEFINAL']._serialized_start=666
-  _globals['_GENERATEFINAL']._serialized_end=816
-  _globals['_GENERATERESPONSE']._serialized_start=818
-  _globals['_GENERATERESPONSE']._serialized_end=931
-  _globals['_ROUTER']._serialized_start=933
-  _globals['_ROUTER']._serialized_end=1016
+  _globals['_GENERATEREQUEST']._serialized_end=577
+  _globals['_ROUTEDECISION']._serialized_start=579
+  _globals['_ROUTEDECISION']._serialized_end=688
+  _globals['_GENERATEFINAL']._serialized_start=691
+  _globals['_GENERATEFINAL']._serialized_end=841
+  _globals['_GENERATERESPONSE']._serialized_start=843
+  _globals['_GENERATERESPONSE']._serialized_end=956
+  _globals['_ROUTER']._serialized_start=958
+  _globals['_ROUTER']._serialized_end=1041
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,7 @@ class RoutingOverrides(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "lora", "cache_salt", "routing", "pooling", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "lora", "cache_salt", "routing", "pooling", "priority", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GenerateRequest(_message.Message):
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -50,7 +51,8 @@ class GenerateRequest(_message.Message):
     routing: RoutingOverrides
     pooling: str
     priority: _common_pb2.Priority
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., routing: _Optional[_Union[RoutingOverrides, _Mapping]] = ..., pooling: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., routing: _Optional[_Union[RoutingOverrides, _Mapping]] = ..., pooling: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("worker_id", "policy", "reason", "num_matched_blocks", "score")

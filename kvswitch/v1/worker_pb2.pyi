@@ -28,7 +28,7 @@ class LoraAdaptersResponse(_message.Message):
     def __init__(self, loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lora", "cache_salt", "num_resumed_tokens", "prompt_token_ids_u32le", "hold_blocks_ms", "kv_source", "num_pending_text_tokens", "pooling", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lora", "cache_salt", "num_resumed_tokens", "prompt_token_ids_u32le", "hold_blocks_ms", "kv_source", "num_pending_text_tokens", "pooling", "priority", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class WorkerGenerateRequest(_message.Message):
     NUM_PENDING_TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -53,7 +54,8 @@ class WorkerGenerateRequest(_message.Message):
     num_pending_text_tokens: int
     pooling: str
     priority: _common_pb2.Priority
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ..., prompt_token_ids_u32le: _Optional[bytes] = ..., hold_blocks_ms: _Optional[int] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ..., num_pending_text_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora: _Optional[str] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ..., prompt_token_ids_u32le: _Optional[bytes] = ..., hold_blocks_ms: _Optional[int] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ..., num_pending_text_tokens: _Optional[int] = ..., pooling: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class KVSource(_message.Message):
     __slots__ = ("peer_address", "transfer_id", "transport", "on_failure", "timeout_ms")

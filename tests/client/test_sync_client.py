@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from kvswitch.client import Chunk, Client, KvswitchError, KvswitchTimeoutError
+from kvswitch.client.request import WHOLE_ANSWER_STREAM_INTERVAL
 from kvswitch.v1 import common_pb2, router_pb2
 from tests.client.scripted_router import (
     EXPECTED,
@@ -34,6 +35,7 @@ def test_generate_assembles_the_result(router: ScriptedRouter) -> None:
         text="Hello?",
         sampling=common_pb2.SamplingParams(max_tokens=16, top_p=1.0),
         routing=router_pb2.RoutingOverrides(),
+        stream_interval=WHOLE_ANSWER_STREAM_INTERVAL,  # generate reads the whole answer
     )
 
 
@@ -64,6 +66,7 @@ def test_every_argument_reaches_the_router(router: ScriptedRouter) -> None:
         routing=router_pb2.RoutingOverrides(
             policy="least_loaded", weights={"cache": 2.0, "load": 0.5}
         ),
+        stream_interval=WHOLE_ANSWER_STREAM_INTERVAL,
     )
 
 

@@ -165,6 +165,34 @@ def test_a_repeated_long_prompt_is_served_from_the_cache(client: openai.OpenAI, 
     assert cached[1] >= 160
 
 
+def test_a_whole_answer_comes_in_few_chunks_and_a_stream_in_many(
+    cluster: BackgroundCluster, client: openai.OpenAI, model: str, grpc_client: Client
+) -> None:
+    """A non-streamed completion, and the SDK's generate, ask the worker for chunks of 64
+    tokens (GenerateRequest.stream_interval): 40 tokens come as the first and then the rest,
+    one chunk after the first (the router counts each in its inter-token histogram); a
+    stream's come one a chunk (several where the worker had several ready). The same text."""
+    registry = cluster.router.metrics.registry
+
+    def chunks_after_the_first() -> float:
+        name = "kvswitch_router_inter_token_latency_seconds_count"
+        return registry.get_sample_value(name) or 0.0
+
+    before = chunks_after_the_first()
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0)
+    assert chunks_after_the_first() - before == 1
+    before = chunks_after_the_first()
+    result = grpc_client.generate(PROMPT, max_tokens=40, temperature=0.0)
+    assert chunks_after_the_first() - before == 1
+    before = chunks_after_the_first()
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=40, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in stream)
+    assert chunks_after_the_first() - before > 2
+    assert streamed == whole.choices[0].text == result.text
+
+
 def test_stop_strings_cut_the_text(client: openai.OpenAI, model: str) -> None:
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0)
     text = full.choices[0].text

@@ -105,17 +105,21 @@ def test_generate_streams_the_engines_tokens(
     assert tokens[:8] == expected
 
 
+@pytest.mark.parametrize(("worker_interval", "request_interval"), [(4, 0), (1, 4)])
 def test_a_stream_interval_sends_several_tokens_a_chunk_and_the_first_at_once(
-    reference: LLMEngine,
+    reference: LLMEngine, worker_interval: int, request_interval: int
 ) -> None:
-    """--stream-interval 4: the first token at once (its chunk carries the TTFT: with any
-    already decoded), then chunks of four tokens at least, the last of what is left: at most
-    four chunks for eleven tokens, the same tokens and text as one by one."""
+    """--stream-interval 4, or a request's stream_interval 4 (on a worker of 1): the first
+    token at once (its chunk carries the TTFT: with any already decoded), then chunks of four
+    tokens at least, the last of what is left: at most four chunks for eleven tokens, the same
+    tokens and text as one by one."""
     [expected] = reference.generate([PROMPT], SamplingParams(max_tokens=11))
-    background = BackgroundWorker(dataclasses.replace(CONFIG, stream_interval=4))
+    background = BackgroundWorker(dataclasses.replace(CONFIG, stream_interval=worker_interval))
     try:
         request = worker_pb2.WorkerGenerateRequest(
-            prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=11)
+            prompt_token_ids=PROMPT,
+            sampling=common_pb2.SamplingParams(max_tokens=11),
+            stream_interval=request_interval,
         )
         chunks = [
             r.chunk for r in background.stub.Generate(request, timeout=30) if r.chunk.token_ids
