@@ -15,7 +15,8 @@ event a token. Routers, each started alone in front of ``num_engines`` of them:
   such, never silently left out.
 
 Per router: ``p50_ms`` / ``p99_ms`` of ``num_requests`` non-streamed completions sent one after
-another (a prompt of ``prompt_chars`` characters), and ``added_p50_ms`` / ``added_p99_ms``, less the
+another (a prompt of ``prompt_chars`` characters; over gRPC read whole as the SDK's ``generate``
+reads them, ``stream_interval`` 64), and ``added_p50_ms`` / ``added_p99_ms``, less the
 same straight to a stub (the HTTP stubs for the HTTP routers, the gRPC stubs for gRPC); then
 ``cpu_us_per_token``: the router's CPU time (its processes, from ``/proc``) while ``concurrency``
 streams of ``stream_tokens`` tokens run for ``duration_s``, over the tokens the clients read.
@@ -190,6 +191,7 @@ def _measure_kvswitch_workers(
     over its HTTP API (against the HTTP stubs straight)."""
     import grpc
 
+    from kvswitch.client.request import WHOLE_ANSWER_STREAM_INTERVAL
     from kvswitch.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     http_port = free_port()
@@ -209,14 +211,19 @@ def _measure_kvswitch_workers(
         sampling = common_pb2.SamplingParams(max_tokens=config.num_output_tokens)
         router_channel = grpc.insecure_channel(address)
         route = router_pb2_grpc.RouterStub(router_channel).Generate
-        request = router_pb2.GenerateRequest(text=prompt, sampling=sampling)
+        # NOTE: read whole, as the SDK's generate asks for it: the first token, then the rest.
+        request = router_pb2.GenerateRequest(
+            text=prompt, sampling=sampling, stream_interval=WHOLE_ANSWER_STREAM_INTERVAL
+        )
         _wait_for(lambda: _grpc_ok(route, request), "kvswitch's router to see its workers")
         if "kvswitch-grpc" in config.names():
             print("  kvswitch-grpc", file=sys.stderr)
             channels = [grpc.insecure_channel(w) for w in workers]
             worker_calls = [worker_pb2_grpc.WorkerStub(c).Generate for c in channels]
             worker_request = worker_pb2.WorkerGenerateRequest(
-                prompt_token_ids=ids, sampling=sampling
+                prompt_token_ids=ids,
+                sampling=sampling,
+                stream_interval=WHOLE_ANSWER_STREAM_INTERVAL,
             )
             turn = iter(range(1 << 62))
 

@@ -8,7 +8,8 @@ load names), ``/v1/models``, ``/tokenize`` (vllm-router's), SGLang's ``/get_mode
 stream a kvswitch router in engine mode follows.
 
 A gRPC stub (``serve_grpc_stubs``) is a kvswitch worker's ``Generate`` doing the same, one token a
-message, registered in a router's embedded index.
+message (or, as a worker does for a request's ``stream_interval``, the first token alone and then
+that many a message), registered in a router's embedded index.
 """
 
 from __future__ import annotations
