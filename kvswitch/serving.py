@@ -6,7 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 # A server prints "kvswitch <what> listening on ADDRESS" on stdout once it serves; whoever
@@ -30,6 +30,7 @@ def check_name(field: str, value: str) -> None:
 # Trailing metadata of a RESOURCE_EXHAUSTED from an overloaded router or worker: the least a
 # caller should wait before trying it again, in milliseconds.
 RETRY_AFTER_KEY = "retry-after-ms"
+_RECANCEL_S = 0.1  # how often ``cancel_and_wait`` cancels again a task that ran on
 
 
 def retry_after_ms(trailing_metadata: Any) -> int:
@@ -115,6 +116,22 @@ def end_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling() > 0:
         raise asyncio.CancelledError
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended, cancelling again any that ran on:
+    asyncio delivers a cancellation once, and a task that swallowed it (a client library may
+    catch it on its way out of a call) would otherwise keep its stop waiting for ever. What the
+    tasks raised is retrieved and dropped."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        # NOTE: the timeout only paces the cancels; every task ends before this returns.
+        done, pending = await asyncio.wait(pending, timeout=_RECANCEL_S)
+        for task in done:
+            if not task.cancelled():
+                task.exception()
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:

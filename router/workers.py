@@ -48,7 +48,7 @@ from kvswitch.logs import Throttled
 from kvswitch.router.engines import EngineDown, engine_client, is_engine, poll_engine
 from kvswitch.router.policy import LoraResidence, WorkerState
 from kvswitch.security import PLAINTEXT, FleetSecurity
-from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS, end_if_cancelled
+from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS, cancel_and_wait, end_if_cancelled
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -279,10 +279,7 @@ class WorkerDirectory:
 
     async def stop(self) -> None:
         self._polling = False
-        tasks = [*self._tasks, *self._pollers.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([*self._tasks, *self._pollers.values()])
         self._tasks = []
         self._pollers.clear()
         for handle in self._handles.values():

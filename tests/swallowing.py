@@ -1,5 +1,5 @@
-"""A call that hangs and turns its caller's cancellation into an ordinary error, once: what a
-client library's own timeout may do to a background loop's stop."""
+"""A call that hangs and turns its caller's cancellation into an ordinary error, or into a
+normal return, once: what a client library's own timeout may do to a background loop's stop."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import asyncio
 
 
 class SwallowsCancellationOnce:
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: Exception | None) -> None:
         self.error = error
         self.entered = asyncio.Event()
         self.swallowed = False
 
     async def __call__(self) -> None:
-        """Hang until cancelled; raise ``error`` for the first cancellation, and let any later
-        one through (so a loop that does not stop still ends when the test cleans up)."""
+        """Hang until cancelled; raise ``error`` for the first cancellation (return, where it is
+        None), and let any later one through (so a loop that does not stop still ends when the
+        test cleans up)."""
         self.entered.set()
         try:
             await asyncio.sleep(60)
@@ -22,4 +23,5 @@ class SwallowsCancellationOnce:
             if self.swallowed:
                 raise
             self.swallowed = True
-            raise self.error from None
+            if self.error is not None:
+                raise self.error from None

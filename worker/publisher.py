@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
-from kvswitch.serving import end_if_cancelled
+from kvswitch.serving import cancel_and_wait, end_if_cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,8 @@ class EventPublisher:
 
     async def stop(self) -> None:
         """Stop publishing and remove this worker from the index (best effort)."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        tasks, self._tasks = self._tasks, []
+        await cancel_and_wait(tasks)
         try:
             await self.index.deregister(self.info.worker_id)
         except self.index.unavailable_errors as e:  # the index may be the thing that is down

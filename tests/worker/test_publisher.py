@@ -178,22 +178,28 @@ def test_an_unexpected_error_is_logged_with_its_traceback_and_publishing_goes_on
 
 
 class SwallowingIndex(MemoryIndex):
-    """An index whose heartbeat hangs and turns the caller's cancellation into an outage."""
+    """An index whose heartbeat hangs and turns the caller's cancellation into ``error`` (an
+    outage), or into a heartbeat that went through (``error`` None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: Exception | None) -> None:
         super().__init__()
-        self.hang = SwallowsCancellationOnce(ConnectionError("the cancellation, made an outage"))
+        self.hang = SwallowsCancellationOnce(error)
 
     async def heartbeat(self, *args, **kwargs):
         await self.hang()
         return await super().heartbeat(*args, **kwargs)
 
 
-def test_stop_ends_the_publisher_even_if_an_index_call_swallows_the_cancellation() -> None:
+@pytest.mark.parametrize(
+    "error", [ConnectionError("the cancellation, made an outage"), None], ids=["error", "whole"]
+)
+def test_stop_ends_the_publisher_even_if_an_index_call_swallows_the_cancellation(
+    error: Exception | None,
+) -> None:
     engine = start_engine()
 
     async def main() -> None:
-        index = SwallowingIndex()
+        index = SwallowingIndex(error)
         info = WorkerInfo("w", "127.0.0.1:1", engine.namespace, 16)
         publisher = EventPublisher(index, engine, info, FAST, Backoff(0.01, 0.05))
         publisher.start()
@@ -432,7 +438,9 @@ def test_a_busy_redis_makes_no_worker_register_or_resync_again() -> None:
             try:
                 await until_busy(admin)
                 await generate(engine, "r1", [256, *b"while it is busy " * 4])
+                deadline = time.monotonic() + 60
                 while publisher.num_errors < num_errors + 3:  # its calls are answered BUSY
+                    assert time.monotonic() < deadline, "no call was answered BUSY"
                     await asyncio.sleep(0.01)
             finally:
                 # NOTE: also when the test fails: a script left running holds the executor's
