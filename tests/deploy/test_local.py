@@ -155,13 +155,16 @@ def test_a_worker_killed_mid_load_loses_no_request_and_comes_back(victim_part: s
             futures = [pool.submit(consume, i) for i in range(len(prompts))]
             for event in started:
                 assert event.wait(60)
+            # NOTE: looked up first, so that the kill follows the load it is chosen by at once
+            # (on a busy machine a worker's last requests may end meanwhile).
+            cores = {w.name: engine_core_pids(w.popen.pid) for w in cluster.workers}
             victim = busiest_worker(cluster)
             old_address = victim.address
             if victim_part == "serving process":
                 victim.popen.kill()  # SIGKILL: no goodbye to the router or the index
             else:
                 # The worker fails its streams over and exits; its supervisor restarts it.
-                (core_pid,) = engine_core_pids(victim.popen.pid)
+                (core_pid,) = cores[victim.name]
                 os.kill(core_pid, signal.SIGKILL)
             killed_s = time.monotonic()
             # Back within 15 s, under a new address, while the streams it held finish elsewhere.
