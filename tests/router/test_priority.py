@@ -4,7 +4,8 @@ One worker running one sequence at a time, busy with a long request while four m
 in a known order (each one waiting in the engine before the next is sent): two batch, then two
 interactive, over the SDK and the OpenAI API (which also takes vLLM's integer priority). The long
 one is then cancelled; each of the four runs to its end before the next starts, so the order
-they finish in is the order they started in.
+they finish in is the order they started in: each answer's 16 steps (``ANSWER_TOKENS``) keep the
+next one's end well behind its own, however long its way back to its client thread takes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from tests.router.harness import (
     BackgroundCluster,
     wait_until,
 )
+
+ANSWER_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +58,17 @@ def test_interactive_requests_start_before_the_batch_ones_queued_earlier(
 
         def over_grpc(name: str, priority: str) -> None:
             prompt = [256, *f"{name}: what comes next?".encode()]
-            client.generate(prompt_token_ids=prompt, max_tokens=2, priority=priority)
+            client.generate(prompt_token_ids=prompt, max_tokens=ANSWER_TOKENS, priority=priority)
             done(name)
 
         def over_http(name: str, priority: object) -> None:
             prompt = [256, *f"{name}: what comes next?".encode()]
-            body = {"model": model, "prompt": prompt, "max_tokens": 2, "priority": priority}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": ANSWER_TOKENS,
+                "priority": priority,
+            }
             response = http.post("/completions", json=body)
             assert response.status_code == 200, response.text
             done(name)
