@@ -33,13 +33,13 @@ from kvswitch.v1 import router_pb2
 logger = logging.getLogger(__name__)
 
 Metadata = Sequence[tuple[str, str]]
-_QUEUED_MESSAGES = 64  # NOTE: as gRPC's flow control would: a writer waits on a slow reader
+QUEUED_MESSAGES = 64  # NOTE: as gRPC's flow control would: a writer waits on a slow reader
 _END = object()
 
 
 class _Pipe:
     """The servicer's messages on their way to the front: a writer waits while
-    ``_QUEUED_MESSAGES`` wait to be read (as gRPC's flow control would make it); the end is put
+    ``QUEUED_MESSAGES`` wait to be read (as gRPC's flow control would make it); the end is put
     in without waiting."""
 
     def __init__(self) -> None:
@@ -49,7 +49,7 @@ class _Pipe:
         self._writer: asyncio.Future[None] | None = None
 
     async def put(self, item: Any) -> None:
-        while len(self._items) >= _QUEUED_MESSAGES:
+        while len(self._items) >= QUEUED_MESSAGES:
             self._writer = asyncio.get_running_loop().create_future()
             await self._writer
         self._items.append(item)

@@ -37,7 +37,6 @@ from kvswitch.worker.server import WorkerServer
 from kvswitch.worker.worker_config import MAX_REQUEST_BYTES, WorkerConfig
 
 ROUTE_REASON = "served here: a worker's own HTTP API"
-_INLINE_TOKENIZE_CHARS = 1024  # longer text prompts are tokenized on a thread
 
 
 class WorkerModels:
@@ -50,12 +49,12 @@ class WorkerModels:
         self.tokenizer = tokenizer
         self._loras = loras  # the LoRA adapters the worker serves now
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> np.ndarray:
         if self.tokenizer is None:
             raise NoTokenizerError(
                 "this worker's model has no tokenizer: send the prompt as token ids"
             )
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_array(text)
 
     def names(self) -> list[str]:
         return [self._name]
@@ -95,13 +94,14 @@ class WorkerAsRouter:
         if call.WhichOneof("prompt") == "text":
             text = call.text
             try:
-                if len(text) <= _INLINE_TOKENIZE_CHARS:
+                tokenizer = self._models.tokenizer
+                if tokenizer is None or len(text) <= tokenizer.inline_chars:
                     ids = self._models.tokenize(text)
                 else:
                     ids = await asyncio.to_thread(self._models.tokenize, text)
             except NoTokenizerError as e:
                 raise OpenAIError(400, str(e), param="prompt") from None
-            prompt = tokens_to_bytes(np.asarray(ids, np.uint32))
+            prompt = tokens_to_bytes(ids)
         else:
             prompt = call.token_ids.ids_u32le
         request = worker_pb2.WorkerGenerateRequest(
