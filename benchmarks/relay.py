@@ -151,6 +151,11 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
                 )
             )
 
+        async def GenerateStream(self, requests: Any, context: Any) -> None:
+            from kvswitch.worker.call_stream import StreamedCalls
+
+            await StreamedCalls(self.Generate, context).serve(requests)
+
         async def GetLoad(self, request, context):
             return worker_pb2.WorkerLoad(worker_id=self.worker_id, num_free_blocks=1024)
 

@@ -44,6 +44,7 @@ from kvswitch.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from kvswitch.worker.call_stream import StreamedCalls
 from kvswitch.worker.publisher import EventPublisher
 from kvswitch.worker.servicer import prompt_from_proto
 
@@ -87,6 +88,9 @@ class StubWorker(worker_pb2_grpc.WorkerServicer):
             finish_reason=common_pb2.FINISH_REASON_LENGTH, stats=stats
         )
         yield worker_pb2.WorkerGenerateResponse(final=final)
+
+    async def GenerateStream(self, requests, context):
+        await StreamedCalls(self.Generate, context).serve(requests)
 
     async def GetLoad(self, request, context):
         return worker_pb2.WorkerLoad(worker_id=self.worker_id, num_free_blocks=1024)

@@ -199,6 +199,11 @@ def serve_grpc_stubs(num_engines: int, index_url: str, addresses: Any) -> None:
                 )
             )
 
+        async def GenerateStream(self, requests: Any, context: Any) -> None:
+            from kvswitch.worker.call_stream import StreamedCalls
+
+            await StreamedCalls(self.Generate, context).serve(requests)
+
         async def GetLoad(self, request: Any, context: Any) -> Any:
             return worker_pb2.WorkerLoad(worker_id=self.worker_id, num_free_blocks=NUM_BLOCKS)
 

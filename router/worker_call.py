@@ -83,7 +83,8 @@ async def relay(
     raise ``WorkerFailed`` (try another worker), its verdicts on the request ``Refused`` (tell
     the client), its queue limit ``WorkerBusy``; the call is cancelled with the caller."""
     try:
-        call = handle.stub.Generate(worker_request, timeout=timeout_s)
+        assert handle.streams is not None, "an engine is reached over HTTP"
+        call = handle.streams.generate(worker_request, timeout=timeout_s)
     except grpc.aio.UsageError:  # its channel closed: it left after it was chosen
         raise WorkerFailed(handle, "it left the fleet") from None
     # NOTE: a worker cut off without a word (its link down, its process stopped) sends

@@ -47,6 +47,7 @@ from kvswitch.cache_index.index import TIER_ROLE, BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
 from kvswitch.router.engines import EngineDown, engine_client, is_engine, poll_engine
 from kvswitch.router.policy import LoraResidence, WorkerState
+from kvswitch.router.worker_streams import WorkerStreams
 from kvswitch.security import PLAINTEXT, FleetSecurity
 from kvswitch.serving import KEEPALIVE_CHANNEL_OPTIONS, cancel_and_wait, end_if_cancelled
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
@@ -98,6 +99,8 @@ class WorkerHandle:
     # None for an OpenAI-API engine (router/engines.py): reached over HTTP by the front alone.
     channel: grpc.aio.Channel | None
     stub: worker_pb2_grpc.WorkerStub | None
+    # Its Generate calls, many over one stream (router/worker_streams.py); None for an engine.
+    streams: WorkerStreams | None = None
     load: worker_pb2.WorkerLoad | None = None  # the last report, if any came
     num_in_flight: int = 0  # requests this router sent here and has not seen finish
     num_prefill_tokens: int = 0  # uncached prompt tokens of those not yet past their first token
@@ -283,8 +286,7 @@ class WorkerDirectory:
         self._tasks = []
         self._pollers.clear()
         for handle in self._handles.values():
-            if handle.channel is not None:
-                await handle.channel.close()
+            await _close(handle)
         self._handles.clear()
         if self._http is not None:
             await self._http.aclose()
@@ -374,7 +376,7 @@ class WorkerDirectory:
         without a word waits for that connection to time out, and nothing should wait on it."""
         if handle.channel is None:
             return
-        task = asyncio.get_running_loop().create_task(handle.channel.close())
+        task = asyncio.get_running_loop().create_task(_close(handle))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -421,7 +423,8 @@ class WorkerDirectory:
                     handle = WorkerHandle(info, None, None)
                 else:
                     channel = self._security.channel(info.address, self._channel_options)
-                    handle = WorkerHandle(info, channel, worker_pb2_grpc.WorkerStub(channel))
+                    stub = worker_pb2_grpc.WorkerStub(channel)
+                    handle = WorkerHandle(info, channel, stub, WorkerStreams(stub, worker_id))
                 handle.peer = self.peer_load(worker_id)
                 self._handles[worker_id] = handle
                 if self._polling:
@@ -586,3 +589,11 @@ class WorkerDirectory:
                 self.num_loop_errors += 1
                 logger.exception("%s failed; trying again in %g s", what, interval_s)
             end_if_cancelled()  # the round may have swallowed the loop's own cancellation
+
+
+async def _close(handle: WorkerHandle) -> None:
+    """End a worker's stream of calls, then close its channel."""
+    if handle.streams is not None:
+        await handle.streams.close()
+    if handle.channel is not None:
+        await handle.channel.close()

@@ -96,6 +96,7 @@ class WorkerServer:
     server: grpc.aio.Server
     health_servicer: health.aio.HealthServicer
     metrics: WorkerMetrics
+    servicer: WorkerServicer
     publisher: EventPublisher | None = None
     tier_publisher: EventPublisher | None = None  # the device tier's entry (a host tier)
     metrics_server: MetricsServer | None = None
@@ -129,6 +130,7 @@ class WorkerServer:
         await self.health_servicer.enter_graceful_shutdown()
         if self.http is not None:
             await self.http.stop(grace_s)
+        self.servicer.drain()
         await self.server.stop(grace_s)
         if self.transfers is not None:
             await self.transfers.close()
@@ -335,6 +337,7 @@ async def _serve_engine(
         server,
         health_servicer,
         metrics,
+        servicer,
         publisher=publisher,
         tier_publisher=tier_publisher,
         metrics_server=metrics_server,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import cast
 
 import grpc
@@ -22,6 +23,7 @@ from kvswitch.tokenizer import (
 )
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.block_transfer import BlockTransfers
+from kvswitch.worker.call_stream import StreamedCalls
 from kvswitch.worker.engine_client import (
     EngineClient,
     EngineDied,
@@ -151,6 +153,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._tokenizer = tokenizer  # None: chunks carry no text
         self._metrics = metrics
         self._max_hashes_per_chunk = max_hashes_per_chunk
+        self._streams: set[StreamedCalls] = set()  # the GenerateStreams open now
+        self._draining = False
 
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -316,6 +320,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 num_cached_tokens=stats.num_cached_tokens,
                 num_output_tokens=stats.num_output_tokens,
             )
+
+    async def GenerateStream(
+        self,
+        requests: AsyncIterator[worker_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        # NOTE: each call runs as Generate above, with a context that puts its messages in the
+        # stream's outbox (worker/call_stream.py).
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
+        calls = StreamedCalls(self.Generate, context)
+        self._streams.add(calls)
+        try:
+            await calls.serve(requests)
+        finally:
+            self._streams.discard(calls)
+
+    def drain(self) -> None:
+        """The worker stops: its streams of calls take no more and end with their last call
+        (a stopping gRPC server refuses new calls itself, but a stream's calls are not its)."""
+        self._draining = True
+        for calls in self._streams:
+            calls.drain()
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

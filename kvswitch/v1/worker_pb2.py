@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvswitch.v1 import common_pb2 as kvswitch_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/worker.proto\x12\x0bkvswitch.v1\x1a\x18kvswitch/v1/common.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"%\n\x14LoraAdaptersResponse\x12\r\n\x05loras\x18\x01 \x03(\t\"\x88\x03\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvswitch.v1.SamplingParams\x12\x0c\n\x04lora\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x06 \x01(\r\x12\x1e\n\x16prompt_token_ids_u32le\x18\x07 \x01(\x0c\x12\x16\n\x0ehold_blocks_ms\x18\x08 \x01(\r\x12(\n\tkv_source\x18\t \x01(\x0b\x32\x15.kvswitch.v1.KVSource\x12\x1f\n\x17num_pending_text_tokens\x18\n \x01(\r\x12\x0f\n\x07pooling\x18\x0b \x01(\t\x12\'\n\x08priority\x18\x0c \x01(\x0e\x32\x15.kvswitch.v1.Priority\x12\x17\n\x0fstream_interval\x18\r \x01(\r\"p\n\x08KVSource\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\non_failure\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\"q\n\x13WorkerGenerateFinal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.kvswitch.v1.FinishReason\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.kvswitch.v1.RequestStats\"}\n\x16WorkerGenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvswitch.v1.TokenChunkH\x00\x12\x31\n\x05\x66inal\x18\x02 \x01(\x0b\x32 .kvswitch.v1.WorkerGenerateFinalH\x00\x42\x06\n\x04kind\"\x10\n\x0eGetLoadRequest\"\xeb\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05loras\x18\x08 \x03(\t\x12\x14\n\x0cloaded_loras\x18\t \x03(\t\x12\x11\n\tcpu_loras\x18\n \x03(\t\x12\x1b\n\x13num_free_lora_slots\x18\x0b \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x0c \x01(\r\x12\x1d\n\x15num_host_total_blocks\x18\r \x01(\r\x12\x17\n\x0fnum_host_copies\x18\x0e \x01(\r\"D\n\x0fSnapshotRequest\x12\x1c\n\x14max_hashes_per_chunk\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65vice_only\x18\x02 \x01(\x08\"n\n\rSnapshotChunk\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tevent_seq\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"\xad\x01\n\x12\x46\x65tchBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x10\n\x08shm_path\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x0e\n\x06mapped\x18\x06 \x01(\x08\x12\x0f\n\x07host_id\x18\x07 \x01(\t\x12\x0c\n\x04nixl\x18\x08 \x01(\x08\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xe8\x01\n\x0cKVBlockChunk\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvswitch.v1.KVLayout\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\ncache_file\x18\x05 \x01(\t\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x10\n\x08lease_id\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x16\n\x0enixl_peer_info\x18\n \x01(\x0c\"f\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\ttransport\x18\x04 \x01(\t\"\x81\x01\n\x12PullBlocksResponse\x12\x19\n\x11num_cached_blocks\x18\x01 \x01(\r\x12\x1e\n\x16num_transferred_blocks\x18\x02 \x01(\r\x12\x1d\n\x15num_transferred_bytes\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\"+\n\x14ReleaseBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x17\n\x15ReleaseBlocksResponse2\x96\x05\n\x06Worker\x12U\n\x08Generate\x12\".kvswitch.v1.WorkerGenerateRequest\x1a#.kvswitch.v1.WorkerGenerateResponse0\x01\x12?\n\x07GetLoad\x12\x1b.kvswitch.v1.GetLoadRequest\x1a\x17.kvswitch.v1.WorkerLoad\x12\x46\n\x08Snapshot\x12\x1c.kvswitch.v1.SnapshotRequest\x1a\x1a.kvswitch.v1.SnapshotChunk0\x01\x12K\n\x0b\x46\x65tchBlocks\x12\x1f.kvswitch.v1.FetchBlocksRequest\x1a\x19.kvswitch.v1.KVBlockChunk0\x01\x12M\n\nPullBlocks\x12\x1e.kvswitch.v1.PullBlocksRequest\x1a\x1f.kvswitch.v1.PullBlocksResponse\x12V\n\rReleaseBlocks\x12!.kvswitch.v1.ReleaseBlocksRequest\x1a\".kvswitch.v1.ReleaseBlocksResponse\x12Y\n\x0fLoadLoraAdapter\x12#.kvswitch.v1.LoadLoraAdapterRequest\x1a!.kvswitch.v1.LoraAdaptersResponse\x12]\n\x11UnloadLoraAdapter\x12%.kvswitch.v1.UnloadLoraAdapterRequest\x1a!.kvswitch.v1.LoraAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvswitch/v1/worker.proto\x12\x0bkvswitch.v1\x1a\x18kvswitch/v1/common.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"%\n\x14LoraAdaptersResponse\x12\r\n\x05loras\x18\x01 \x03(\t\"\x88\x03\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvswitch.v1.SamplingParams\x12\x0c\n\x04lora\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x06 \x01(\r\x12\x1e\n\x16prompt_token_ids_u32le\x18\x07 \x01(\x0c\x12\x16\n\x0ehold_blocks_ms\x18\x08 \x01(\r\x12(\n\tkv_source\x18\t \x01(\x0b\x32\x15.kvswitch.v1.KVSource\x12\x1f\n\x17num_pending_text_tokens\x18\n \x01(\r\x12\x0f\n\x07pooling\x18\x0b \x01(\t\x12\'\n\x08priority\x18\x0c \x01(\x0e\x32\x15.kvswitch.v1.Priority\x12\x17\n\x0fstream_interval\x18\r \x01(\r\"p\n\x08KVSource\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\non_failure\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\"q\n\x13WorkerGenerateFinal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.kvswitch.v1.FinishReason\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.kvswitch.v1.RequestStats\"}\n\x16WorkerGenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvswitch.v1.TokenChunkH\x00\x12\x31\n\x05\x66inal\x18\x02 \x01(\x0b\x32 .kvswitch.v1.WorkerGenerateFinalH\x00\x42\x06\n\x04kind\"T\n\x15GenerateStreamRequest\x12(\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x19.kvswitch.v1.StreamedCall\x12\x11\n\tcancelled\x18\x02 \x03(\x04\"h\n\x0cStreamedCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".kvswitch.v1.WorkerGenerateRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"J\n\x16GenerateStreamResponse\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.kvswitch.v1.StreamedResponse\"\x8f\x01\n\x10StreamedResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x37\n\x08response\x18\x02 \x01(\x0b\x32#.kvswitch.v1.WorkerGenerateResponseH\x00\x12)\n\x06status\x18\x03 \x01(\x0b\x32\x17.kvswitch.v1.CallStatusH\x00\x42\x06\n\x04kind\"\xae\x01\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12H\n\x11trailing_metadata\x18\x03 \x03(\x0b\x32-.kvswitch.v1.CallStatus.TrailingMetadataEntry\x1a\x37\n\x15TrailingMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x10\n\x0eGetLoadRequest\"\xeb\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05loras\x18\x08 \x03(\t\x12\x14\n\x0cloaded_loras\x18\t \x03(\t\x12\x11\n\tcpu_loras\x18\n \x03(\t\x12\x1b\n\x13num_free_lora_slots\x18\x0b \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x0c \x01(\r\x12\x1d\n\x15num_host_total_blocks\x18\r \x01(\r\x12\x17\n\x0fnum_host_copies\x18\x0e \x01(\r\"D\n\x0fSnapshotRequest\x12\x1c\n\x14max_hashes_per_chunk\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x65vice_only\x18\x02 \x01(\x08\"n\n\rSnapshotChunk\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tevent_seq\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"\xad\x01\n\x12\x46\x65tchBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x10\n\x08shm_path\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x0e\n\x06mapped\x18\x06 \x01(\x08\x12\x0f\n\x07host_id\x18\x07 \x01(\t\x12\x0c\n\x04nixl\x18\x08 \x01(\x08\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xe8\x01\n\x0cKVBlockChunk\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvswitch.v1.KVLayout\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\ncache_file\x18\x05 \x01(\t\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x10\n\x08lease_id\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x16\n\x0enixl_peer_info\x18\n \x01(\x0c\"f\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\ttransport\x18\x04 \x01(\t\"\x81\x01\n\x12PullBlocksResponse\x12\x19\n\x11num_cached_blocks\x18\x01 \x01(\r\x12\x1e\n\x16num_transferred_blocks\x18\x02 \x01(\r\x12\x1d\n\x15num_transferred_bytes\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\"+\n\x14ReleaseBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x17\n\x15ReleaseBlocksResponse2\xf5\x05\n\x06Worker\x12U\n\x08Generate\x12\".kvswitch.v1.WorkerGenerateRequest\x1a#.kvswitch.v1.WorkerGenerateResponse0\x01\x12]\n\x0eGenerateStream\x12\".kvswitch.v1.GenerateStreamRequest\x1a#.kvswitch.v1.GenerateStreamResponse(\x01\x30\x01\x12?\n\x07GetLoad\x12\x1b.kvswitch.v1.GetLoadRequest\x1a\x17.kvswitch.v1.WorkerLoad\x12\x46\n\x08Snapshot\x12\x1c.kvswitch.v1.SnapshotRequest\x1a\x1a.kvswitch.v1.SnapshotChunk0\x01\x12K\n\x0b\x46\x65tchBlocks\x12\x1f.kvswitch.v1.FetchBlocksRequest\x1a\x19.kvswitch.v1.KVBlockChunk0\x01\x12M\n\nPullBlocks\x12\x1e.kvswitch.v1.PullBlocksRequest\x1a\x1f.kvswitch.v1.PullBlocksResponse\x12V\n\rReleaseBlocks\x12!.kvswitch.v1.ReleaseBlocksRequest\x1a\".kvswitch.v1.ReleaseBlocksResponse\x12Y\n\x0fLoadLoraAdapter\x12#.kvswitch.v1.LoadLoraAdapterRequest\x1a!.kvswitch.v1.LoraAdaptersResponse\x12]\n\x11UnloadLoraAdapter\x12%.kvswitch.v1.UnloadLoraAdapterRequest\x1a!.kvswitch.v1.LoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvswitch.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._loaded_options = None
+  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_options = b'8\001'
   _globals['_LOADLORAADAPTERREQUEST']._serialized_start=67
   _globals['_LOADLORAADAPTERREQUEST']._serialized_end=129
   _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=131
@@ -46,28 +48,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERGENERATEFINAL']._serialized_end=839
   _globals['_WORKERGENERATERESPONSE']._serialized_start=841
   _globals['_WORKERGENERATERESPONSE']._serialized_end=966
-  _globals['_GETLOADREQUEST']._serialized_start=968
-  _globals['_GETLOADREQUEST']._serialized_end=984
-  _globals['_WORKERLOAD']._serialized_start=987
-  _globals['_WORKERLOAD']._serialized_end=1350
-  _globals['_SNAPSHOTREQUEST']._serialized_start=1352
-  _globals['_SNAPSHOTREQUEST']._serialized_end=1420
-  _globals['_SNAPSHOTCHUNK']._serialized_start=1422
-  _globals['_SNAPSHOTCHUNK']._serialized_end=1532
-  _globals['_FETCHBLOCKSREQUEST']._serialized_start=1535
-  _globals['_FETCHBLOCKSREQUEST']._serialized_end=1708
-  _globals['_KVLAYOUT']._serialized_start=1710
-  _globals['_KVLAYOUT']._serialized_end=1815
-  _globals['_KVBLOCKCHUNK']._serialized_start=1818
-  _globals['_KVBLOCKCHUNK']._serialized_end=2050
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=2052
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=2154
-  _globals['_PULLBLOCKSRESPONSE']._serialized_start=2157
-  _globals['_PULLBLOCKSRESPONSE']._serialized_end=2286
-  _globals['_RELEASEBLOCKSREQUEST']._serialized_start=2288
-  _globals['_RELEASEBLOCKSREQUEST']._serialized_end=2331
-  _globals['_RELEASEBLOCKSRESPONSE']._serialized_start=2333
-  _globals['_RELEASEBLOCKSRESPONSE']._serialized_end=2356
-  _globals['_WORKER']._serialized_start=2359
-  _globals['_WORKER']._serialized_end=3021
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=968
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1052
+  _globals['_STREAMEDCALL']._serialized_start=1054
+  _globals['_STREAMEDCALL']._serialized_end=1158
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1160
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1234
+  _globals['_STREAMEDRESPONSE']._serialized_start=1237
+  _globals['_STREAMEDRESPONSE']._serialized_end=1380
+  _globals['_CALLSTATUS']._serialized_start=1383
+  _globals['_CALLSTATUS']._serialized_end=1557
+  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_start=1502
+  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_end=1557
+  _globals['_GETLOADREQUEST']._serialized_start=1559
+  _globals['_GETLOADREQUEST']._serialized_end=1575
+  _globals['_WORKERLOAD']._serialized_start=1578
+  _globals['_WORKERLOAD']._serialized_end=1941
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1943
+  _globals['_SNAPSHOTREQUEST']._serialized_end=2011
+  _globals['_SNAPSHOTCHUNK']._serialized_start=2013
+  _globals['_SNAPSHOTCHUNK']._serialized_end=2123
+  _globals['_FETCHBLOCKSREQUEST']._serialized_start=2126
+  _globals['_FETCHBLOCKSREQUEST']._serialized_end=2299
+  _globals['_KVLAYOUT']._serialized_start=2301
+  _globals['_KVLAYOUT']._serialized_end=2406
+  _globals['_KVBLOCKCHUNK']._serialized_start=2409
+  _globals['_KVBLOCKCHUNK']._serialized_end=2641
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=2643
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=2745
+  _globals['_PULLBLOCKSRESPONSE']._serialized_start=2748
+  _globals['_PULLBLOCKSRESPONSE']._serialized_end=2877
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_start=2879
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_end=2922
+  _globals['_RELEASEBLOCKSRESPONSE']._serialized_start=2924
+  _globals['_RELEASEBLOCKSRESPONSE']._serialized_end=2947
+  _globals['_WORKER']._serialized_start=2950
+  _globals['_WORKER']._serialized_end=3707
 # @@protoc_insertion_point(module_scope)

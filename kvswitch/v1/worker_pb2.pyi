@@ -87,6 +87,57 @@ class WorkerGenerateResponse(_message.Message):
     final: WorkerGenerateFinal
     def __init__(self, chunk: _Optional[_Union[_common_pb2.TokenChunk, _Mapping]] = ..., final: _Optional[_Union[WorkerGenerateFinal, _Mapping]] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("calls", "cancelled")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[StreamedCall]
+    cancelled: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, calls: _Optional[_Iterable[_Union[StreamedCall, _Mapping]]] = ..., cancelled: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamedCall(_message.Message):
+    __slots__ = ("call_id", "request", "timeout_ms")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    request: WorkerGenerateRequest
+    timeout_ms: int
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[StreamedResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[StreamedResponse, _Mapping]]] = ...) -> None: ...
+
+class StreamedResponse(_message.Message):
+    __slots__ = ("call_id", "response", "status")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: WorkerGenerateResponse
+    status: CallStatus
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailing_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=kvswitch_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=kvswitch_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/kvswitch.v1.Worker/GenerateStream',
+                request_serializer=kvswitch_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=kvswitch_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/kvswitch.v1.Worker/GetLoad',
                 request_serializer=kvswitch_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
@@ -84,6 +89,19 @@ class WorkerServicer:
     def Generate(self, request, context):
         """Runs one request and streams its output: zero or more `chunk` messages
         followed by exactly one `final` message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate calls over one stream, as a router makes them: each message
+        of either side carries what is ready of every call, so that one decode
+        step's tokens for all of its requests cross in one message (gRPC's cost is
+        per message, not per token). The worker's first message is empty: it
+        serves this method (a router falls back to Generate where it is
+        UNIMPLEMENTED). A call's messages are those of its Generate stream, then
+        its status; the stream's end ends every call still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,6 +172,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=kvswitch_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=kvswitch_dot_v1_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
             ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=kvswitch_dot_v1_dot_worker__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=kvswitch_dot_v1_dot_worker__pb2.GenerateStreamResponse.SerializeToString,
+            ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
                     request_deserializer=kvswitch_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
@@ -218,6 +241,33 @@ class Worker:
             '/kvswitch.v1.Worker/Generate',
             kvswitch_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
             kvswitch_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvswitch.v1.Worker/GenerateStream',
+            kvswitch_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
+            kvswitch_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
