@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from kvswitch.chunks import join, merges
 from kvswitch.serving import cancel_and_wait
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
@@ -69,8 +70,12 @@ class StreamedCall:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         response = self._responses.popleft()
-        if self._responses and _merges(response):
-            _merge_behind(response, self._responses)
+        # NOTE: a call read slower than its tokens come: those that came go as one chunk, one
+        # message to its client instead of one each.
+        if merges(response):
+            queued = self._responses
+            while queued and merges(queued[0]):
+                join(response, queued.popleft())
         return response
 
     def cancel(self) -> bool:
@@ -131,32 +136,6 @@ class StreamedCall:
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _merges(response: worker_pb2.WorkerGenerateResponse) -> bool:
-    """Whether ``response`` is a chunk of tokens and text alone, which the next one of its kind
-    can join: no logprobs, no embedding, not a stream's first chunk (its cached count)."""
-    if not response.HasField("chunk"):
-        return False
-    chunk = response.chunk
-    return not (
-        chunk.HasField("logprobs")
-        or chunk.HasField("prompt_logprobs")
-        or chunk.HasField("num_cached_tokens")
-        or chunk.embedding
-    )
-
-
-def _merge_behind(response: worker_pb2.WorkerGenerateResponse, queued: deque) -> None:
-    """Join to ``response`` the chunks queued behind it that merge: a call read slower than its
-    tokens come gets them as one chunk, one message to its client instead of one each, as a
-    worker merges the tokens its reader has not taken (worker/servicer.py ``_next_outputs``)."""
-    chunk = response.chunk
-    while queued and _merges(queued[0]):
-        following = queued.popleft().chunk
-        chunk.token_ids.extend(following.token_ids)
-        chunk.text += following.text
-        chunk.num_pending_text_tokens = following.num_pending_text_tokens
 
 
 class WorkerStreams:

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from kvswitch.chunks import join, merges
 from kvswitch.serving import cancel_and_wait
 from kvswitch.v1 import worker_pb2
 
@@ -79,6 +80,8 @@ class StreamedCalls:
         self._outbox: list[worker_pb2.StreamedResponse] = []
         self._filled: asyncio.Future[None] | None = None  # the writer waits for the outbox
         self._taken: asyncio.Future[None] | None = None  # writers wait for the outbox to go
+        # Call id -> its last message in the outbox, a chunk the call's next chunk may join.
+        self._joinable: dict[int, worker_pb2.StreamedResponse] = {}
         self._closing = False  # no more calls come: the writer ends once the outbox is empty
         self._draining = False  # the worker stops: no call is taken, the last one ends the stream
         self._reading: asyncio.Task[None] | None = None  # serve's task, while it reads calls
@@ -125,8 +128,19 @@ class StreamedCalls:
         self._wake_writer()
 
     async def put(self, message: worker_pb2.StreamedResponse) -> None:
-        """Into the outbox; then wait while it holds ``QUEUED_MESSAGES`` (a router that reads
-        slowly slows its calls' writers, as a call's own flow control would)."""
+        """Into the outbox, joined to the call's chunk there if both merge (the router has not
+        read it yet: it gets them as one); then wait while the outbox holds ``QUEUED_MESSAGES``
+        (a router that reads slowly slows its calls' writers, as a call's own flow control
+        would)."""
+        call_id = message.call_id
+        waiting = self._joinable.get(call_id)
+        if merges(message.response):
+            if waiting is not None:
+                join(waiting.response, message.response)
+                return
+            self._joinable[call_id] = message
+        elif waiting is not None:
+            del self._joinable[call_id]  # NOTE: what follows must not pass this message
         self.send(message)
         while len(self._outbox) >= QUEUED_MESSAGES:
             if self._taken is None:
@@ -196,6 +210,7 @@ class StreamedCalls:
                 self._filled = asyncio.get_running_loop().create_future()
                 await self._filled
             outbox, self._outbox = self._outbox, []
+            self._joinable.clear()
             taken, self._taken = self._taken, None
             if taken is not None:
                 taken.set_result(None)

@@ -338,19 +338,25 @@ def test_a_streams_messages_stay_under_the_routers_limit_and_a_large_one_goes_al
         assert sum(m.ByteSize() for m in small[start:end]) <= MAX_MESSAGE_BYTES
 
 
+class Held:
+    """A stream whose messages the router takes only when the test says."""
+
+    def __init__(self) -> None:
+        self.messages: list = []
+        self.go = asyncio.Event()
+
+    async def write(self, message) -> None:
+        self.messages.append(message)
+        if len(self.messages) > 1:  # NOTE: the greeting passes
+            await self.go.wait()
+
+
+async def one_call() -> AsyncIterator[worker_pb2.GenerateStreamRequest]:
+    yield worker_pb2.GenerateStreamRequest(calls=[worker_pb2.StreamedCall(call_id=1)])
+    await asyncio.Event().wait()  # the router reads on
+
+
 def test_a_slow_reader_makes_the_calls_writers_wait() -> None:
-    class Held:
-        """A stream whose messages the router takes only when the test says."""
-
-        def __init__(self) -> None:
-            self.messages: list = []
-            self.go = asyncio.Event()
-
-        async def write(self, message) -> None:
-            self.messages.append(message)
-            if len(self.messages) > 1:  # NOTE: the greeting passes
-                await self.go.wait()
-
     async def main() -> None:
         held = Held()
         written = 0
@@ -358,15 +364,13 @@ def test_a_slow_reader_makes_the_calls_writers_wait() -> None:
         async def write_many(request, context: StreamedContext) -> None:
             nonlocal written
             for token in range(2 * QUEUED_MESSAGES):
-                await context.write(chunk(token))
+                alone = chunk(token)
+                alone.chunk.num_cached_tokens = 0  # NOTE: joins no other: a message each
+                await context.write(alone)
                 written += 1
 
-        async def requests():
-            yield worker_pb2.GenerateStreamRequest(calls=[worker_pb2.StreamedCall(call_id=1)])
-            await asyncio.Event().wait()  # the router reads on
-
         calls = StreamedCalls(write_many, held)
-        serving = asyncio.create_task(calls.serve(requests()))
+        serving = asyncio.create_task(calls.serve(one_call()))
         await until(lambda: len(held.messages) == 2, "the first batch went")
         for _ in range(100):
             await asyncio.sleep(0)
@@ -375,6 +379,34 @@ def test_a_slow_reader_makes_the_calls_writers_wait() -> None:
         assert written == len(held.messages[1].responses) + QUEUED_MESSAGES - 1
         held.go.set()
         await until(lambda: written == 2 * QUEUED_MESSAGES, "the writes went on")
+        serving.cancel()
+
+    asyncio.run(main())
+
+
+def test_chunks_the_router_has_not_taken_join_in_the_outbox_in_their_order() -> None:
+    async def main() -> None:
+        held = Held()
+        wrote = asyncio.Event()
+
+        async def write_four(request, context: StreamedContext) -> None:
+            await context.write(chunk(0))  # NOTE: taken at once: the writer then waits
+            await until(lambda: len(held.messages) == 2, "the first went")
+            scored = chunk(3)
+            scored.chunk.logprobs.logprobs.append(-0.5)
+            for response in (chunk(1, "b"), chunk(2, "c"), scored, chunk(4, "e"), FINAL):
+                await context.write(response)
+            wrote.set()
+
+        serving = asyncio.create_task(StreamedCalls(write_four, held).serve(one_call()))
+        await asyncio.wait_for(wrote.wait(), WAIT_S)
+        held.go.set()
+        await until(lambda: len(held.messages) == 3, "the rest went")
+        rest = [r.response for r in held.messages[2].responses if r.HasField("response")]
+        assert [list(r.chunk.token_ids) for r in rest[:3]] == [[1, 2], [3], [4]]
+        assert rest[0].chunk.text == "bc" and rest[0].chunk.num_pending_text_tokens == 2
+        assert list(rest[1].chunk.logprobs.logprobs) == [-0.5]
+        assert rest[3].HasField("final") and len(rest) == 4
         serving.cancel()
 
     asyncio.run(main())
