@@ -2,11 +2,14 @@
 own, against the same clients going straight to the workers.
 
 The workers are stubs (a process of their own) that stream ``num_output_tokens`` tokens a
-request, ``tokens_per_message`` a message, as fast as gRPC's flow control lets them: no model,
-so only the relay is measured. Routers run as ``kvswitch router`` processes over one Redis index
-(a ``redis-server`` of this run's own) where the stubs register. Client processes keep
-``concurrency`` streams open for ``duration_s``, through the routers (spread over them) or
-straight to the stubs, and count the tokens they read.
+request, ``tokens_per_message`` a message, as fast as they are taken: no model, so only the
+relay is measured. The routers call them as they call workers, over one ``GenerateStream`` a
+stub (a message carries what the stub's calls have ready; a call's chunks the router has not
+taken yet join); the clients straight to the stubs make a ``Generate`` call each. Routers run
+as ``kvswitch router`` processes over one Redis index (a ``redis-server`` of this run's own)
+where the stubs register. Client processes keep ``concurrency`` streams open for
+``duration_s``, through the routers (spread over them) or straight to the stubs, and count the
+tokens they read.
 
 Figures, for each number of routers (``routers``): ``tokens_per_s`` through them,
 ``router_cpu_s`` their CPU time (user + system, from ``/proc``) over the window,

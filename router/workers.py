@@ -108,6 +108,8 @@ class WorkerHandle:
     down_until_s: float = 0.0
     unreachable: bool = False  # its last load poll failed: left out until one answers
     num_failed_polls: int = 0  # load polls failed in a row
+    num_polls_sent: int = 0  # load polls sent, numbered in order
+    last_poll_applied: int = 0  # the number of the poll whose answer ``load`` is
     # It refused a request at its queue limit: no request goes there until one of its requests
     # ends or its next load poll.
     full: bool = False
@@ -487,6 +489,8 @@ class WorkerDirectory:
     async def _poll_engine(self, handle: WorkerHandle) -> None:
         if self._http is None:
             self._http = engine_client(self._security, self._engine_api_key)
+        handle.num_polls_sent += 1
+        poll = handle.num_polls_sent
         try:
             load = await poll_engine(self._http, handle.info, self.config.rpc_timeout_s)
         except EngineDown as e:
@@ -496,10 +500,12 @@ class WorkerDirectory:
             if not handle.removed:
                 self._poll_failed(handle, str(e))
         else:
-            self._polled(handle, load)
+            self._polled(handle, load, poll)
 
     async def _poll(self, handle: WorkerHandle) -> None:
         assert handle.stub is not None
+        handle.num_polls_sent += 1
+        poll = handle.num_polls_sent
         try:
             load = await handle.stub.GetLoad(
                 worker_pb2.GetLoadRequest(), timeout=self.config.rpc_timeout_s
@@ -521,9 +527,14 @@ class WorkerDirectory:
                 if not handle.removed:
                     self._poll_failed(handle, e.code().name)
         else:
-            self._polled(handle, load)
+            self._polled(handle, load, poll)
 
-    def _polled(self, handle: WorkerHandle, load: worker_pb2.WorkerLoad) -> None:
+    def _polled(self, handle: WorkerHandle, load: worker_pb2.WorkerLoad, poll: int) -> None:
+        if poll < handle.last_poll_applied:
+            # NOTE: a poll sent before one already answered (a background poll overtaken by
+            # poll_loads after an adapter's unload): what it says is older than what is known.
+            return
+        handle.last_poll_applied = poll
         handle.load = load
         if handle.unreachable:
             logger.info("worker %s answers its load polls again", handle.worker_id)

@@ -374,3 +374,47 @@ def test_the_lost_threshold_is_checked() -> None:
     with pytest.raises(ValueError, match="lost_after_failed_polls"):
         RouterConfig(lost_after_failed_polls=0)
     assert RouterConfig(lost_after_failed_polls=5).directory_config().lost_after_failed_polls == 5
+
+
+def test_a_poll_answered_after_a_later_one_does_not_undo_it() -> None:
+    """A background poll sent before an adapter's unload, answered after the poll that followed
+    the unload (``poll_loads``), must not bring the adapter back into the router's view."""
+
+    class Held(worker_pb2_grpc.WorkerServicer):
+        def __init__(self) -> None:
+            self.loras = ["a"]  # what the worker serves now
+            self.first = asyncio.Event()  # the first poll answers when set
+            self.num_polls = 0
+
+        async def GetLoad(self, request, context):
+            self.num_polls += 1
+            if self.num_polls == 1:
+                served = list(self.loras)  # NOTE: read as the poll arrives, answered later
+                await self.first.wait()
+                return worker_pb2.WorkerLoad(worker_id="w", loras=served)
+            return worker_pb2.WorkerLoad(worker_id="w", loras=self.loras)
+
+    async def main() -> None:
+        worker = Held()
+        server, address = await _serve(worker)
+        index = MemoryIndex()
+        await index.register(WorkerInfo("w", address, "m", 16), ttl_s=60)
+        directory = WorkerDirectory(index)
+        await directory.refresh()
+        [handle] = directory.handles()
+        try:
+            stale = asyncio.create_task(directory.poll_loads())
+            async with asyncio.timeout(30):
+                while worker.num_polls < 1:
+                    await asyncio.sleep(0.01)
+            worker.loras = []  # the adapter unloaded
+            await directory.poll_loads()
+            assert handle.load is not None and list(handle.load.loras) == []
+            worker.first.set()
+            await asyncio.wait_for(stale, 30)
+            assert list(handle.load.loras) == []
+        finally:
+            await directory.stop()
+            await server.stop(0)
+
+    asyncio.run(main())
