@@ -24,6 +24,11 @@ reader has not taken yet as one message once it holds ``tokens_per_message`` (a 
 machine's monotonic clock, in microseconds modulo 2^32), and the clients sample each fourth
 message's delay: ``direct_message_delay_us`` and, per router count, ``message_delay_us`` and
 ``added_delay_us`` (their difference: the router's added latency), at p50 and p99.
+
+With ``api`` "http" the clients read streamed completions from the routers' OpenAI-compatible
+API (``--http-port``) instead, and count a token a character of the text (a stub's token is an
+"x"); they sample no delays. The clients straight to the stubs stay gRPC: they measure what the
+stubs offer.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import grpc
 from kvswitch.benchmarks.timing import machine_info
 
 NAMESPACE = "relay-stub"
+APIS = ("grpc", "http")
 BLOCK_SIZE = 16
 
 
@@ -59,8 +65,13 @@ class RelayBenchConfig:
     # worker does (worker/servicer.py ``_next_outputs``).
     step_ms: float = 0.0
     duration_s: float = 3.0
+    # What the clients call the routers by: "grpc" (the Router service, as the SDK does) or
+    # "http" (the OpenAI-compatible API's streamed completions, from the routers' --http-port).
+    api: str = "grpc"
 
     def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         counts = self.router_counts()
         if not counts or min(counts) < 1:
             raise ValueError(f"routers must list positive counts, got {self.routers!r}")
@@ -107,9 +118,11 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
     steps = Steps()
 
     def stamped(num_tokens: int) -> Any:
-        """A chunk of ``num_tokens`` tokens, the first the time it is sent (``stamp``)."""
+        """A chunk of ``num_tokens`` tokens, the first the time it is sent (``stamp``); the text
+        an "x" a token (what the HTTP API's clients count)."""
         token_ids = [stamp(), *range(1, num_tokens)]
-        return worker_pb2.WorkerGenerateResponse(chunk=common_pb2.TokenChunk(token_ids=token_ids))
+        chunk = common_pb2.TokenChunk(token_ids=token_ids, text="x" * num_tokens)
+        return worker_pb2.WorkerGenerateResponse(chunk=chunk)
 
     class Stub(worker_pb2_grpc.WorkerServicer):
         def __init__(self, worker_id: str) -> None:
@@ -123,7 +136,7 @@ def _serve_stubs(config: RelayBenchConfig, index_url: str, addresses: Any, stop:
                 return
             size = config.tokens_per_message
             chunk = worker_pb2.WorkerGenerateResponse(
-                chunk=common_pb2.TokenChunk(token_ids=list(range(size)))
+                chunk=common_pb2.TokenChunk(token_ids=list(range(size)), text="x" * size)
             )
             for _ in range(wanted // size):
                 yield chunk
@@ -210,6 +223,8 @@ def _client(
     else:
         request = worker_pb2.WorkerGenerateRequest(prompt_token_ids_u32le=prompt, sampling=sampling)
         calls = [worker_pb2_grpc.WorkerStub(c).Generate for c in channels]
+    if routed and config.api == "http":
+        stream_http = _http_stream(targets, config)
     counts = [[0, 0, 0] for _ in range(num_streams)]  # tokens, requests, messages
     # Paced: each message's time from the stub's send to here, in microseconds (a sample).
     delays_us: list[list[int]] = [[] for _ in range(num_streams)]
@@ -217,6 +232,10 @@ def _client(
     deadline = started + config.duration_s
 
     def stream(slot: int) -> None:
+        if routed and config.api == "http":
+            while time.monotonic() < deadline:
+                stream_http(slot, counts[slot], deadline)
+            return
         call = calls[slot % len(calls)]
         while time.monotonic() < deadline:
             for message in call(request, timeout=60):
@@ -244,6 +263,47 @@ def _client(
     results.put(
         (num_tokens / elapsed_s, sum(c[1] for c in counts), num_tokens, num_messages, delays)
     )
+
+
+def _http_stream(targets: list[str], config: RelayBenchConfig) -> Any:
+    """``stream(slot, counts, deadline)``: one streamed completion from ``targets`` (host:port of
+    the routers' HTTP APIs, round robin by slot) on the slot's kept-alive connection, counted
+    into ``counts`` (tokens, requests, messages) as in the gRPC clients: a token an "x"."""
+    import http.client
+    import json
+
+    body = json.dumps(
+        {
+            "model": NAMESPACE,
+            "prompt": "Relay, please.",
+            "max_tokens": config.num_output_tokens,
+            "stream": True,
+        }
+    ).encode()
+    headers = {"Content-Type": "application/json"}
+    connections: dict[int, http.client.HTTPConnection] = {}
+
+    def stream(slot: int, counts: list[int], deadline: float) -> None:
+        connection = connections.get(slot)
+        if connection is None:
+            host, port = targets[slot % len(targets)].rsplit(":", 1)
+            connection = connections[slot] = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/completions", body, headers)
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"a completion answered {response.status}: {response.read()!r}")
+        for line in response:
+            if line.startswith(b"data: {"):
+                text = json.loads(line[6:])["choices"][0]["text"]
+                counts[0] += len(text)
+                counts[2] += bool(text)  # NOTE: the last event, its finish reason, has none
+                if time.monotonic() >= deadline:
+                    connection.close()  # NOTE: the rest unread: a new connection next time
+                    del connections[slot]
+                    return
+        counts[1] += 1
+
+    return stream
 
 
 STAMP_END = 1 << 32
@@ -306,7 +366,7 @@ def _window(
 
 
 def run(config: RelayBenchConfig) -> dict[str, object]:
-    from kvswitch.cache_index.local_redis import LocalRedis
+    from kvswitch.cache_index.local_redis import LocalRedis, free_port
     from kvswitch.serving import start_server_process
 
     context = multiprocessing.get_context("spawn")
@@ -314,7 +374,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
     addresses, stop = context.Queue(), context.Event()
     stubs = context.Process(target=_serve_stubs, args=(config, redis.url, addresses, stop))
     stubs.start()
-    routers: list[tuple[Any, str]] = []
+    routers: list[tuple[Any, str, str]] = []  # process, gRPC address, HTTP address
     figures: dict[str, object] = {}
     try:
         workers = [addresses.get(timeout=60) for _ in range(config.num_workers)]
@@ -325,17 +385,21 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
             figures["direct_message_delay_us"] = _quantiles(direct_delays)
         for count in config.router_counts():
             while len(routers) < count:
-                routers.append(
-                    start_server_process(
-                        ["router", "--port", "0", "--index", redis.url, "--wait-for-worker-s", "30"]
-                    )
+                http_port = free_port() if config.api == "http" else -1
+                process, address = start_server_process(
+                    ["router", "--port", "0", "--index", redis.url, "--wait-for-worker-s", "30"]
+                    + ["--http-port", str(http_port)] * (http_port >= 0)
                 )
+                routers.append((process, address, f"127.0.0.1:{http_port}"))
             in_use = routers[:count]
-            targets = [address for _, address in in_use]
-            _wait_for_stubs(targets, config)
+            _wait_for_stubs([address for _, address, _ in in_use], config)
+            targets = [
+                http_address if config.api == "http" else address
+                for _, address, http_address in in_use
+            ]
             print(f"  through {count} router(s) ...", file=sys.stderr)
             tokens_per_s, cpu_s, num_requests, num_tokens, num_messages, delays = _window(
-                context, targets, True, config, [process.pid for process, _ in in_use]
+                context, targets, True, config, [process.pid for process, _, _ in in_use]
             )
             figures[f"routers_{count}"] = {
                 "tokens_per_s": tokens_per_s,
@@ -345,7 +409,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
                 "requests_finished": num_requests,
                 "tokens_per_message_read": num_tokens / num_messages if num_messages else 0.0,
             }
-            if config.step_ms:
+            if config.step_ms and config.api == "grpc":
                 # The router's added latency: a message's delay through it less straight.
                 routed = _quantiles(delays)
                 figures[f"routers_{count}"]["message_delay_us"] = routed  # type: ignore[index]
@@ -356,7 +420,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
     finally:
         stop.set()
         stubs.join(30)
-        for process, _ in routers:
+        for process, _, _ in routers:
             process.terminate()
             process.wait(10)
         redis.stop()
@@ -371,6 +435,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
         "tokens_per_message": config.tokens_per_message,
         "step_ms": config.step_ms,
         "duration_s": config.duration_s,
+        "api": config.api,
         "machine": machine_info(),
     }
 

@@ -13,9 +13,9 @@ waiting. ``WorkerStreams.generate`` returns a ``StreamedCall``, read as the ``gr
     cancel()                     -> the worker told; reading raises CancelledError, as grpc's
 
 A worker that does not serve ``GenerateStream`` (UNIMPLEMENTED: an older version) gets each call
-as a ``Generate`` call of its own from then on. The stream's end (the worker gone, its channel
-closed) ends every call on it with its status (UNAVAILABLE where it ended without one); the
-next call opens a new stream.
+as a ``Generate`` call of its own for ``REPROBE_S``, then a stream is tried again. The stream's
+end (the worker gone, its channel closed) ends every call on it with its status (UNAVAILABLE
+where it ended without one); the next call opens a new stream.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -34,6 +35,9 @@ from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# How long a worker that does not serve GenerateStream gets a Generate a call before the router
+# tries a stream again (a worker upgraded in place keeps its address and id).
+REPROBE_S = 60.0
 # The most request bytes one message to a worker carries (the worker takes 64 MiB a message;
 # one larger request goes alone).
 MAX_BATCH_BYTES = 16 << 20
@@ -146,6 +150,7 @@ class WorkerStreams:
         self._stub = stub
         self._worker_id = worker_id
         self._served: bool | None = None  # whether the worker serves GenerateStream: None, unknown
+        self._unserved_s = 0.0  # when it answered UNIMPLEMENTED (time.monotonic)
         self._ids = itertools.count(1)
         self._calls: dict[int, StreamedCall] = {}
         self._stream: Any = None  # the open GenerateStream call, if any
@@ -160,7 +165,9 @@ class WorkerStreams:
         """A call of ``request``: a ``StreamedCall``, or where the worker serves no stream, the
         stub's own Generate call. ``grpc.aio.UsageError`` once the worker's channel closed."""
         if self._served is False:
-            return self._stub.Generate(request, timeout=timeout)
+            if time.monotonic() - self._unserved_s < REPROBE_S:
+                return self._stub.Generate(request, timeout=timeout)
+            self._served = None  # NOTE: upgraded in place since? The next stream will tell.
         if self._stream is None:
             self._open()
         call = StreamedCall(self, next(self._ids), timeout)
@@ -240,6 +247,7 @@ class WorkerStreams:
         """The worker serves no GenerateStream: each call, those waiting too, a Generate."""
         logger.info("worker %s serves no GenerateStream: a Generate a call", self._worker_id)
         self._served = False
+        self._unserved_s = time.monotonic()
         starts, self._starts = self._starts, []
         for call, start in starts:
             self._calls.pop(call.call_id, None)

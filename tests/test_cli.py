@@ -369,6 +369,21 @@ def test_bench_relay_paced_streams_a_token_a_step(tmp_path: Path) -> None:
     assert figures["routers_1"]["added_delay_us"]["p50"] == routed["p50"] - direct["p50"]
 
 
+def test_bench_relay_reads_the_http_api_as_its_clients(tmp_path: Path) -> None:
+    """With --api http the clients read streamed completions from the router's HTTP API: the
+    same pacing holds (a token a step a stream), counted by the text."""
+    out = tmp_path / "relay.json"
+    args = ["--routers", "1", "--duration-s", "0.5", "--concurrency", "2", "--num-clients", "1"]
+    paced = ["--step-ms", "5", "--num-output-tokens", "64", "--api", "http"]
+    main(["bench", "relay", *args, *paced, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["api"] == "http"
+    routed = figures["routers_1"]
+    assert 0 < routed["tokens_per_s"] <= 400 * 1.2 and routed["router_cpu_s"] > 0
+    assert routed["tokens_per_message_read"] >= 1.0
+    assert "message_delay_us" not in routed  # NOTE: the text carries no stamps
+
+
 def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     args = ["--num-seqs", "8", "--context-len", "128", "--num-steps", "3"]

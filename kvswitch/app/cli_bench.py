@@ -125,6 +125,8 @@ RELAY_HELP = {
     "step of this many ms, and a stub sends what its reader has not taken yet in one message, "
     "as a worker does",
     "duration_s": "seconds each window measures",
+    "api": "what the clients call the routers by: grpc (the Router service, as the SDK) or http "
+    "(the OpenAI-compatible API's streamed completions)",
 }
 
 ROUTERS_HELP = {

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from kvswitch.router import worker_streams
 from kvswitch.router.worker_streams import StreamedCall, WorkerStreams
 from kvswitch.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvswitch.worker.call_stream import (
@@ -408,5 +409,24 @@ def test_chunks_the_router_has_not_taken_join_in_the_outbox_in_their_order() -> 
         assert list(rest[1].chunk.logprobs.logprobs) == [-0.5]
         assert rest[3].HasField("final") and len(rest) == 4
         serving.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_worker_without_streams_is_asked_again_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        worker = Worker(streams=False)
+        async with connected(worker) as (_, _, _, streams):
+            first = streams.generate(request("burst", 2))
+            assert len(await asyncio.wait_for(read_all(first), WAIT_S)) == 3
+            assert worker.generate_calls == 1
+            worker.streams = True  # NOTE: upgraded in place: same address, same id
+            again = streams.generate(request("burst", 2))  # within REPROBE_S: a Generate
+            assert len(await asyncio.wait_for(read_all(again), WAIT_S)) == 3
+            assert worker.generate_calls == 2
+            monkeypatch.setattr(worker_streams, "REPROBE_S", 0.0)
+            later = streams.generate(request("burst", 2))
+            assert len(await asyncio.wait_for(read_all(later), WAIT_S)) == 3
+            assert worker.generate_calls == 2 and len(worker.open_streams) == 1
 
     asyncio.run(main())
