@@ -14,6 +14,7 @@ protocol. ``python -m kvswitch`` (kvswitch/__main__.py) is the one way in from t
 from __future__ import annotations
 
 import ast
+import gc
 import tomllib
 from pathlib import Path
 
@@ -70,7 +71,15 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) for each kvswitch import in the file, lazy ones included."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    # NOTE: no collection while the tree is built: a finalizer it runs there (a coroutine an
+    # earlier test left on a closed loop, warning as it goes) trips CPython 3.11's check of the
+    # AST's recursion depth ("AST constructor recursion depth mismatch").
+    gc.disable()
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    finally:
+        gc.enable()
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module == "kvswitch":
                 found += [(node.lineno, f"kvswitch.{alias.name}") for alias in node.names]
