@@ -5,8 +5,9 @@ gRPC aio costs the router some tens of microseconds of CPU a message whatever th
 tokens"), and a decode step gives each of a worker's streams one token. Over one stream a
 worker sends what its calls have ready as one message, so a step's tokens for all of them cost
 the router one read; its calls' starts and cancels go the other way, as many a message as are
-waiting. ``WorkerStreams.generate`` returns a ``StreamedCall``, read as the ``grpc.aio`` call of
-``WorkerStub.Generate`` is::
+waiting. The stream costs a hand-off on each side, so a worker's first calls (fewer than
+``STREAMS_FROM_CALLS`` running there) go as Generate calls of their own. ``WorkerStreams.generate``
+returns a ``StreamedCall``, read as the ``grpc.aio`` call of ``WorkerStub.Generate`` is::
 
     async for response in call   -> the call's WorkerGenerateResponses; AioRpcError (code,
                                     details, trailing metadata) where it did not end OK
@@ -35,6 +36,11 @@ from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# Calls running on a worker from which the next goes on the stream; below, a Generate call of
+# its own. NOTE: the stream saves CPU where a step has tokens of many calls (a quarter of the
+# router's at 64 streams), and costs a hand-off on each side: at 4 streams it added about half a
+# millisecond a token (docs/BENCHMARKS.md, "A router's calls to a worker over one stream").
+STREAMS_FROM_CALLS = 8
 # How long a worker that does not serve GenerateStream gets a Generate a call before the router
 # tries a stream again (a worker upgraded in place keeps its address and id).
 REPROBE_S = 60.0
@@ -146,8 +152,16 @@ class WorkerStreams:
     """A router's calls to one worker over one ``GenerateStream``, opened with the first call
     and again after it ends."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, worker_id: str) -> None:
+    def __init__(
+        self,
+        stub: worker_pb2_grpc.WorkerStub,
+        worker_id: str,
+        *,
+        streams_from: int = STREAMS_FROM_CALLS,
+    ) -> None:
         self._stub = stub
+        self._streams_from = streams_from  # calls running here from which a call is streamed
+        self._num_alone = 0  # Generate calls of their own running
         self._worker_id = worker_id
         self._served: bool | None = None  # whether the worker serves GenerateStream: None, unknown
         self._unserved_s = 0.0  # when it answered UNIMPLEMENTED (time.monotonic)
@@ -162,12 +176,15 @@ class WorkerStreams:
     def generate(
         self, request: worker_pb2.WorkerGenerateRequest, timeout: float | None = None
     ) -> Any:
-        """A call of ``request``: a ``StreamedCall``, or where the worker serves no stream, the
-        stub's own Generate call. ``grpc.aio.UsageError`` once the worker's channel closed."""
+        """A call of ``request``: a ``StreamedCall`` once ``streams_from`` calls run here, else
+        (or where the worker serves no stream) the stub's own Generate call.
+        ``grpc.aio.UsageError`` once the worker's channel closed."""
         if self._served is False:
             if time.monotonic() - self._unserved_s < REPROBE_S:
-                return self._stub.Generate(request, timeout=timeout)
+                return self._alone(request, timeout)
             self._served = None  # NOTE: upgraded in place since? The next stream will tell.
+        if self._num_alone + len(self._calls) + 1 < self._streams_from:
+            return self._alone(request, timeout)
         if self._stream is None:
             self._open()
         call = StreamedCall(self, next(self._ids), timeout)
@@ -179,6 +196,16 @@ class WorkerStreams:
         self._starts.append((call, start))
         self._wake_writer()
         return call
+
+    def _alone(self, request: worker_pb2.WorkerGenerateRequest, timeout: float | None) -> Any:
+        """A Generate call of its own, counted while it runs."""
+        call = self._stub.Generate(request, timeout=timeout)
+        self._num_alone += 1
+        call.add_done_callback(self._alone_done)
+        return call
+
+    def _alone_done(self, _: Any) -> None:
+        self._num_alone -= 1
 
     async def close(self) -> None:
         """End the stream and every call on it (the router stops, the worker left)."""
@@ -252,7 +279,7 @@ class WorkerStreams:
         for call, start in starts:
             self._calls.pop(call.call_id, None)
             timeout = start.timeout_ms / 1000 if start.timeout_ms else None
-            call.alone(self._stub.Generate(start.request, timeout=timeout))
+            call.alone(self._alone(start.request, timeout))
 
     def _fail_all(self, error: grpc.aio.AioRpcError) -> None:
         calls = list(self._calls.values())

@@ -6,6 +6,7 @@ Redis killed once and restarted by the cluster. The 10-minute run is the same co
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvswitch.loadtest.chaos import ChaosConfig, run
@@ -24,6 +25,10 @@ def test_a_short_churn_run_keeps_every_goal(tmp_path: Path) -> None:
     )
     said: list[str] = []
     summary = run(config, say=said.append)
+
+    # NOTE: first, with each process's figures in full (a tuple's repr is cut short).
+    memory = summary["goals"]["memory_flat"]
+    assert memory["held"], json.dumps({"memory_flat": memory, "memory": summary["memory"]})
 
     assert {name: goal["held"] for name, goal in summary["goals"].items()} == {
         "run_completed": True,

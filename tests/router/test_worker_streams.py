@@ -156,7 +156,8 @@ async def read_all(call: StreamedCall) -> list[int]:
 async def connected(worker: Worker) -> AsyncIterator:
     server, port = await serve(worker)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    streams = WorkerStreams(worker_pb2_grpc.WorkerStub(channel), "w1")
+    # NOTE: every call on the stream, the first too (the router streams from a few calls on)
+    streams = WorkerStreams(worker_pb2_grpc.WorkerStub(channel), "w1", streams_from=1)
     try:
         yield server, port, channel, streams
     finally:
@@ -428,5 +429,26 @@ def test_a_worker_without_streams_is_asked_again_later(monkeypatch: pytest.Monke
             later = streams.generate(request("burst", 2))
             assert len(await asyncio.wait_for(read_all(later), WAIT_S)) == 3
             assert worker.generate_calls == 2 and len(worker.open_streams) == 1
+
+    asyncio.run(main())
+
+
+def test_the_first_calls_to_a_worker_go_alone_and_the_stream_takes_them_from_a_few_on() -> None:
+    async def main() -> None:
+        worker = Worker()
+        async with connected(worker) as (_, _, channel, _):
+            streams = WorkerStreams(worker_pb2_grpc.WorkerStub(channel), "w2", streams_from=3)
+            calls = [streams.generate(request("hang", request_id=f"r{i}")) for i in range(3)]
+            await until(lambda: worker.started == 3, "the calls run")
+            assert worker.generate_calls == 2 and len(worker.open_streams) == 1
+            calls[0].cancel()  # NOTE: two alone end: 1 runs, the next goes alone again
+            calls[1].cancel()
+            await until(lambda: streams._num_alone == 0, "the ended calls no longer count")
+            streams.generate(request("hang", request_id="r3"))
+            await until(lambda: worker.started == 4, "the fourth runs")
+            assert worker.generate_calls == 3
+            for call in calls:
+                call.cancel()
+            await streams.close()
 
     asyncio.run(main())

@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -261,6 +262,62 @@ def test_concurrent_requests(worker: BackgroundWorker, reference: LLMEngine) -> 
         results = list(pool.map(lambda p: worker.generate(p, max_tokens=6), prompts))
     assert [tokens for tokens, _, _ in results] == expected
     assert all(final.stats.num_output_tokens == 6 for _, _, final in results)
+
+
+def test_a_stream_of_calls_runs_each_as_generate_does_and_a_cancel_frees_its_blocks(
+    worker: BackgroundWorker, reference: LLMEngine
+) -> None:
+    """GenerateStream on a real worker: three calls with the tokens Generate gives, a bad one
+    with Generate's verdict, and a long one the router cancels, whose blocks come back."""
+    [expected] = reference.generate([PROMPT], SamplingParams(max_tokens=8))
+
+    def call(call_id: int, prompt: list[int], max_tokens: int) -> worker_pb2.StreamedCall:
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=f"streamed-{call_id}",
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+        )
+        return worker_pb2.StreamedCall(call_id=call_id, request=request)
+
+    long_prompt = [256, *b"tell me a long story " * 4]
+    calls = [call(i, PROMPT, 8) for i in (1, 2, 3)] + [call(4, [], 8), call(5, long_prompt, 900)]
+    cancel = threading.Event()
+
+    def requests() -> Iterator[worker_pb2.GenerateStreamRequest]:
+        yield worker_pb2.GenerateStreamRequest(calls=calls)
+        cancel.wait(60)
+        yield worker_pb2.GenerateStreamRequest(cancelled=[5])
+
+    tokens: dict[int, list[int]] = {i: [] for i in range(1, 6)}
+    statuses: dict[int, worker_pb2.CallStatus] = {}
+    finals: dict[int, worker_pb2.WorkerGenerateFinal] = {}
+    stream = worker.stub.GenerateStream(requests(), timeout=60)
+    for message in stream:
+        for response in message.responses:
+            if response.HasField("status"):
+                statuses[response.call_id] = response.status
+            elif response.response.HasField("final"):
+                finals[response.call_id] = response.response.final
+            else:
+                tokens[response.call_id] += response.response.chunk.token_ids
+        if tokens[5] and not cancel.is_set():
+            cancel.set()  # NOTE: the long call has begun: the router leaves it
+        if len(statuses) == 4 and cancel.is_set():
+            break
+    engine = worker.server.engine
+    num_steps = engine.counters.num_steps
+    load = worker.wait_until_idle()
+    stream.cancel()
+    assert {i: tokens[i] for i in (1, 2, 3)} == {i: expected for i in (1, 2, 3)}
+    assert {i: finals[i].stats.num_output_tokens for i in (1, 2, 3)} == {1: 8, 2: 8, 3: 8}
+    assert {i: grpc.StatusCode.OK.value[0] for i in (1, 2, 3)} == {
+        i: statuses[i].code for i in (1, 2, 3)
+    }
+    assert statuses[4].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "prompt" in statuses[4].details
+    assert 5 not in statuses  # cancelled: no status for it
+    assert load.num_running_requests == 0 and load.num_free_blocks == load.num_total_blocks
+    assert engine.counters.num_steps - num_steps < 100  # aborted, not run to its 900 tokens
 
 
 def test_event_buffer_keeps_the_newest_batches() -> None:
