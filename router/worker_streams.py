@@ -112,6 +112,10 @@ class StreamedCall:
         trailing = grpc.aio.Metadata(*status.trailing_metadata.items())
         self._end(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, status.details))
 
+    def failed(self, error: grpc.aio.AioRpcError) -> None:
+        """The stream ended under the call."""
+        self._end(error)
+
     def alone(self, call: Any) -> None:
         """The worker serves no stream: this call goes on as ``call``, a Generate of its own."""
         self._alone = call
@@ -287,7 +291,7 @@ class WorkerStreams:
         self._starts.clear()
         self._cancels.clear()
         for call in calls:
-            call._end(error)
+            call.failed(error)
 
     def _wake_writer(self) -> None:
         queued, self._queued = self._queued, None
