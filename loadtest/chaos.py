@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -180,7 +181,9 @@ def run(config: ChaosConfig, say: Callable[[str], None] | None = None) -> dict[s
             seed=config.seed,
         )
         load.take_references()
-        sampler = RssSampler(lambda: process_pids(cluster, external), config.rss_every_s)
+        sampler = RssSampler(
+            lambda: process_pids(cluster, external), config.rss_every_s, kind_of=process_kind
+        )
         sampler.start()
         stack.callback(sampler.stop)
         load.start()
@@ -338,6 +341,11 @@ def process_pids(cluster: LocalCluster, external: LocalRedis | None) -> dict[str
         if redis is not None:
             pids["redis"] = redis.pid
     return pids
+
+
+def process_kind(name: str) -> str:
+    """Which program a name of ``process_pids`` runs: ``worker-3/core`` -> ``worker/core``."""
+    return re.sub(r"^worker-\d+", "worker", name)
 
 
 def machine() -> dict[str, Any]:

@@ -27,6 +27,7 @@ import grpc
 from kvswitch.v1 import worker_pb2, worker_pb2_grpc
 
 MIB = 1 << 20
+SETTLED_FRACTION = 0.99  # of its elders' RSS, for a restarted process to count as filled up
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -71,11 +72,19 @@ class RssSampler:
     """Samples the RSS of named processes every ``every_s`` on a thread of its own.
 
     ``pids()`` says which process each name is now (a restarted worker is a new pid under its
-    old name)."""
+    old name). ``kind_of(name)`` says which names run the same program (``worker-3/core`` and
+    ``worker-0/core``): a restarted process is judged once it has grown to its elders' size, so
+    a worker still filling its KV cache after a restart is not taken for a leak."""
 
-    def __init__(self, pids: Callable[[], Mapping[str, int]], every_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        pids: Callable[[], Mapping[str, int]],
+        every_s: float = 1.0,
+        kind_of: Callable[[str], str] = lambda name: name,
+    ) -> None:
         self._pids = pids
         self._every_s = every_s
+        self._kind_of = kind_of
         self._by_name: dict[str, list[_Incarnation]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,12 +102,15 @@ class RssSampler:
         now_s = time.monotonic()
         for name, pid in self._pids().items():
             size = rss_bytes(pid)
-            if size is None:
-                continue
-            incarnations = self._by_name.setdefault(name, [])
-            if not incarnations or incarnations[-1].pid != pid:
-                incarnations.append(_Incarnation(pid))
-            incarnations[-1].samples.append((now_s, size))
+            if size is not None:
+                self.record(name, pid, now_s, size)
+
+    def record(self, name: str, pid: int, at_s: float, size: int) -> None:
+        """One sample: ``name`` is process ``pid``, of ``size`` bytes at monotonic ``at_s``."""
+        incarnations = self._by_name.setdefault(name, [])
+        if not incarnations or incarnations[-1].pid != pid:
+            incarnations.append(_Incarnation(pid))
+        incarnations[-1].samples.append((at_s, size))
 
     def latest_mib(self) -> dict[str, float]:
         return {
@@ -109,11 +121,17 @@ class RssSampler:
     def growth(self, since_s: float, warmup_s: float = 20.0) -> dict[str, list[dict[str, Any]]]:
         """Per name, each incarnation that lived past ``warmup_s`` after ``since_s`` (and after
         its own start): its RSS once warmed up, at its last sample and at most, in MiB, and its
-        growth in MiB per minute (least squares over those samples)."""
+        growth in MiB per minute (least squares over those samples). A restarted process (a
+        name's later incarnation) is warmed up only once it reached ``SETTLED_FRACTION`` of the
+        most its kind's elders had: until then it is still filling up, and is left out."""
         report: dict[str, list[dict[str, Any]]] = {}
         for name, incarnations in sorted(self._by_name.items()):
-            for incarnation in incarnations:
+            for restarted, incarnation in enumerate(incarnations):
                 start_s = max(since_s, incarnation.samples[0][0] + warmup_s)
+                settled_s = self._settled_s(name, incarnation) if restarted else start_s
+                if settled_s is None:
+                    continue
+                start_s = max(start_s, settled_s)
                 samples = [(t, b) for t, b in incarnation.samples if t >= start_s]
                 if len(samples) < 3:
                     continue
@@ -128,6 +146,28 @@ class RssSampler:
                     }
                 )
         return report
+
+    def _settled_s(self, name: str, incarnation: _Incarnation) -> float | None:
+        """When ``incarnation`` first reached the size of its kind's elders (those sampled
+        before it started), or None if it never did; its start if it has none."""
+        born_s = incarnation.samples[0][0]
+        kind = self._kind_of(name)
+        elders_max = max(
+            (
+                size
+                for other_name, others in self._by_name.items()
+                if self._kind_of(other_name) == kind
+                for other in others
+                if other is not incarnation and other.samples[0][0] < born_s
+                for _, size in other.samples
+            ),
+            default=None,
+        )
+        if elders_max is None:
+            return born_s
+        return next(
+            (t for t, size in incarnation.samples if size >= SETTLED_FRACTION * elders_max), None
+        )
 
     def timeline(self, origin_s: float, every_s: float = 30.0) -> dict[str, list[list[float]]]:
         """Per name, ``[seconds since origin_s, MiB]`` about every ``every_s``, and at the first

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvswitch.loadtest.chaos import ChaosConfig
+from kvswitch.loadtest.chaos import ChaosConfig, process_kind
 from kvswitch.loadtest.chaos_goals import goals
 from kvswitch.loadtest.checked_load import Outcome, clear_status, make_prompts, tally
-from kvswitch.loadtest.fleet_checks import log_times
+from kvswitch.loadtest.fleet_checks import MIB, RssSampler, log_times
 
 
 def outcome(**fields: object) -> Outcome:
@@ -108,6 +108,30 @@ def test_memory_is_flat_unless_a_process_grows() -> None:
     memory["router"] = [incarnation(299, 71.5, 74.0, 1.4)]  # a steady 1.4 MiB a minute
     flat = goals(summary([], memory), "soak")["memory_flat"]
     assert flat["value"]["growing"] == ["router"] and not flat["held"]
+
+
+def test_a_restarted_process_is_judged_once_it_has_filled_up_to_its_kind() -> None:
+    sampler = RssSampler(dict, kind_of=process_kind)
+    for second in range(40):  # two cores at 591 MiB; worker-0's restarted at 10 s, filling up
+        sampler.record("worker-1/core", 11, second, 591 * MIB)
+        sampler.record("router", 20, second, (70 + (second > 30)) * MIB)
+        if second < 10:
+            sampler.record("worker-0/core", 10, second, 591 * MIB)
+        else:
+            sampler.record("worker-0/core", 12, second, min(279 + 12 * (second - 10), 590) * MIB)
+    growth = sampler.growth(since_s=19, warmup_s=2)
+    # NOTE: the restarted core reaches 99 % of 591 MiB at 36 s: judged from there, flat.
+    (restarted,) = growth["worker-0/core"]
+    assert (restarted["pid"], restarted["first_mib"], restarted["last_mib"]) == (12, 590, 590)
+    assert restarted["seconds"] == 3
+    assert [i["seconds"] for i in growth["worker-1/core"]] == [20]
+    assert growth["router"][0]["last_mib"] - growth["router"][0]["first_mib"] == 1
+
+    still_filling = RssSampler(dict, kind_of=process_kind)
+    for second in range(40):
+        still_filling.record("worker-1/core", 11, second, 591 * MIB)
+        still_filling.record("worker-0/core", 10 if second < 10 else 12, second, 400 * MIB)
+    assert "worker-0/core" not in still_filling.growth(since_s=19, warmup_s=2)
 
 
 def test_log_times_reads_both_log_formats(tmp_path: Path) -> None:
