@@ -86,8 +86,12 @@ class Answer:
     trailing_metadata: tuple = ()
 
 
-def call(channel: grpc.Channel, method: str, data: bytes, timeout_s: float = 20.0) -> Answer:
-    """One streaming call with ``data`` as the request's bytes, read to its end."""
+def call(channel: grpc.Channel, method: str, data: bytes, timeout_s: float = 60.0) -> Answer:
+    """One streaming call with ``data`` as the request's bytes, read to its end.
+
+    NOTE: a fuzzed max_tokens runs to the 512-token context's end: 510 tokens, which took a busy
+    CI machine more than 20 s (424 messages read at the deadline); the bound is a guard against
+    a call that never ends, not a speed."""
     stream = channel.unary_stream(method)  # no serializers: bytes in, bytes out
     num_messages = 0
     try:
