@@ -29,7 +29,6 @@ import contextlib
 import http.client
 import json
 import multiprocessing
-import os
 import shutil
 import subprocess
 import sys
@@ -37,11 +36,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from kvswitch.benchmarks.stub_engines import MODEL, serve_grpc_stubs, serve_http_stubs
-from kvswitch.benchmarks.timing import machine_info
+from kvswitch.benchmarks.timing import cpu_seconds, machine_info
 from kvswitch.cache_index.local_redis import free_port
 from kvswitch.serving import start_server_process
 
@@ -356,14 +354,14 @@ def _cpu_per_token(config: RoutersBenchConfig, pid: int, stream: Callable[[], in
             counts[slot] += stream()
 
     threads = [threading.Thread(target=run, args=(slot,)) for slot in range(config.concurrency)]
-    cpu_before = _cpu_s(pid)
+    cpu_before = cpu_seconds(pid)
     started = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     elapsed_s = time.monotonic() - started
-    cpu_s = _cpu_s(pid) - cpu_before
+    cpu_s = cpu_seconds(pid) - cpu_before
     num_tokens = sum(counts)
     if not num_tokens:
         raise RuntimeError("no streamed token came through")
@@ -372,25 +370,6 @@ def _cpu_per_token(config: RoutersBenchConfig, pid: int, stream: Callable[[], in
         "cpu_us_per_token": cpu_s / num_tokens * 1e6,
         "router_cores": cpu_s / elapsed_s,
     }
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user and system) of ``pid`` and the processes under it, from /proc."""
-    total = 0.0
-    for task in [pid, *_descendants(pid)]:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def _descendants(pid: int) -> list[int]:
-    found = []
-    with contextlib.suppress(OSError):
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        for child in map(int, children):
-            found += [child, *_descendants(child)]
-    return found
 
 
 def _figures(routed: list[float], direct: list[float]) -> dict[str, float]:

@@ -2,10 +2,10 @@
 
 An OpenAI-API stub (``serve_http_stubs``) answers ``/v1/completions`` with ``num_tokens`` tokens
 of one character each: whole, or as one server-sent event a token (vLLM's stream, usage last
-when asked); and what the routers ask of an engine besides: ``/health``, ``/metrics`` (vLLM's
-load names), ``/v1/models``, ``/tokenize`` (vllm-router's), SGLang's ``/get_model_info`` and
-``/get_server_info``. Each also binds a ZeroMQ PUB socket that never publishes: the KV-event
-stream a kvswitch router in engine mode follows.
+when asked); and what the routers ask of an engine besides: ``/health``, ``/metrics`` (a page of
+vLLM's size and names, ``vllm_metrics.py``), ``/v1/models``, ``/tokenize`` (vllm-router's),
+SGLang's ``/get_model_info`` and ``/get_server_info``. Each also binds a ZeroMQ PUB socket that
+never publishes: the KV-event stream a kvswitch router in engine mode follows.
 
 A gRPC stub (``serve_grpc_stubs``) is a kvswitch worker's ``Generate`` doing the same, one token a
 message (or, as a worker does for a request's ``stream_interval``, the first token alone and then
@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+
+from kvswitch.benchmarks.vllm_metrics import vllm_metrics_page
 
 MODEL = "stub"
 BLOCK_SIZE = 16
@@ -37,12 +39,7 @@ class NoEvents:
         return future
 
 
-_METRICS = (
-    f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="{NUM_BLOCKS}"}} 1.0\n'
-    'vllm:num_requests_running{model_name="stub"} 0.0\n'
-    'vllm:num_requests_waiting{model_name="stub"} 0.0\n'
-    'vllm:kv_cache_usage_perc{model_name="stub"} 0.0\n'
-)
+_METRICS = vllm_metrics_page(MODEL, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
 
 
 def _app(num_tokens: int) -> Any:
@@ -136,20 +133,28 @@ def _app(num_tokens: int) -> Any:
     )
 
 
+def silent_publishers(ports: list[int]) -> list[Any]:
+    """A ZeroMQ PUB socket bound on each of ``ports`` on loopback: KV-event streams that never
+    publish (keep them while they serve)."""
+    import zmq
+
+    context = zmq.Context()
+    sockets = []
+    for port in ports:
+        socket = context.socket(zmq.PUB)
+        socket.bind(f"tcp://127.0.0.1:{port}")
+        sockets.append(socket)
+    return sockets
+
+
 def serve_http_stubs(
     num_engines: int, num_tokens: int, ports: list[int], event_ports: list[int], ready: Any
 ) -> None:
     """Serve ``num_engines`` stubs on ``ports`` (their KV-event PUB sockets on
     ``event_ports``) until killed; puts True on ``ready`` once they serve."""
     import uvicorn
-    import zmq
 
-    context = zmq.Context()
-    publishers = []
-    for port in event_ports:
-        socket = context.socket(zmq.PUB)
-        socket.bind(f"tcp://127.0.0.1:{port}")
-        publishers.append(socket)
+    publishers = silent_publishers(event_ports)
 
     async def main() -> None:
         servers = []
@@ -164,7 +169,11 @@ def serve_http_stubs(
         ready.put(True)
         await asyncio.gather(*tasks)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        for socket in publishers:
+            socket.close(linger=0)
 
 
 def serve_grpc_stubs(num_engines: int, index_url: str, addresses: Any) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def rate_per_s(run_once: Callable[[], int], *, duration_s: float, label: str) -> dict[str, float]:
@@ -61,3 +63,22 @@ def percentile(values: list[float], q: float) -> float:
     """The value at fraction ``q`` of ``values`` sorted (nearest rank, no interpolation)."""
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) of ``pid`` and the processes under it, from /proc."""
+    total = 0.0
+    for task in [pid, *_descendants(pid)]:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    with contextlib.suppress(OSError):
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in map(int, children):
+            found += [child, *_descendants(child)]
+    return found

@@ -5,10 +5,12 @@ protocols.
 Every request routed to an engine passes through here, so it is the data plane's client, kept
 lean: with httpx in its place the router spent 18.2 us of CPU a relayed token and added 1.16 ms
 to a completion, with this 3.4 us and 0.56 ms (``kvswitch bench routers``, docs/BENCHMARKS.md
-"The router's data plane, lean"). The engines' polls (``router/engines.py``) are the control
-plane and keep httpx.
+"The router's data plane, lean"). The engines' load polls (``router/engines.py``) go through it
+too: a poll of each engine every 0.1 s, over httpx, cost a router following 64 engines more than
+its core (docs/BENCHMARKS.md, "Polling engines").
 
-    post(url, body)          -> EngineResponse once the answer's head has come
+    post(url, path, body)    -> EngineResponse once the answer's head has come
+    get(url, path)           -> the same, of a GET
         a pooled connection (idle under KEEP_ALIVE_S), else a new one
         cannot connect       -> EngineConnectError (nothing reached the engine)
         a pooled connection closed before any answer (the engine closed it idle, or died)
@@ -221,7 +223,7 @@ class EngineResponse:
 
 
 class EngineHTTP:
-    """Keep-alive connections to engines: ``post`` a request, ``close`` them all at the end.
+    """Keep-alive connections to engines: ``post`` or ``get``, ``close`` them all at the end.
     ``api_key``: sent to every engine (vLLM's ``--api-key``); ``https://`` engines are
     verified with the fleet's CA (``--tls-ca``; the system's roots without one)."""
 
@@ -243,15 +245,27 @@ class EngineHTTP:
         self, url: str, path: str, body: bytes, headers: Mapping[str, str] | None = None
     ) -> EngineResponse:
         """POST ``body`` to ``path`` of the engine at ``url``; its answer once its head came."""
-        origin = self._origins.get(url)
-        if origin is None:
-            origin = self._origins[url] = _Origin(url)
+        origin = self._origin(url)
         head = [f"POST {origin.prefix}{path} HTTP/1.1\r\n".encode(), b"host: ", origin.host_header]
         head.append(b"\r\ncontent-length: %d\r\n" % len(body))
         for name, value in (headers or {}).items():
             head.append(f"{name}: {value}\r\n".encode("latin-1"))
         head += [self._auth, b"\r\n", body]
-        request = b"".join(head)
+        return await self._send(origin, b"".join(head))
+
+    async def get(self, url: str, path: str) -> EngineResponse:
+        """GET ``path`` of the engine at ``url`` (its ``/health``, its ``/metrics``)."""
+        origin = self._origin(url)
+        head = [f"GET {origin.prefix}{path} HTTP/1.1\r\n".encode(), b"host: ", origin.host_header]
+        return await self._send(origin, b"".join([*head, b"\r\n", self._auth, b"\r\n"]))
+
+    def _origin(self, url: str) -> _Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = _Origin(url)
+        return origin
+
+    async def _send(self, origin: _Origin, request: bytes) -> EngineResponse:
         while True:
             connection = self._pooled(origin)
             reused = connection is not None

@@ -16,13 +16,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx2
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvswitch.cache_index.engine_feed import EngineEndpoints, EngineEventFeed, status_line
@@ -30,23 +27,14 @@ from kvswitch.cache_index.hashing import BlockNaming
 from kvswitch.cache_index.index import BlockIndex, WorkerInfo
 from kvswitch.cache_index.vllm_events import EngineBlockNames
 from kvswitch.options import named_values
+from kvswitch.router.engine_http import EngineConnectError, EngineConnectionLost, EngineHTTP
 from kvswitch.router.engine_load import EngineMetricsError, parse_engine_load
-from kvswitch.security import FleetSecurity
 from kvswitch.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
 ENGINE_SCHEMES = ("http://", "https://")
 FEED_RETRY_S = 1.0  # a feed that failed (its index unreachable) starts again after this
-
-
-def engine_client(security: FleetSecurity, api_key: str = "", **options: Any) -> httpx2.AsyncClient:
-    """An HTTP client for engines: their key (vLLM's ``--api-key``) on every request, and
-    ``https://`` engines verified with the fleet's CA (``--tls-ca``; the system's roots
-    without one)."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    verify = ssl.create_default_context(cafile=security.tls_ca or None)
-    return httpx2.AsyncClient(headers=headers, verify=verify, **options)
 
 
 def is_engine(info: WorkerInfo) -> bool:
@@ -256,25 +244,25 @@ _FEED_METRICS: list[tuple[str, type, str, Callable[[EngineEventFeed], float]]] =
 
 
 async def poll_engine(
-    client: httpx2.AsyncClient, info: WorkerInfo, timeout_s: float
+    client: EngineHTTP, info: WorkerInfo, timeout_s: float
 ) -> worker_pb2.WorkerLoad:
     """An engine's load from its ``/metrics``, if its ``/health`` says it serves; ``EngineDown``
     when either does not answer as a serving engine does."""
     try:
-        health, metrics = await asyncio.gather(
-            client.get(f"{info.address}/health", timeout=timeout_s),
-            client.get(f"{info.address}/metrics", timeout=timeout_s),
-        )
-    except httpx2.TimeoutException as e:
-        raise EngineDown(f"no answer in {timeout_s:g} s ({type(e).__name__})") from None
-    except httpx2.HTTPError as e:
+        async with asyncio.timeout(timeout_s):
+            (health, _), (metrics, page) = await asyncio.gather(
+                _get(client, info.address, "/health"), _get(client, info.address, "/metrics")
+            )
+    except TimeoutError:
+        raise EngineDown(f"no answer in {timeout_s:g} s") from None
+    except (EngineConnectError, EngineConnectionLost) as e:
         raise EngineDown(f"{type(e).__name__}: {e}") from None
-    if health.status_code != 200:
-        raise EngineDown(f"/health answers {health.status_code}")
-    if metrics.status_code != 200:
-        raise EngineDown(f"/metrics answers {metrics.status_code}")
+    if health != 200:
+        raise EngineDown(f"/health answers {health}")
+    if metrics != 200:
+        raise EngineDown(f"/metrics answers {metrics}")
     try:
-        load = parse_engine_load(metrics.text)
+        load = parse_engine_load(page.decode("utf-8", "replace"))
     except EngineMetricsError as e:
         raise EngineDown(f"/metrics: {e}") from None
     return worker_pb2.WorkerLoad(
@@ -287,6 +275,15 @@ async def poll_engine(
         num_total_blocks=load.num_blocks,
         block_size=info.block_size,
     )
+
+
+async def _get(client: EngineHTTP, url: str, path: str) -> tuple[int, bytes]:
+    """The status and the body of a GET of ``path`` from the engine at ``url``."""
+    response = await client.get(url, path)
+    try:
+        return response.status, await response.read()
+    finally:
+        response.close()
 
 
 class EngineDown(Exception):

@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
-import httpx2
 
 from kvswitch.cache_index.engine_feed import GPU_TIER_SUFFIX
 from kvswitch.cache_index.hashing import XXH3_NAMING, BlockNaming
 from kvswitch.cache_index.index import TIER_ROLE, BlockIndex, WorkerInfo
 from kvswitch.logs import Throttled
-from kvswitch.router.engines import EngineDown, engine_client, is_engine, poll_engine
+from kvswitch.router.engine_http import EngineHTTP
+from kvswitch.router.engines import EngineDown, is_engine, poll_engine
 from kvswitch.router.policy import LoraResidence, WorkerState
 from kvswitch.router.worker_streams import WorkerStreams
 from kvswitch.security import PLAINTEXT, FleetSecurity
@@ -260,7 +260,7 @@ class WorkerDirectory:
         self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
         self.num_loop_errors = 0  # unexpected errors in the background loops
         self._refresh_warning = Throttled(logger)
-        self._http: httpx2.AsyncClient | None = None  # engines' polls, once one joins
+        self._http: EngineHTTP | None = None  # engines' polls, once one joins
         # Engine id -> its GPU-tier entry, for engines that told of another tier.
         self.gpu_tiers: dict[str, str] = {}
         # What router replicas have in flight, per worker id (a worker they know before this
@@ -291,7 +291,7 @@ class WorkerDirectory:
             await _close(handle)
         self._handles.clear()
         if self._http is not None:
-            await self._http.aclose()
+            await self._http.close()
             self._http = None
 
     # -- queries -------------------------------------------------------------------------------
@@ -488,7 +488,9 @@ class WorkerDirectory:
 
     async def _poll_engine(self, handle: WorkerHandle) -> None:
         if self._http is None:
-            self._http = engine_client(self._security, self._engine_api_key)
+            self._http = EngineHTTP(
+                self._security, self._engine_api_key, connect_timeout_s=self.config.rpc_timeout_s
+            )
         handle.num_polls_sent += 1
         poll = handle.num_polls_sent
         try:

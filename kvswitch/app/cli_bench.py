@@ -143,6 +143,12 @@ ROUTERS_HELP = {
     "vllm_router": "the vllm-router executable (pip install vllm-router==0.1.17)",
 }
 
+POLLS_HELP = {
+    "num_engines": "stub engines the router follows (one process serves them all)",
+    "load_poll_s": "how often the router asks each engine for its load (its --load-poll-s)",
+    "duration_s": "seconds measured, once every engine has been polled",
+}
+
 ROUTER_BENCH_HELP = {
     "num_prompt_tokens": "prompt length in tokens, sent as token ids",
     "block_size": "tokens per block",
@@ -354,6 +360,7 @@ def add_kernels(commands: argparse._SubParsersAction, name: str, summary: str) -
 def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> None:
     from kvswitch.benchmarks import admission as admission_bench
     from kvswitch.benchmarks import engine as engine_bench
+    from kvswitch.benchmarks import engine_polls as polls_bench
     from kvswitch.benchmarks import engines as engines_bench
     from kvswitch.benchmarks import hashing as hash_bench
     from kvswitch.benchmarks import holder as holder_bench
@@ -446,6 +453,14 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             ROUTERS_HELP,
             "kvswitch's router beside sglang-router and vllm-router, before the same stub "
             "engines: added latency, CPU per relayed token",
+        ),
+        (
+            "polls",
+            polls_bench.run,
+            polls_bench.PollsBenchConfig,
+            POLLS_HELP,
+            "what following a fleet of OpenAI-API engines costs a router at rest: its CPU on "
+            "their load polls",
         ),
         (
             "lookup",

@@ -34,9 +34,12 @@ class Engine:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,  # a GET's
                 )
                 body = await reader.readexactly(length)
                 self.num_requests += 1
@@ -108,6 +111,24 @@ def test_answers_come_whole_and_streamed_on_one_kept_connection() -> None:
             head = served.heads[1].decode().lower()
             assert "authorization: bearer engine-key\r\n" in head and "accept: x/y\r\n" in head
             assert head.startswith("post /v1/completions http/1.1\r\nhost: 127.0.0.1:")
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_gets_and_posts_share_the_kept_connection_and_carry_the_key() -> None:
+    async def main() -> None:
+        client = EngineHTTP(api_key="engine-key")
+        async with engine(answer_whole) as served:
+            for n in (1, 2):
+                response = await client.get(f"{served.url}/prefix/", "/metrics")
+                assert (response.status, await response.read()) == (200, b'{"n": %d, "echo": }' % n)
+                response.close()
+            assert json.loads(await post(client, served.url))["n"] == 3
+            assert (served.num_connections, served.bodies[:2]) == (1, [b"", b""])
+            head = served.heads[0].decode().lower()
+            assert head.startswith("get /prefix/metrics http/1.1\r\nhost: 127.0.0.1:"), head
+            assert "authorization: bearer engine-key\r\n" in head and head.endswith("\r\n\r\n")
         await client.close()
 
     asyncio.run(main())

@@ -7,6 +7,7 @@ import urllib.request
 
 import pytest
 
+from kvswitch.benchmarks.vllm_metrics import vllm_metrics_page
 from kvswitch.router.engine_load import EngineLoad, EngineMetricsError, parse_engine_load
 from kvswitch.worker.server import WorkerConfig
 from tests.worker.background import BackgroundWorker
@@ -41,6 +42,28 @@ def test_a_vllm_servers_engines_add_up_and_the_fullest_cache_counts() -> None:
     # Without the cache's settings (or before its size is known), its size is not known.
     without = VLLM_TEXT.replace('num_gpu_blocks="2048"', 'num_gpu_blocks="None"')
     assert parse_engine_load(without).num_blocks == 0
+
+
+def test_the_gauges_are_read_out_of_a_whole_vllm_page() -> None:
+    page = vllm_metrics_page(
+        "Qwen/Qwen3-0.6B",
+        engines=("0", "1"),
+        num_running=3,
+        num_waiting=2,
+        kv_cache_usage=0.25,
+        num_blocks=2048,
+    )
+    assert page.count("\n") > 900  # two engines' histograms, the HTTP server's, the process's
+    assert parse_engine_load(page) == EngineLoad(6, 4, 0.25, 4096)
+    # NOTE: only whole names at a line's start count: not a longer name, not a comment's.
+    traps = (
+        "vllm:num_requests_running_by_adapter 40.0\n"
+        "# HELP vllm:num_requests_waiting 9.0\n"
+        "xvllm:kv_cache_usage_perc 0.9\n"
+    )
+    assert parse_engine_load(traps + page) == EngineLoad(6, 4, 0.25, 4096)
+    first_and_last = "vllm:num_requests_running 1.0\nvllm:num_requests_waiting 5.0"
+    assert parse_engine_load(first_and_last) == EngineLoad(1, 5, 0.0, 0)
 
 
 @pytest.mark.parametrize(
