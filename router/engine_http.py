@@ -6,8 +6,8 @@ Every request routed to an engine passes through here, so it is the data plane's
 lean: with httpx in its place the router spent 18.2 us of CPU a relayed token and added 1.16 ms
 to a completion, with this 3.4 us and 0.56 ms (``kvswitch bench routers``, docs/BENCHMARKS.md
 "The router's data plane, lean"). The engines' load polls (``router/engines.py``) go through it
-too: a poll of each engine every 0.1 s, over httpx, cost a router following 64 engines more than
-its core (docs/BENCHMARKS.md, "Polling engines").
+too: over httpx, a router following 64 engines (a poll of each every 0.1 s) spent its whole core
+on them (docs/BENCHMARKS.md, "Polling engines").
 
     post(url, path, body)    -> EngineResponse once the answer's head has come
     get(url, path)           -> the same, of a GET
