@@ -17,7 +17,8 @@ event a token. Routers, each started alone in front of ``num_engines`` of them:
 Per router: ``p50_ms`` / ``p99_ms`` of ``num_requests`` non-streamed completions sent one after
 another (a prompt of ``prompt_chars`` characters; over gRPC read whole as the SDK's ``generate``
 reads them, ``stream_interval`` 64), and ``added_p50_ms`` / ``added_p99_ms``, less the
-same straight to a stub (the HTTP stubs for the HTTP routers, the gRPC stubs for gRPC); then
+same straight to a stub (the HTTP stubs for the HTTP routers, the gRPC stubs for gRPC), and
+``cpu_us_per_request``, the router's CPU time over them (its background work included); then
 ``cpu_us_per_token``: the router's CPU time (its processes, from ``/proc``) while ``concurrency``
 streams of ``stream_tokens`` tokens run for ``duration_s``, over the tokens the clients read.
 Everything shares the machine's cores.
@@ -229,7 +230,9 @@ def _measure_kvswitch_workers(
                 list(worker_calls[next(turn) % len(worker_calls)](worker_request))
 
             direct_grpc = _latencies(config, straight)
+            cpu_before = cpu_seconds(popen.pid)
             routed = _latencies(config, lambda: list(route(request)))
+            cpu_us_per_request = _cpu_us_per_request(config, popen.pid, cpu_before)
             stream_request = router_pb2.GenerateRequest(
                 text=prompt, sampling=common_pb2.SamplingParams(max_tokens=config.stream_tokens)
             )
@@ -242,6 +245,7 @@ def _measure_kvswitch_workers(
             results["kvswitch-grpc"] = {
                 **_figures(routed, direct_grpc),
                 "direct_p50_ms": _ms(direct_grpc, 0.5),
+                "cpu_us_per_request": cpu_us_per_request,
                 **_cpu_per_token(config, popen.pid, stream),
             }
             for channel in channels:
@@ -330,8 +334,20 @@ def _http_stream(config: RoutersBenchConfig, port: int) -> Callable[[], int]:
 def _measure_http(
     config: RoutersBenchConfig, pid: int, port: int, direct: list[float]
 ) -> dict[str, Any]:
+    cpu_before = cpu_seconds(pid)
     routed = _latencies(config, _http_completion(config, [port]))
-    return {**_figures(routed, direct), **_cpu_per_token(config, pid, _http_stream(config, port))}
+    cpu_us_per_request = _cpu_us_per_request(config, pid, cpu_before)
+    return {
+        **_figures(routed, direct),
+        "cpu_us_per_request": cpu_us_per_request,
+        **_cpu_per_token(config, pid, _http_stream(config, port)),
+    }
+
+
+def _cpu_us_per_request(config: RoutersBenchConfig, pid: int, cpu_before: float) -> float:
+    """The router's CPU a non-streamed completion, since ``cpu_before`` (warm-up included)."""
+    num_requests = config.num_requests + min(50, config.num_requests)
+    return (cpu_seconds(pid) - cpu_before) / num_requests * 1e6
 
 
 def _latencies(config: RoutersBenchConfig, call: Callable[[], object]) -> list[float]:

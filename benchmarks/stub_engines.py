@@ -176,9 +176,12 @@ def serve_http_stubs(
             socket.close(linger=0)
 
 
-def serve_grpc_stubs(num_engines: int, index_url: str, addresses: Any) -> None:
+def serve_grpc_stubs(
+    num_engines: int, index_url: str, addresses: Any, load_polls: Any = None
+) -> None:
     """``num_engines`` gRPC stub workers registered in the index at ``index_url``; their
-    addresses on ``addresses``; until killed."""
+    addresses on ``addresses``; until killed. ``load_polls``: a shared array counting each
+    one's ``GetLoad`` calls."""
     import grpc
 
     from kvswitch.cache_index.connect import connect_index
@@ -187,8 +190,9 @@ def serve_grpc_stubs(num_engines: int, index_url: str, addresses: Any) -> None:
     from kvswitch.worker.publisher import EventPublisher
 
     class Stub(worker_pb2_grpc.WorkerServicer):
-        def __init__(self, worker_id: str) -> None:
-            self.worker_id = worker_id
+        def __init__(self, k: int) -> None:
+            self.k = k
+            self.worker_id = f"stub-{k}"
 
         async def Generate(self, request: Any, context: Any) -> Any:
             wanted = request.sampling.max_tokens or 16
@@ -214,13 +218,15 @@ def serve_grpc_stubs(num_engines: int, index_url: str, addresses: Any) -> None:
             await StreamedCalls(self.Generate, context).serve(requests)
 
         async def GetLoad(self, request: Any, context: Any) -> Any:
+            if load_polls is not None:
+                load_polls[self.k] += 1
             return worker_pb2.WorkerLoad(worker_id=self.worker_id, num_free_blocks=NUM_BLOCKS)
 
     async def main() -> None:
         holders = []
         for k in range(num_engines):
             server = grpc.aio.server()
-            worker_pb2_grpc.add_WorkerServicer_to_server(Stub(f"stub-{k}"), server)
+            worker_pb2_grpc.add_WorkerServicer_to_server(Stub(k), server)
             address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
             await server.start()
             index = await connect_index(index_url)

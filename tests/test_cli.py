@@ -385,9 +385,9 @@ def test_bench_relay_reads_the_http_api_as_its_clients(tmp_path: Path) -> None:
     assert "message_delay_us" not in routed  # NOTE: the text carries no stamps
 
 
-def test_bench_polls_has_a_router_poll_each_engines_vllm_page(tmp_path: Path) -> None:
-    """Three stub engines, polled every 0.05 s: the router reads each one's page (whether it
-    keeps up is the machine's speed, not asserted)."""
+def test_bench_polls_has_a_router_poll_each_engine_and_worker(tmp_path: Path) -> None:
+    """Three stub engines, polled every 0.05 s: the router reads each one's page; then two gRPC
+    stub workers' GetLoad (whether it keeps up is the machine's speed, not asserted)."""
     out = tmp_path / "polls.json"
     args = ["--num-engines", "3", "--load-poll-s", "0.05", "--duration-s", "1"]
     main(["bench", "polls", *args, "--json", str(out)])
@@ -396,6 +396,12 @@ def test_bench_polls_has_a_router_poll_each_engines_vllm_page(tmp_path: Path) ->
     assert figures["metrics_page_bytes"] > 40_000  # a vLLM server's page, not a few gauges
     assert figures["polls_per_s"] > 0 and figures["router_cores"] > 0
     assert figures["cpu_us_per_poll"] > 0
+
+    args = ["--kind", "workers", "--num-engines", "2", "--duration-s", "0.5"]
+    main(["bench", "polls", *args, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["config"]["kind"] == "workers" and "metrics_page_bytes" not in figures
+    assert figures["polls_per_s"] > 0 and figures["polls_per_s_asked"] == 20
 
 
 def test_bench_step_takes_the_forward_out_of_the_step(tmp_path: Path) -> None:

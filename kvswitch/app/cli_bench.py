@@ -144,7 +144,9 @@ ROUTERS_HELP = {
 }
 
 POLLS_HELP = {
-    "num_engines": "stub engines the router follows (one process serves them all)",
+    "kind": "engines (OpenAI-API engines: /health and a vLLM-sized /metrics page a poll) or "
+    "workers (kvswitch workers: a GetLoad call a poll)",
+    "num_engines": "stub engines or workers the router follows (one process serves them all)",
     "load_poll_s": "how often the router asks each engine for its load (its --load-poll-s)",
     "duration_s": "seconds measured, once every engine has been polled",
 }
@@ -459,7 +461,7 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             polls_bench.run,
             polls_bench.PollsBenchConfig,
             POLLS_HELP,
-            "what following a fleet of OpenAI-API engines costs a router at rest: its CPU on "
+            "what following a fleet of engines or workers costs a router at rest: its CPU on "
             "their load polls",
         ),
         (
