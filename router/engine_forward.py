@@ -102,18 +102,41 @@ class EngineMetrics:
             registry=registry,
         )
 
+        # Engine id -> its children of the counters above (``labels`` costs a lock and a lookup).
+        self._engines: dict[str, _EngineCounters] = {}
+
     def usage(self, engine: str, plan: RoutePlan, predicted: int, usage: dict[str, Any]) -> None:
+        counters = self._engines.get(engine)
+        if counters is None:
+            counters = self._engines[engine] = _EngineCounters(
+                self.prompt_tokens.labels(engine, "router"),
+                self.prompt_tokens.labels(engine, "engine"),
+                self.prompt_mismatches.labels(engine),
+                self.predicted_cached_tokens.labels(engine),
+                self.cached_tokens.labels(engine),
+            )
         prompt_tokens = usage.get("prompt_tokens")
         if isinstance(prompt_tokens, int):
-            self.prompt_tokens.labels(engine, "router").inc(len(plan.token_ids))
-            self.prompt_tokens.labels(engine, "engine").inc(prompt_tokens)
+            counters.router_prompt_tokens.inc(len(plan.token_ids))
+            counters.engine_prompt_tokens.inc(prompt_tokens)
             if prompt_tokens != len(plan.token_ids):
-                self.prompt_mismatches.labels(engine).inc()
+                counters.prompt_mismatches.inc()
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int):
-            self.predicted_cached_tokens.labels(engine).inc(predicted)
-            self.cached_tokens.labels(engine).inc(cached)
+            counters.predicted_cached_tokens.inc(predicted)
+            counters.cached_tokens.inc(cached)
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineCounters:
+    """One engine's children of ``EngineMetrics``' usage counters."""
+
+    router_prompt_tokens: Counter
+    engine_prompt_tokens: Counter
+    prompt_mismatches: Counter
+    predicted_cached_tokens: Counter
+    cached_tokens: Counter
 
 
 @dataclass
@@ -206,11 +229,11 @@ class EngineForwarder:
                 handle, router.num_uncached_tokens(plan, decision), num_output_tokens
             )
             forward = _Forward(plan, route, flight, predicted)
-            headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+            headers = {k: v for k, v in request.headers.items() if k in _PASSED_HEADERS}
+            path = request.scope["path"]  # NOTE: not request.url, a URL built for one field
             try:
                 response, content = await until_disconnected(
-                    request,
-                    self._exchange(handle.info.address, request.url.path, body, headers, stream),
+                    request, self._exchange(handle.info.address, path, body, headers, stream)
                 )
             except EngineConnectError as e:
                 # NOTE: nothing reached the engine: the request can go to another at no cost.
