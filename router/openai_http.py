@@ -750,9 +750,11 @@ class OpenAIFront:
     def _served_models(self) -> list[str]:
         return self._models.names()
 
-    def _check_model(self, name: str) -> None:
-        """404 unless ``name`` is a model, or a LoRA adapter, served here."""
-        served = self._served_models()
+    def _check_model(self, name: str, served: list[str] | None = None) -> None:
+        """404 unless ``name`` is a model, or a LoRA adapter, served here (``served``: the
+        models, where the caller has them)."""
+        if served is None:
+            served = self._served_models()
         if name not in served and name not in self._models.adapters():
             raise OpenAIError(
                 404,
@@ -766,21 +768,26 @@ class OpenAIFront:
         """``_check_model`` for a request: with no worker live yet, first wait for one as the
         router would (``wait_for_worker_s``), so that the request is not served by whatever
         model comes first; 503 if none comes."""
-        deadline_s = time.monotonic() + self._config.wait_for_worker_s
-        while not self._served_models() and (left_s := deadline_s - time.monotonic()) > 0:
-            await self._models.wait_for_change(left_s)
-        if not self._served_models():
+        served = self._served_models()
+        if not served:
+            deadline_s = time.monotonic() + self._config.wait_for_worker_s
+            while not served and (left_s := deadline_s - time.monotonic()) > 0:
+                await self._models.wait_for_change(left_s)
+                served = self._served_models()
+        if not served:
             raise OpenAIError(
                 503,
                 f"no worker is live: none has registered in {self._config.wait_for_worker_s:g} s",
                 code="unavailable",
             )
-        self._check_model(name)
+        self._check_model(name, served)
 
     def _lora_of(self, model: str, lora: str | None) -> str | None:
         """The adapter a request runs under: the one ``model`` names, else ``lora``'s (400
         when both name one and differ)."""
-        if model not in self._models.adapters():
+        # NOTE: a served model's name first, as _check_model reads it: one name (the router's
+        # namespace) to look at, where the adapters are every worker's.
+        if model in self._served_models() or model not in self._models.adapters():
             return lora
         if lora is not None and lora != model:
             raise OpenAIError(
