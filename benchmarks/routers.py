@@ -21,7 +21,11 @@ same straight to a stub (the HTTP stubs for the HTTP routers, the gRPC stubs for
 ``cpu_us_per_request``, the router's CPU time over them (its background work included); then
 ``cpu_us_per_token``: the router's CPU time (its processes, from ``/proc``) while ``concurrency``
 streams of ``stream_tokens`` tokens run for ``duration_s``, over the tokens the clients read.
-Everything shares the machine's cores.
+Then, where ``step_ms`` > 0 and the router speaks HTTP to the HTTP stubs, paced streams (a token
+every ``step_ms``, stamped with the stub's clock when it left) for ``duration_s``:
+``event_delay_us`` from the stub's send to the client's read (p50, p99), and
+``added_event_delay_us``, less the same straight to a stub (``direct_event_delay_us``): the
+router's added latency a token. Everything shares the machine's cores.
 """
 
 from __future__ import annotations
@@ -39,8 +43,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvswitch.benchmarks.stub_engines import MODEL, serve_grpc_stubs, serve_http_stubs
-from kvswitch.benchmarks.timing import cpu_seconds, machine_info
+from kvswitch.benchmarks.stub_engines import (
+    MODEL,
+    PACED,
+    serve_grpc_stubs,
+    serve_http_stubs,
+    stamp_us,
+)
+from kvswitch.benchmarks.timing import cpu_seconds, machine_info, percentile
 from kvswitch.cache_index.local_redis import free_port
 from kvswitch.serving import start_server_process
 
@@ -58,6 +68,8 @@ class RoutersBenchConfig:
     stream_tokens: int = 256  # a streamed request's tokens
     concurrency: int = 4  # streams open at once
     duration_s: float = 3.0
+    step_ms: float = 10.0  # paced streams: an event every step_ms (0: no paced streams)
+    paced_tokens: int = 50  # a paced stream's tokens
     sglang_router: str = "sglang-router"  # its executable
     vllm_router: str = "vllm-router"
 
@@ -72,6 +84,8 @@ class RoutersBenchConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.stream_tokens < 2 or self.concurrency < 1 or not self.duration_s > 0:
             raise ValueError("stream_tokens >= 2, concurrency >= 1 and duration_s > 0, please")
+        if self.step_ms < 0 or self.paced_tokens < 2:
+            raise ValueError("step_ms >= 0 and paced_tokens >= 2, please")
 
     def names(self) -> list[str]:
         return [n.strip() for n in self.routers.split(",") if n.strip()]
@@ -94,6 +108,7 @@ def run(config: RoutersBenchConfig) -> dict[str, Any]:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         print("  straight to the HTTP stubs", file=sys.stderr)
         direct_http = _latencies(config, _http_completion(config, ports))
+        direct_delays = _event_delays(config, ports[0])
         for name in config.names():
             if name in ("kvswitch-grpc", "kvswitch-http"):
                 continue
@@ -104,6 +119,7 @@ def run(config: RoutersBenchConfig) -> dict[str, Any]:
             print(f"  {name}", file=sys.stderr)
             with _router(command) as (pid, port):
                 results[name] = _measure_http(config, pid, port, direct_http)
+                results[name].update(_delay_figures(_event_delays(config, port), direct_delays))
         if {"kvswitch-grpc", "kvswitch-http"} & set(config.names()):
             results.update(_measure_kvswitch_workers(config, context, direct_http))
     finally:
@@ -112,6 +128,7 @@ def run(config: RoutersBenchConfig) -> dict[str, Any]:
         "config": asdict(config),
         "machine": machine_info(),
         "direct_http_p50_ms": _ms(direct_http, 0.5),
+        **({"direct_event_delay_us": _delay_quantiles(direct_delays)} if direct_delays else {}),
         "routers": results,
     }
 
@@ -348,6 +365,57 @@ def _cpu_us_per_request(config: RoutersBenchConfig, pid: int, cpu_before: float)
     """The router's CPU a non-streamed completion, since ``cpu_before`` (warm-up included)."""
     num_requests = config.num_requests + min(50, config.num_requests)
     return (cpu_seconds(pid) - cpu_before) / num_requests * 1e6
+
+
+def _event_delays(config: RoutersBenchConfig, port: int) -> list[float]:
+    """Paced streams (an event every ``step_ms``, each stamped when the stub sent it) read from
+    ``port`` by ``concurrency`` clients for ``duration_s``: each event's delay, in us, sorted.
+    Empty with ``step_ms`` 0."""
+    if not config.step_ms:
+        return []
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": f"{PACED}{config.step_ms:g} ms",
+            "max_tokens": config.paced_tokens,
+            "stream": True,
+        }
+    ).encode()
+    delays: list[float] = []
+    deadline = time.monotonic() + config.duration_s
+
+    def run() -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while time.monotonic() < deadline:
+            connection.request("POST", "/v1/completions", body, _JSON)
+            for line in connection.getresponse():
+                read_us = stamp_us()
+                if line.startswith(b"data: {"):
+                    text = "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                    if text.isdigit():
+                        delays.append(read_us - int(text))
+
+    threads = [threading.Thread(target=run) for _ in range(config.concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if not delays:
+        raise RuntimeError("no paced event came through")
+    return sorted(delays)
+
+
+def _delay_quantiles(sorted_us: list[float]) -> dict[str, float]:
+    return {"p50": percentile(sorted_us, 0.5), "p99": percentile(sorted_us, 0.99)}
+
+
+def _delay_figures(routed: list[float], direct: list[float]) -> dict[str, Any]:
+    """A router's paced events' delay (us, p50 and p99) and what it adds to the stubs'."""
+    if not routed:
+        return {}
+    delay, straight = _delay_quantiles(routed), _delay_quantiles(direct)
+    added = {q: delay[q] - straight[q] for q in delay}
+    return {"event_delay_us": delay, "added_event_delay_us": added}
 
 
 def _latencies(config: RoutersBenchConfig, call: Callable[[], object]) -> list[float]:

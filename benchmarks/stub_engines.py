@@ -2,10 +2,12 @@
 
 An OpenAI-API stub (``serve_http_stubs``) answers ``/v1/completions`` with ``num_tokens`` tokens
 of one character each: whole, or as one server-sent event a token (vLLM's stream, usage last
-when asked); and what the routers ask of an engine besides: ``/health``, ``/metrics`` (a page of
-vLLM's size and names, ``vllm_metrics.py``), ``/v1/models``, ``/tokenize`` (vllm-router's),
-SGLang's ``/get_model_info`` and ``/get_server_info``. Each also binds a ZeroMQ PUB socket that
-never publishes: the KV-event stream a kvswitch router in engine mode follows.
+when asked), as fast as they are read; for the prompt "paced every N ms", an event every N ms,
+its text the time it left (``stamp_us``). And what the routers ask of an engine besides:
+``/health``, ``/metrics`` (a page of vLLM's size and names, ``vllm_metrics.py``),
+``/v1/models``, ``/tokenize`` (vllm-router's), SGLang's ``/get_model_info`` and
+``/get_server_info``. Each also binds a ZeroMQ PUB socket that never publishes: the KV-event
+stream a kvswitch router in engine mode follows.
 
 A gRPC stub (``serve_grpc_stubs``) is a kvswitch worker's ``Generate`` doing the same, one token a
 message (or, as a worker does for a request's ``stream_interval``, the first token alone and then
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from kvswitch.benchmarks.vllm_metrics import vllm_metrics_page
@@ -40,6 +43,21 @@ class NoEvents:
 
 
 _METRICS = vllm_metrics_page(MODEL, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+
+
+PACED = "paced every "  # a prompt "paced every 10 ms": a token a step, each stamped
+
+
+def stamp_us() -> int:
+    """The machine's monotonic clock in microseconds: one clock for every process here."""
+    return time.monotonic_ns() // 1000
+
+
+def _paced_step_s(prompt: str) -> float:
+    """The step a prompt ``PACED`` + "N ms" asks for; 0 for any other prompt."""
+    if not prompt.startswith(PACED) or not prompt.endswith(" ms"):
+        return 0.0
+    return float(prompt[len(PACED) : -len(" ms")]) / 1000
 
 
 def _app(num_tokens: int) -> Any:
@@ -69,6 +87,9 @@ def _app(num_tokens: int) -> Any:
             )
         with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
+        prompt = body.get("prompt")
+        step_s = _paced_step_s(prompt) if isinstance(prompt, str) else 0.0
+
         async def events() -> Any:
             chunk = {
                 "id": "cmpl-stub",
@@ -79,6 +100,11 @@ def _app(num_tokens: int) -> Any:
             }
             line = f"data: {json.dumps(chunk)}\n\n".encode()
             for _ in range(wanted - 1):
+                if step_s:
+                    # NOTE: a decode step's token, its text the time it leaves (stamp_us).
+                    await asyncio.sleep(step_s)
+                    chunk["choices"][0]["text"] = str(stamp_us())
+                    line = f"data: {json.dumps(chunk)}\n\n".encode()
                 yield line
             chunk["choices"][0]["finish_reason"] = "length"
             yield f"data: {json.dumps(chunk)}\n\n".encode()

@@ -385,6 +385,21 @@ def test_bench_relay_reads_the_http_api_as_its_clients(tmp_path: Path) -> None:
     assert "message_delay_us" not in routed  # NOTE: the text carries no stamps
 
 
+def test_bench_routers_times_the_paced_events_through_engine_mode(tmp_path: Path) -> None:
+    """kvswitch's engine mode before the HTTP stubs: whole completions, streams, and paced
+    streams whose events carry the stub's send time (a token every 5 ms)."""
+    out = tmp_path / "routers.json"
+    args = ["--routers", "kvswitch-engines", "--num-requests", "20", "--duration-s", "0.5"]
+    main(["bench", "routers", *args, "--step-ms", "5", "--paced-tokens", "6", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    direct, routed = figures["direct_event_delay_us"], figures["routers"]["kvswitch-engines"]
+    assert 0 < direct["p50"] <= direct["p99"]
+    delay = routed["event_delay_us"]
+    assert 0 < delay["p50"] <= delay["p99"]
+    assert routed["added_event_delay_us"]["p50"] == delay["p50"] - direct["p50"]
+    assert routed["cpu_us_per_request"] > 0 and routed["tokens_per_s"] > 0
+
+
 def test_bench_polls_has_a_router_poll_each_engine_and_worker(tmp_path: Path) -> None:
     """Three stub engines, polled every 0.05 s: the router reads each one's page; then two gRPC
     stub workers' GetLoad (whether it keeps up is the machine's speed, not asserted)."""

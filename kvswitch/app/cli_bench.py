@@ -139,6 +139,9 @@ ROUTERS_HELP = {
     "stream_tokens": "tokens of each streamed completion (one event a token)",
     "concurrency": "streams open at once while the router's CPU is measured",
     "duration_s": "seconds of streaming per router",
+    "step_ms": "paced streams (HTTP routers): an event every step_ms, each stamped by the stub, "
+    "read by concurrency clients for duration_s; 0: none",
+    "paced_tokens": "tokens of each paced stream",
     "sglang_router": "the sglang-router executable (pip install sglang-router==0.3.2)",
     "vllm_router": "the vllm-router executable (pip install vllm-router==0.1.17)",
 }
