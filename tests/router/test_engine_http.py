@@ -7,13 +7,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
+from kvswitch.benchmarks.vllm_metrics import vllm_metrics_page
+from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.local_redis import free_port
 from kvswitch.router import engine_http
 from kvswitch.router.engine_http import EngineConnectError, EngineConnectionLost, EngineHTTP
+from kvswitch.router.engines import poll_engine
+from kvswitch.security import FleetSecurity
+from tests.certs import TestCA
 
 
 class Engine:
@@ -53,10 +60,11 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def engine(answer: Callable) -> AsyncIterator[Engine]:
+async def engine(answer: Callable, tls: ssl.SSLContext | None = None) -> AsyncIterator[Engine]:
     served = Engine(answer)
-    server = await asyncio.start_server(served.serve, "127.0.0.1", 0)
-    served.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server = await asyncio.start_server(served.serve, "127.0.0.1", 0, ssl=tls)
+    scheme = "https" if tls else "http"
+    served.url = f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
         yield served
     finally:
@@ -129,6 +137,32 @@ def test_gets_and_posts_share_the_kept_connection_and_carry_the_key() -> None:
             head = served.heads[0].decode().lower()
             assert head.startswith("get /prefix/metrics http/1.1\r\nhost: 127.0.0.1:"), head
             assert "authorization: bearer engine-key\r\n" in head and head.endswith("\r\n\r\n")
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_an_https_engine_is_polled_and_verified_with_the_fleets_ca(tmp_path: Path) -> None:
+    ca = TestCA(tmp_path)
+    served_identity = ca.issue("engine")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(served_identity.cert, served_identity.key)
+    page = vllm_metrics_page("m", num_running=2, num_waiting=1, num_blocks=512).encode()
+
+    async def answer(writer: asyncio.StreamWriter, n: int, body: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page))
+
+    async def main() -> None:
+        router_identity = ca.issue("router")
+        security = FleetSecurity(router_identity.cert, router_identity.key, ca.cert)
+        client = EngineHTTP(security)
+        async with engine(answer, tls) as served:
+            info = WorkerInfo("e0", served.url, "m", 16)
+            load = await poll_engine(client, info, timeout_s=10)
+            assert (load.num_running_requests, load.num_waiting_requests) == (2, 1)
+            assert load.num_total_blocks == 512
+            with pytest.raises(EngineConnectError):  # the system's roots do not know the CA
+                await EngineHTTP().get(served.url, "/health")
         await client.close()
 
     asyncio.run(main())
