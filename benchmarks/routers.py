@@ -108,10 +108,9 @@ def run(config: RoutersBenchConfig) -> dict[str, Any]:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         print("  straight to the HTTP stubs", file=sys.stderr)
         direct_http = _latencies(config, _http_completion(config, ports))
-        direct_delays = _event_delays(config, ports[0])
-        for name in config.names():
-            if name in ("kvswitch-grpc", "kvswitch-http"):
-                continue
+        http_routers = [n for n in config.names() if n not in ("kvswitch-grpc", "kvswitch-http")]
+        direct_delays = _event_delays(config, ports[0]) if http_routers else []
+        for name in http_routers:
             command = _http_router_command(name, config, urls, event_ports)
             if command is None:
                 results[name] = {"skipped": f"{name} is not installed"}
