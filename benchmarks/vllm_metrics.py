@@ -4,8 +4,8 @@ A router polls each engine's load from its ``/metrics`` (``router/engine_load.py
 costs is set by the page: a vLLM v1 server's holds, beside the few gauges a router reads, the
 HTTP server's histograms per handler, the process's and Python's collectors, and per engine
 (data-parallel rank) about a dozen request histograms of 5 to 25 buckets each.
-``vllm_metrics_page`` writes such a page with the load given (56 KB and 600 lines for one
-engine); the families are vLLM's by name, the values made up.
+``vllm_metrics_page`` writes such a page with the load given (about 50 KB and 600 lines for
+one engine); the families are vLLM's by name, the values made up.
 """
 
 from __future__ import annotations
