@@ -32,8 +32,6 @@ from kvswitch.serving import start_server_process
 
 READY_TIMEOUT_S = 60.0
 MODEL = "stub"
-
-
 KINDS = ("engines", "workers")
 
 
