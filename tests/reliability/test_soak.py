@@ -39,7 +39,7 @@ def test_a_short_churn_run_keeps_every_goal(tmp_path: Path) -> None:
         "no_leaked_blocks": True,
         "index_audit_clean": True,
         "memory_flat": True,
-    }, (summary["goals"], said)
+    }, json.dumps({"goals": summary["goals"], "requests": summary["requests"], "said": said})
     injected = [(f["fault"], f["target"]) for f in summary["faults"]]
     # NOTE: each fault is injected once the one before it is over (a killed worker back and
     # registered), so how many fit in 36 s is up to the machine's speed: kills every 11 s plan
