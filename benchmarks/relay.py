@@ -34,17 +34,16 @@ stubs offer.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from kvswitch.benchmarks.timing import machine_info
+from kvswitch.benchmarks.stub_engines import stamp_us
+from kvswitch.benchmarks.timing import cpu_seconds, machine_info, p50_p99
 
 NAMESPACE = "relay-stub"
 APIS = ("grpc", "http")
@@ -312,23 +311,7 @@ STAMP_END = 1 << 32
 def stamp() -> int:
     """Now, in microseconds of the machine's monotonic clock (every process reads the same),
     modulo 2^32: what fits a token id."""
-    return (time.monotonic_ns() // 1000) % STAMP_END
-
-
-def _quantiles(sorted_us: list[int]) -> dict[str, float]:
-    if not sorted_us:
-        return {"p50": 0.0, "p99": 0.0}
-    pick = sorted_us.__getitem__
-    return {
-        "p50": float(pick(len(sorted_us) // 2)),
-        "p99": float(pick(min(len(sorted_us) * 99 // 100, len(sorted_us) - 1))),
-    }
-
-
-def _cpu_s(pid: int) -> float:
-    """A process's CPU time so far (user and system), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stamp_us() % STAMP_END
 
 
 def _window(
@@ -346,11 +329,11 @@ def _window(
         for n in shares
         if n
     ]
-    cpu_before = sum(_cpu_s(pid) for pid in pids)
+    cpu_before = sum(cpu_seconds(pid) for pid in pids)
     for client in clients:
         client.start()
     totals = [results.get(timeout=config.duration_s + 120) for _ in clients]
-    cpu_s = sum(_cpu_s(pid) for pid in pids) - cpu_before
+    cpu_s = sum(cpu_seconds(pid) for pid in pids) - cpu_before
     for client in clients:
         client.join(30)
     # NOTE: each client's rate over its own window: they start a process each, not at once.
@@ -382,7 +365,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
         direct, _, _, _, _, direct_delays = _window(context, workers, False, config, [])
         figures["direct_tokens_per_s"] = direct
         if config.step_ms:
-            figures["direct_message_delay_us"] = _quantiles(direct_delays)
+            figures["direct_message_delay_us"] = p50_p99(direct_delays)
         for count in config.router_counts():
             while len(routers) < count:
                 http_port = free_port() if config.api == "http" else -1
@@ -411,7 +394,7 @@ def run(config: RelayBenchConfig) -> dict[str, object]:
             }
             if config.step_ms and config.api == "grpc":
                 # The router's added latency: a message's delay through it less straight.
-                routed = _quantiles(delays)
+                routed = p50_p99(delays)
                 figures[f"routers_{count}"]["message_delay_us"] = routed  # type: ignore[index]
                 figures[f"routers_{count}"]["added_delay_us"] = {  # type: ignore[index]
                     q: routed[q] - figures["direct_message_delay_us"][q]  # type: ignore[index]

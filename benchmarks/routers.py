@@ -50,7 +50,7 @@ from kvswitch.benchmarks.stub_engines import (
     serve_http_stubs,
     stamp_us,
 )
-from kvswitch.benchmarks.timing import cpu_seconds, machine_info, percentile
+from kvswitch.benchmarks.timing import cpu_seconds, machine_info, p50_p99
 from kvswitch.cache_index.local_redis import free_port
 from kvswitch.serving import start_server_process
 
@@ -127,7 +127,7 @@ def run(config: RoutersBenchConfig) -> dict[str, Any]:
         "config": asdict(config),
         "machine": machine_info(),
         "direct_http_p50_ms": _ms(direct_http, 0.5),
-        **({"direct_event_delay_us": _delay_quantiles(direct_delays)} if direct_delays else {}),
+        **({"direct_event_delay_us": p50_p99(direct_delays)} if direct_delays else {}),
         "routers": results,
     }
 
@@ -404,15 +404,11 @@ def _event_delays(config: RoutersBenchConfig, port: int) -> list[float]:
     return sorted(delays)
 
 
-def _delay_quantiles(sorted_us: list[float]) -> dict[str, float]:
-    return {"p50": percentile(sorted_us, 0.5), "p99": percentile(sorted_us, 0.99)}
-
-
 def _delay_figures(routed: list[float], direct: list[float]) -> dict[str, Any]:
     """A router's paced events' delay (us, p50 and p99) and what it adds to the stubs'."""
     if not routed:
         return {}
-    delay, straight = _delay_quantiles(routed), _delay_quantiles(direct)
+    delay, straight = p50_p99(routed), p50_p99(direct)
     added = {q: delay[q] - straight[q] for q in delay}
     return {"event_delay_us": delay, "added_event_delay_us": added}
 

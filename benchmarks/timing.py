@@ -65,6 +65,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
+def p50_p99(values: list[float]) -> dict[str, float]:
+    """``values``' p50 and p99 (``percentile``); both 0 for none."""
+    if not values:
+        return {"p50": 0.0, "p99": 0.0}
+    return {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds (user and system) of ``pid`` and the processes under it, from /proc."""
     total = 0.0

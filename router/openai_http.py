@@ -769,11 +769,10 @@ class OpenAIFront:
         router would (``wait_for_worker_s``), so that the request is not served by whatever
         model comes first; 503 if none comes."""
         served = self._served_models()
-        if not served:
-            deadline_s = time.monotonic() + self._config.wait_for_worker_s
-            while not served and (left_s := deadline_s - time.monotonic()) > 0:
-                await self._models.wait_for_change(left_s)
-                served = self._served_models()
+        deadline_s = time.monotonic() + self._config.wait_for_worker_s
+        while not served and (left_s := deadline_s - time.monotonic()) > 0:
+            await self._models.wait_for_change(left_s)
+            served = self._served_models()
         if not served:
             raise OpenAIError(
                 503,
@@ -785,9 +784,7 @@ class OpenAIFront:
     def _lora_of(self, model: str, lora: str | None) -> str | None:
         """The adapter a request runs under: the one ``model`` names, else ``lora``'s (400
         when both name one and differ)."""
-        # NOTE: a served model's name first, as _check_model reads it: one name (the router's
-        # namespace) to look at, where the adapters are every worker's.
-        if model in self._served_models() or model not in self._models.adapters():
+        if model not in self._models.adapters():
             return lora
         if lora is not None and lora != model:
             raise OpenAIError(
