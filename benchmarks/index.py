@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,7 @@ BACKENDS = ("memory", "redis", "redis-cluster", "cluster")  # cluster: redis-clu
 NAMESPACE = "bench-model"
 RESYNCING = "resyncing"  # the worker that resyncs
 LOAD_SLICE = 8192  # blocks per apply while the fleet's blocks are loaded
+PROCESS_EXIT_S = 10.0  # the resyncing process's time to end once its part is done
 
 
 @dataclass(frozen=True)
@@ -256,12 +258,18 @@ async def _during_resync(
         args = (url, config, ready, go, done)
         process = spawn.Process(target=_resync_in_a_process, args=args)
         process.start()
-        await loop.run_in_executor(None, ready.wait)
-        go.set()
-        start = time.perf_counter()
-        resync = loop.run_in_executor(None, done.wait)
-        latencies_ms = await fleet.timed_lookups(index, chain, resync)
-        await loop.run_in_executor(None, process.join)
+        try:
+            await _set_by(process, ready)
+            go.set()
+            start = time.perf_counter()
+            resync = asyncio.ensure_future(_set_by(process, done))
+            latencies_ms = await fleet.timed_lookups(index, chain, resync)
+            await resync
+        finally:
+            await loop.run_in_executor(None, process.join, PROCESS_EXIT_S)
+            if process.exitcode is None:  # the lookups failed while it waited for its turn
+                process.kill()
+                process.join()
         if process.exitcode:
             raise RuntimeError(f"the resyncing process failed ({process.exitcode})")
     resync_s = time.perf_counter() - start
@@ -285,6 +293,13 @@ async def _during_resync(
         # it is the router's own loop, held while a resync runs in one piece.
         "loop_stall_max_during_resync_ms": max(stalls_ms, default=0.0),
     }
+
+
+async def _set_by(process: multiprocessing.process.BaseProcess, event: Any) -> None:
+    """Returns once ``process`` sets ``event``; RuntimeError if it ends without."""
+    while not await asyncio.to_thread(event.wait, 0.1):
+        if process.exitcode is not None:
+            raise RuntimeError(f"the resyncing process ended ({process.exitcode}) before its turn")
 
 
 async def _time_loop_stalls(stalls_ms: list[float]) -> None:

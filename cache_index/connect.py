@@ -67,10 +67,11 @@ async def connect_index(
 
 
 def pubsub_client(url: str) -> Any:
-    """A plain ``redis.asyncio.Redis`` to the server a Redis index URL names (for a cluster, the
-    node it names: every node relays pub/sub), with the password as ``connect_index`` takes it
-    (the URL's, else ``KVSWITCH_INDEX_PASSWORD``). ValueError for a URL that is not a Redis's."""
-    from redis.asyncio import Redis
+    """A ``redis.asyncio.Redis`` (one that keeps cancels: ``redis_clients``) to the server a
+    Redis index URL names (for a cluster, the node it names: every node relays pub/sub), with the
+    password as ``connect_index`` takes it (the URL's, else ``KVSWITCH_INDEX_PASSWORD``).
+    ValueError for a URL that is not a Redis's."""
+    from kvswitch.cache_index.redis_clients import CancelSafeRedis
 
     scheme, _, rest = url.partition("://")
     if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
@@ -78,7 +79,7 @@ def pubsub_client(url: str) -> Any:
     options: dict[str, Any] = {}
     if urlsplit(url).password is None and os.environ.get(INDEX_PASSWORD_ENV):
         options["password"] = os.environ[INDEX_PASSWORD_ENV]
-    return Redis.from_url(f"{scheme.partition('+')[0]}://{rest}", **options)
+    return CancelSafeRedis.from_url(f"{scheme.partition('+')[0]}://{rest}", **options)
 
 
 def redacted(url: str) -> str:

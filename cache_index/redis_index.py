@@ -38,6 +38,11 @@ from kvswitch.cache_index import redis_scripts
 from kvswitch.cache_index.events import AllBlocksCleared, BlockStored, CacheEvent
 from kvswitch.cache_index.hashing import HASH_BYTES, XXH3
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, IndexStats, WorkerInfo, check_seq
+from kvswitch.cache_index.redis_clients import (
+    CancelSafeRedis,
+    CancelSafeRedisCluster,
+    keeping_cancel,
+)
 
 AnyPipeline = Pipeline | ClusterPipeline
 
@@ -185,7 +190,7 @@ class RedisIndex(BlockIndex):
         }
         if password is not None:
             options["password"] = password
-        client_class = RedisCluster if cluster else Redis
+        client_class = CancelSafeRedisCluster if cluster else CancelSafeRedis
         client = client_class.from_url(url, **options)
         index = cls(client, keys, cluster=cluster)
         try:
@@ -479,7 +484,7 @@ class RedisIndex(BlockIndex):
     async def _execute(self, build: Callable[[AnyPipeline], None]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
         build(pipe)
-        return await pipe.execute()
+        return await keeping_cancel(pipe.execute())
 
     async def _load_scripts(self) -> None:
         # NOTE: on a cluster SCRIPT LOAD goes to every primary.

@@ -88,7 +88,9 @@ class AsyncClient:
         """Returns once a connection to the router is up; ``ConnectionError`` if none is made
         within ``timeout_s`` (nothing listens there, or the name does not resolve)."""
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+            # NOTE: asyncio.timeout, not wait_for: before Python 3.12 wait_for can lose a cancel.
+            async with asyncio.timeout(timeout_s):
+                await self._channel.channel_ready()
         except TimeoutError:
             raise ConnectionError(
                 f"no router answered at {self.target} within {timeout_s:g} s"

@@ -61,6 +61,7 @@ from redis.exceptions import RedisError
 
 from kvswitch.cache_index.connect import pubsub_client
 from kvswitch.cache_index.hashing import HASH_BYTES
+from kvswitch.cache_index.redis_clients import keeping_cancel
 from kvswitch.logs import Throttled
 
 if TYPE_CHECKING:
@@ -162,7 +163,8 @@ class ReplicaSync:
     async def start(self) -> None:
         """Subscribe (the channel answers before this returns), say hello, start publishing."""
         pubsub = self._redis.pubsub()
-        await pubsub.subscribe(self.channel)
+        # NOTE: a pub/sub's commands are not the client's: keeping_cancel (see redis_clients).
+        await keeping_cancel(pubsub.subscribe(self.channel))
         # NOTE: the answer read now, so that a channel this user may not use fails the start.
         deadline_s = self._clock() + SUBSCRIBE_TIMEOUT_S
         while (await pubsub.get_message(timeout=0.1) or {}).get("type") != "subscribe":
@@ -391,5 +393,5 @@ class ReplicaSync:
                 self._warning.warning("lost the other routers' channel (%s); resubscribing", e)
                 await asyncio.sleep(RECONNECT_S)
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.subscribe(self.channel)
+                    await keeping_cancel(pubsub.subscribe(self.channel))
                     self.hello()
