@@ -63,6 +63,7 @@ from kvswitch.cache_index.connect import pubsub_client
 from kvswitch.cache_index.hashing import HASH_BYTES
 from kvswitch.cache_index.redis_clients import keeping_cancel
 from kvswitch.logs import Throttled
+from kvswitch.serving import cancel_and_wait
 
 if TYPE_CHECKING:
     from kvswitch.router.router import Router
@@ -191,9 +192,7 @@ class ReplicaSync:
 
     async def stop(self) -> None:
         """Say bye (the others drop this router's load at once) and close."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         self._items.append({"k": "bye"})
         with contextlib.suppress(RedisError, OSError):
