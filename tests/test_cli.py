@@ -400,6 +400,18 @@ def test_bench_routers_times_the_paced_events_through_engine_mode(tmp_path: Path
     assert routed["tokens_per_s"] > 0 and routed["cpu_us_per_request"] > 0  # 150 requests
 
 
+def test_bench_hops_times_a_message_across_each_transport(tmp_path: Path) -> None:
+    out = tmp_path / "hops.json"
+    args = ["--num-streams", "3", "--num-messages", "30", "--step-ms", "2"]
+    main(["bench", "hops", *args, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    for transport in ("tcp", "grpc-stream", "grpc-bidi"):
+        delay_us = figures[transport]["delay_us"]
+        assert 0 < delay_us["p50"] <= delay_us["p99"], transport
+    with pytest.raises(SystemExit):
+        main(["bench", "hops", "--transports", "tcp,udp"])
+
+
 def test_bench_polls_has_a_router_poll_each_engine_and_worker(tmp_path: Path) -> None:
     """Three stub engines, polled every 0.05 s: the router reads each one's page; then two gRPC
     stub workers' GetLoad (whether it keeps up is the machine's speed, not asserted)."""

@@ -154,6 +154,14 @@ POLLS_HELP = {
     "duration_s": "seconds measured, once every engine has been polled",
 }
 
+HOPS_HELP = {
+    "transports": "comma-separated, of tcp (a plain asyncio stream), grpc-stream (a grpc.aio "
+    "server stream) and grpc-bidi (a grpc.aio bidirectional stream)",
+    "num_streams": "streams read at once, each with a message every step_ms",
+    "num_messages": "messages a stream (the first 10 left out)",
+    "step_ms": "milliseconds between a stream's messages",
+}
+
 ROUTER_BENCH_HELP = {
     "num_prompt_tokens": "prompt length in tokens, sent as token ids",
     "block_size": "tokens per block",
@@ -369,6 +377,7 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
     from kvswitch.benchmarks import engines as engines_bench
     from kvswitch.benchmarks import hashing as hash_bench
     from kvswitch.benchmarks import holder as holder_bench
+    from kvswitch.benchmarks import hops as hops_bench
     from kvswitch.benchmarks import http_front as http_bench
     from kvswitch.benchmarks import index as index_bench
     from kvswitch.benchmarks import kernels as kernel_bench
@@ -466,6 +475,14 @@ def add_bench(commands: argparse._SubParsersAction, name: str, summary: str) -> 
             POLLS_HELP,
             "what following a fleet of engines or workers costs a router at rest: its CPU on "
             "their load polls",
+        ),
+        (
+            "hops",
+            hops_bench.run,
+            hops_bench.HopsBenchConfig,
+            HOPS_HELP,
+            "the floor under a router's added latency: a message's delay across one process "
+            "hop, over TCP and gRPC",
         ),
         (
             "lookup",
