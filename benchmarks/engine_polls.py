@@ -27,7 +27,7 @@ from typing import Any
 from kvswitch.benchmarks.stub_engines import serve_grpc_stubs, silent_publishers
 from kvswitch.benchmarks.timing import cpu_seconds, machine_info
 from kvswitch.benchmarks.vllm_metrics import vllm_metrics_page
-from kvswitch.cache_index.local_redis import free_port
+from kvswitch.cache_index.local_redis import free_port, free_ports
 from kvswitch.serving import start_server_process
 
 READY_TIMEOUT_S = 60.0
@@ -82,7 +82,7 @@ def run(config: PollsBenchConfig) -> dict[str, Any]:
 @contextlib.contextmanager
 def _engines(config: PollsBenchConfig, context: Any, counts: Any) -> Iterator[subprocess.Popen]:
     """A router in engine mode following stub engines that count their ``/metrics`` pages."""
-    ports = _free_ports(2 * config.num_engines)
+    ports = free_ports(2 * config.num_engines)
     ports, event_ports = ports[: config.num_engines], ports[config.num_engines :]
     ready = context.Queue()
     stubs = context.Process(
@@ -131,14 +131,6 @@ def _workers(config: PollsBenchConfig, context: Any, counts: Any) -> Iterator[su
         stubs.kill()
         router.terminate()
         router.wait(30)
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (one asked after another may be handed out again)."""
-    ports: set[int] = set()
-    while len(ports) < n:
-        ports.add(free_port())
-    return sorted(ports)
 
 
 def _page() -> bytes:

@@ -51,7 +51,7 @@ from kvswitch.benchmarks.stub_engines import (
     stamp_us,
 )
 from kvswitch.benchmarks.timing import cpu_seconds, machine_info, p50_p99
-from kvswitch.cache_index.local_redis import free_port
+from kvswitch.cache_index.local_redis import free_port, free_ports
 from kvswitch.serving import start_server_process
 
 ROUTERS = ("kvswitch-engines", "kvswitch-http", "kvswitch-grpc", "sglang-router", "vllm-router")
@@ -94,8 +94,8 @@ class RoutersBenchConfig:
 def run(config: RoutersBenchConfig) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     results: dict[str, Any] = {}
-    ports = [free_port() for _ in range(config.num_engines)]
-    event_ports = [free_port() for _ in range(config.num_engines)]
+    ports = free_ports(2 * config.num_engines)
+    ports, event_ports = ports[: config.num_engines], ports[config.num_engines :]
     ready = context.Queue()
     stubs = context.Process(
         target=serve_http_stubs,
