@@ -9,15 +9,26 @@ comes from ``vllm:cache_config_info``'s ``num_gpu_blocks`` label, where the serv
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 CACHE_CONFIG = "vllm:cache_config_info"  # 1, the cache's settings its labels
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _GAUGES = (CACHE_CONFIG, RUNNING, WAITING, *USAGE)
+# A sample's line in Prometheus's text format: its name, its labels (name="value" pairs in
+# braces; a value may hold braces, commas and escaped quotes), its value, maybe a timestamp.
+_LABEL_NAME = r"[a-zA-Z_][a-zA-Z0-9_]*"
+_LABEL_VALUE = r'"(?:[^"\\\n]|\\.)*"'
+_PAIR = rf"[ \t]*{_LABEL_NAME}[ \t]*=[ \t]*{_LABEL_VALUE}[ \t]*"
+_SAMPLE = re.compile(
+    rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{{(?:{_PAIR}(?:,{_PAIR})*,?)?[ \t]*\}})?[ \t]+(\S+)"
+    r"(?:[ \t]+-?[0-9]+)?[ \t]*"
+)
+# One pair of a sample's labels, from the brace or comma before it: found one after another,
+# each match ends where the next pair's comma is, never inside a value.
+_LABEL = re.compile(rf"[{{,][ \t]*({_LABEL_NAME})[ \t]*=[ \t]*({_LABEL_VALUE})")
 
 
 class EngineMetricsError(ValueError):
@@ -38,14 +49,20 @@ def parse_engine_load(text: str) -> EngineLoad:
     it through Prometheus's parser took 22 ms, and a router polls each engine every 0.1 s."""
     values: dict[str, list[float]] = {}
     num_blocks = 0
-    try:
-        for family in text_string_to_metric_families(_gauge_lines(text)):
-            for sample in family.samples:
-                values.setdefault(sample.name, []).append(sample.value)
-                if sample.name == CACHE_CONFIG:
-                    num_blocks += _int_label(sample.labels, "num_gpu_blocks")
-    except ValueError as e:
-        raise EngineMetricsError(f"not Prometheus text: {e}") from None
+    for line in _gauge_lines(text):
+        sample = _SAMPLE.fullmatch(line)
+        if sample is None:
+            raise EngineMetricsError(f"not Prometheus text: {line[:200]!r}")
+        name, labels, value = sample.groups()
+        if name not in _GAUGES:
+            continue  # a longer name that starts with one of theirs
+        try:
+            values.setdefault(name, []).append(float(value))
+        except ValueError:
+            raise EngineMetricsError(f"not Prometheus text: {line[:200]!r}") from None
+        if name == CACHE_CONFIG and labels:
+            pairs = {pair[1]: pair[2][1:-1] for pair in _LABEL.finditer(labels)}
+            num_blocks += _count(pairs.get("num_gpu_blocks", ""))
     if RUNNING not in values and WAITING not in values:
         raise EngineMetricsError(
             f"no {RUNNING} or {WAITING} gauge: not a vLLM server's (or a kvswitch worker's) "
@@ -60,10 +77,10 @@ def parse_engine_load(text: str) -> EngineLoad:
     )
 
 
-def _gauge_lines(text: str) -> str:
+def _gauge_lines(text: str) -> list[str]:
     """The lines of ``text`` that start with a name of ``_GAUGES``, found by ``str.find`` (a
-    longer name's among them: the parser names each sample; ``# HELP`` and ``# TYPE`` lines
-    are left out)."""
+    longer name's among them: the sample's name tells; ``# HELP`` and ``# TYPE`` lines are left
+    out)."""
     lines = []
     for name in _GAUGES:
         start = 0
@@ -71,12 +88,12 @@ def _gauge_lines(text: str) -> str:
             end = text.find("\n", at)
             start = end = len(text) if end < 0 else end
             if at == 0 or text[at - 1] == "\n":
-                lines.append(text[at:end])
-    return "\n".join(lines) + "\n"
+                lines.append(text[at:end].rstrip("\r"))
+    return lines
 
 
-def _int_label(labels: dict[str, str], name: str) -> int:
+def _count(text: str) -> int:
     try:
-        return max(int(float(labels.get(name) or 0)), 0)
+        return max(int(float(text or 0)), 0)
     except ValueError:  # "None" before the cache is sized
         return 0

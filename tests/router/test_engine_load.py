@@ -66,11 +66,27 @@ def test_the_gauges_are_read_out_of_a_whole_vllm_page() -> None:
     assert parse_engine_load(first_and_last) == EngineLoad(1, 5, 0.0, 0)
 
 
+def test_labels_are_read_as_prometheus_writes_them() -> None:
+    """Quoted values may hold braces, commas, escaped quotes and a pair's look; a sample may
+    carry a timestamp."""
+    trick = r'model_name="a{b},c=\"d\",num_gpu_blocks=\"7\"",'
+    text = (
+        f'vllm:cache_config_info{{{trick}num_gpu_blocks="512", block_size="16",}} 1.0\n'
+        'vllm:num_requests_running{model_name="}{"} 2 1700000000000\n'
+        "vllm:num_requests_waiting 1e1\n"
+        "vllm:kv_cache_usage_perc{} 0.5\n"
+    )
+    assert parse_engine_load(text) == EngineLoad(2, 10, 0.5, 512)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("process_cpu_seconds_total 3.5\n", "no vllm:num_requests_running"),
         ("vllm:num_requests_running{engine=0} 3\n", "not Prometheus text"),
+        ('vllm:num_requests_running{engine="0} 3\n', "not Prometheus text"),
+        ("vllm:num_requests_running three\n", "not Prometheus text"),
+        ("vllm:num_requests_running\n", "not Prometheus text"),
     ],
 )
 def test_text_without_vllms_gauges_is_refused(text: str, message: str) -> None:
