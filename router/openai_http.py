@@ -156,7 +156,7 @@ class ServedModels(Protocol):
         ...
 
     def adapters(self) -> dict[str, str]:
-        """The LoRA adapters served now, each with the model it adapts."""
+        """The LoRA adapters served now, each with the model it adapts (not to be changed)."""
         ...
 
     async def wait_for_change(self, timeout_s: float) -> None:
@@ -170,6 +170,10 @@ class RouterModels:
     def __init__(self, router: Router) -> None:
         self._router = router
         self.tokenizer = router.tokenizer
+        # The fleet's adapters as of the directory's num_adapter_changes (read every request:
+        # an O(workers) walk, 4 % of a router's CPU at 64 engines, done again only on a change).
+        self._adapters: dict[str, str] = {}
+        self._adapters_as_of = -1
 
     def tokenize(self, text: str) -> TokenIds:
         return self._router.tokenize(text)
@@ -180,13 +184,17 @@ class RouterModels:
         return sorted({h.info.namespace for h in self._router.directory.handles()})
 
     def adapters(self) -> dict[str, str]:
-        namespace = self._router.namespace
-        return {
-            lora: h.info.namespace
-            for h in self._router.directory.handles()
-            if not namespace or h.info.namespace == namespace
-            for lora in h.loras
-        }
+        directory = self._router.directory
+        if self._adapters_as_of != directory.num_adapter_changes:
+            namespace = self._router.namespace
+            self._adapters = {
+                lora: h.info.namespace
+                for h in directory.handles()
+                if not namespace or h.info.namespace == namespace
+                for lora in h.loras
+            }
+            self._adapters_as_of = directory.num_adapter_changes
+        return self._adapters
 
     async def wait_for_change(self, timeout_s: float) -> None:
         await self._router.directory.wait_for_change(timeout_s)

@@ -68,9 +68,12 @@ class LoraResidence(enum.Enum):
     EVICT = "evict"  # every slot is taken: another adapter makes way
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerState:
-    """One candidate worker, as the router sees it at decision time."""
+    """One candidate worker, as the router sees it at decision time (not to be changed).
+
+    NOTE: not frozen: one is built for every candidate of every request (64 a request at 64
+    workers), and a frozen dataclass's fields cost three times as much to set."""
 
     worker_id: str
     num_matched_blocks: int  # leading prompt blocks the index says it holds

@@ -180,15 +180,15 @@ class WorkerHandle:
         num_fetchable_blocks: int = 0,
         lora: str | None = None,
     ) -> WorkerState:
+        load, info = self.load, self.info
         num_prefill_tokens = self.num_prefill_tokens_queued(num_shared_prefill_tokens)
         return WorkerState(
-            worker_id=self.worker_id,
+            worker_id=info.worker_id,
             num_matched_blocks=num_matched_blocks,
             num_outstanding_tokens=num_prefill_tokens + self.num_output_tokens_queued(),
-            num_free_blocks=self.load.num_free_blocks if self.load is not None else 0,
+            num_free_blocks=load.num_free_blocks if load is not None else 0,
             # NOTE: an engine's size comes with its load (its registration cannot say it).
-            num_total_blocks=self.info.num_blocks
-            or (self.load.num_total_blocks if self.load is not None else 0),
+            num_total_blocks=info.num_blocks or (load.num_total_blocks if load is not None else 0),
             num_requests=self.num_requests(),
             num_prefill_tokens=num_prefill_tokens,
             num_fetchable_blocks=num_fetchable_blocks,
@@ -258,6 +258,9 @@ class WorkerDirectory:
         self._pollers: dict[str, asyncio.Task] = {}  # worker id -> its load-poll task
         self._closing: set[asyncio.Task] = set()  # channels of gone workers, being closed
         self._changed = asyncio.Event()  # set, and replaced, when a worker joins or leaves
+        # Bumped when a worker joins or leaves, or its namespace or adapters change: what a copy
+        # of the fleet's adapters is good for (the HTTP front reads them for each request).
+        self.num_adapter_changes = 0
         self.num_loop_errors = 0  # unexpected errors in the background loops
         self._refresh_warning = Throttled(logger)
         self._http: EngineHTTP | None = None  # engines' polls, once one joins
@@ -432,6 +435,8 @@ class WorkerDirectory:
                 if self._polling:
                     self._start_polling(handle)
             else:
+                if info.namespace != handle.info.namespace:
+                    self.num_adapter_changes += 1
                 handle.info = info
         if changed:
             self._signal_change()
@@ -452,6 +457,7 @@ class WorkerDirectory:
         return False
 
     def _signal_change(self) -> None:
+        self.num_adapter_changes += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -537,6 +543,8 @@ class WorkerDirectory:
             # poll_loads after an adapter's unload): what it says is older than what is known.
             return
         handle.last_poll_applied = poll
+        if handle.load is None or handle.load.loras != load.loras:
+            self.num_adapter_changes += 1
         handle.load = load
         if handle.unreachable:
             logger.info("worker %s answers its load polls again", handle.worker_id)
