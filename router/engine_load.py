@@ -45,8 +45,9 @@ class EngineLoad:
 
 def parse_engine_load(text: str) -> EngineLoad:
     """The load ``text`` (a ``/metrics`` page) gives: only the lines of the gauges above are
-    parsed. NOTE: a vLLM server's page is tens of KB (hundreds of histogram lines); the whole of
-    it through Prometheus's parser took 22 ms, and a router polls each engine every 0.1 s."""
+    parsed, by ``_SAMPLE``. NOTE: a vLLM server's page is tens of KB (hundreds of histogram
+    lines); the whole of it through prometheus_client's parser took 22 ms, its gauges' lines
+    alone 115 us, and a router polls each engine every 0.1 s."""
     values: dict[str, list[float]] = {}
     num_blocks = 0
     for line in _gauge_lines(text):
