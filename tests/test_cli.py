@@ -45,6 +45,7 @@ COMMANDS = [
     ["bench", "relay"],
     ["bench", "routers"],
     ["bench", "polls"],
+    ["bench", "hops"],
     ["bench", "serve"],
     ["bench", "lookup"],
     ["bench", "step"],
