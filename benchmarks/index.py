@@ -38,6 +38,7 @@ from kvswitch.cache_index.events import BlockRemoved, BlockStored
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import ApplyStatus, BlockIndex, WorkerInfo
 from kvswitch.cache_index.local_redis import LocalRedis, LocalRedisCluster
+from kvswitch.serving import cancel_and_wait
 
 BACKENDS = ("memory", "redis", "redis-cluster", "cluster")  # cluster: redis-cluster's old name
 NAMESPACE = "bench-model"
@@ -246,37 +247,11 @@ async def _during_resync(
     heartbeat = asyncio.create_task(fleet.heartbeat_forever(index, RESYNCING))
     stalls_ms: list[float] = []
     ticker = asyncio.create_task(_time_loop_stalls(stalls_ms))
-    loop = asyncio.get_running_loop()
-    if config.backend == "memory":
-        start = time.perf_counter()
-        resync: asyncio.Future = asyncio.ensure_future(index.resync(RESYNCING, 10**6, snapshot))
-        latencies_ms = await fleet.timed_lookups(index, chain, resync)
-        await resync
-    else:
-        spawn = multiprocessing.get_context("spawn")
-        ready, go, done = spawn.Event(), spawn.Event(), spawn.Event()
-        args = (url, config, ready, go, done)
-        process = spawn.Process(target=_resync_in_a_process, args=args)
-        process.start()
-        try:
-            await _set_by(process, ready)
-            go.set()
-            start = time.perf_counter()
-            resync = asyncio.ensure_future(_set_by(process, done))
-            latencies_ms = await fleet.timed_lookups(index, chain, resync)
-            await resync
-        finally:
-            await loop.run_in_executor(None, process.join, PROCESS_EXIT_S)
-            if process.exitcode is None:  # the lookups failed while it waited for its turn
-                process.kill()
-                process.join()
-        if process.exitcode:
-            raise RuntimeError(f"the resyncing process failed ({process.exitcode})")
-    resync_s = time.perf_counter() - start
-    await asyncio.sleep(0.005)  # the ticker's turn, if the resync held the loop until now
-    for task in (heartbeat, ticker):
-        task.cancel()
-    await asyncio.gather(heartbeat, ticker, return_exceptions=True)
+    try:
+        latencies_ms, resync_s = await _timed_resync(index, config, url, fleet, chain, snapshot)
+        await asyncio.sleep(0.005)  # the ticker's turn, if the resync held the loop until now
+    finally:
+        await cancel_and_wait([heartbeat, ticker])
     if (await index.match(NAMESPACE, snapshot[:1])).get(RESYNCING) != 1:
         raise RuntimeError("the snapshot is not in the index after the resync")
     latencies_ms.sort()
@@ -293,6 +268,44 @@ async def _during_resync(
         # it is the router's own loop, held while a resync runs in one piece.
         "loop_stall_max_during_resync_ms": max(stalls_ms, default=0.0),
     }
+
+
+async def _timed_resync(
+    index: BlockIndex,
+    config: IndexBenchConfig,
+    url: str,
+    fleet: _Fleet,
+    chain: list[bytes],
+    snapshot: list[bytes],
+) -> tuple[list[float], float]:
+    """The lookups' latencies while the resyncing worker sends its snapshot (from this loop for
+    the embedded index, else from a process of its own), and how long the resync took."""
+    if config.backend == "memory":
+        start = time.perf_counter()
+        resync: asyncio.Future = asyncio.ensure_future(index.resync(RESYNCING, 10**6, snapshot))
+        latencies_ms = await fleet.timed_lookups(index, chain, resync)
+        await resync
+        return latencies_ms, time.perf_counter() - start
+    spawn = multiprocessing.get_context("spawn")
+    ready, go, done = spawn.Event(), spawn.Event(), spawn.Event()
+    process = spawn.Process(target=_resync_in_a_process, args=(url, config, ready, go, done))
+    process.start()
+    try:
+        await _set_by(process, ready)
+        go.set()
+        start = time.perf_counter()
+        resync = asyncio.ensure_future(_set_by(process, done))
+        latencies_ms = await fleet.timed_lookups(index, chain, resync)
+        await resync
+        resync_s = time.perf_counter() - start
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, process.join, PROCESS_EXIT_S)
+        if process.exitcode is None:  # the lookups failed while it waited for its turn
+            process.kill()
+            process.join()
+    if process.exitcode:
+        raise RuntimeError(f"the resyncing process failed ({process.exitcode})")
+    return latencies_ms, resync_s
 
 
 async def _set_by(process: multiprocessing.process.BaseProcess, event: Any) -> None:

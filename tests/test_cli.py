@@ -565,6 +565,31 @@ def test_bench_index_times_lookups_while_a_worker_resyncs(tmp_path: Path, backen
     assert figures["workers_dropped"] == 0 and figures["busy_errors"] == 0
 
 
+def test_bench_index_fails_at_once_when_its_resyncing_process_dies_before_its_turn() -> None:
+    """The resyncing process cannot reach the index (its URL names a port nobody listens on) and
+    exits: the bench says so, instead of waiting for ever for it to say it is ready."""
+    import asyncio
+
+    from kvswitch.benchmarks import index as index_bench
+    from kvswitch.cache_index.connect import connect_index
+    from kvswitch.cache_index.local_redis import LocalRedis, free_port
+
+    config = index_bench.IndexBenchConfig(backend="redis", num_workers=1, resync_blocks=100)
+
+    async def body(url: str) -> None:
+        index = await connect_index(url, prefix="bench-dies")
+        try:
+            fleet = index_bench._Fleet(config, [])
+            nowhere = f"redis://127.0.0.1:{free_port()}"
+            with pytest.raises(RuntimeError, match=r"the resyncing process ended \(1\)"):
+                await index_bench._during_resync(index, config, nowhere, fleet, [])
+        finally:
+            await index.close()
+
+    with LocalRedis() as server:
+        asyncio.run(body(server.url))
+
+
 def test_bench_serve_checks_a_local_cluster_against_the_reference(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     args = ["--num-prompts", "2", "--num-prompt-tokens", "48", "--num-shared-tokens", "32"]
