@@ -1,11 +1,15 @@
 """``kvswitch bench lookup``: the work a router does on its event loop per request, at scale.
 
-Three figures, each a median over ``--repeats`` runs:
+Five figures, each a median over ``--repeats`` runs:
 
 - ``pending_match_ms``: one lookup among ``--num-guesses`` live pending guesses, all on one
   ``--document-blocks``-block document (each guess: the document, then two blocks of its own);
 - ``embedded_match_ms``: one lookup in the embedded index where ``--num-workers`` workers all hold
   one ``--prefix-blocks``-block prefix;
+- ``candidate_states_us``: the states of ``--num-workers`` candidates, each with a load report,
+  as a route builds them for its policy to score (every request, every candidate);
+- ``engine_page_parse_us``: one engine's load read out of a ``/metrics`` page of a vLLM server's
+  size (``benchmarks/vllm_metrics.py``), as a router following engines does at each poll;
 - ``loop_stall_ms``: the longest the router's event loop stops while it takes one text prompt of
   about ``--prompt-tokens`` tokens (a byte-level BPE tokenizer trained here), measured by a task on
   the same loop that wakes every millisecond. The router has no worker and gives up at once: the
@@ -26,14 +30,19 @@ import grpc
 import numpy as np
 
 from kvswitch.benchmarks.timing import machine_info
+from kvswitch.benchmarks.vllm_metrics import vllm_metrics_page
 from kvswitch.cache_index.events import BlockStored
 from kvswitch.cache_index.hashing import hash_prompt_blocks
 from kvswitch.cache_index.index import WorkerInfo
 from kvswitch.cache_index.memory_index import MemoryIndex
+from kvswitch.router.engine_load import parse_engine_load
 from kvswitch.router.pending import PendingBlocks
+from kvswitch.router.workers import WorkerHandle
 from kvswitch.tokenizer import load_tokenizer
+from kvswitch.v1 import worker_pb2
 
 BLOCK_SIZE = 16
+TIMES_A_RUN = 100  # of the microsecond figures, timed together
 NAMESPACE = "bench-model"
 
 
@@ -96,6 +105,36 @@ def embedded_match_ms(config: LookupBenchConfig, rng: np.random.Generator) -> fl
         return _median_ms(lambda: loop.run_until_complete(index.match(NAMESPACE, chain)), 3)
     finally:
         loop.close()
+
+
+def candidate_states_us(config: LookupBenchConfig) -> float:
+    handles = [
+        WorkerHandle(
+            WorkerInfo(f"w{i}", f"127.0.0.1:{50000 + i}", NAMESPACE, BLOCK_SIZE), None, None
+        )
+        for i in range(config.num_workers)
+    ]
+    for i, handle in enumerate(handles):
+        handle.load = worker_pb2.WorkerLoad(
+            num_queued_prefill_tokens=100 * i, num_running_requests=i, num_free_blocks=1000
+        )
+        handle.num_in_flight = i % 3
+
+    def states() -> None:
+        for _ in range(TIMES_A_RUN):
+            [h.state(i % 5, num_fetchable_blocks=i % 5) for i, h in enumerate(handles)]
+
+    return _median_ms(states, config.repeats) * 1e3 / TIMES_A_RUN
+
+
+def engine_page_parse_us(config: LookupBenchConfig) -> float:
+    page = vllm_metrics_page(NAMESPACE, num_running=3, num_waiting=1, num_blocks=4096)
+
+    def parse() -> None:
+        for _ in range(TIMES_A_RUN):
+            parse_engine_load(page)
+
+    return _median_ms(parse, config.repeats) * 1e3 / TIMES_A_RUN
 
 
 def _train_tokenizer(model_dir: Path, rng: np.random.Generator) -> str:
@@ -163,6 +202,9 @@ def run(config: LookupBenchConfig) -> dict[str, object]:
     pending_ms = pending_match_ms(config, rng)
     print("embedded index ...", file=sys.stderr)
     embedded_ms = embedded_match_ms(config, rng)
+    print("candidates' states, an engine's page ...", file=sys.stderr)
+    states_us = candidate_states_us(config)
+    parse_us = engine_page_parse_us(config)
     print("a long text prompt through a router ...", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvswitch-bench-") as model_dir:
         text = _train_tokenizer(Path(model_dir), rng)
@@ -176,6 +218,8 @@ def run(config: LookupBenchConfig) -> dict[str, object]:
     return {
         "pending_match_ms": pending_ms,
         "embedded_match_ms": embedded_ms,
+        "candidate_states_us": states_us,
+        "engine_page_parse_us": parse_us,
         "loop_stall_ms": stall_ms,
         "num_prompt_tokens": num_tokens,
         "num_guesses": config.num_guesses,

@@ -170,8 +170,8 @@ class RouterModels:
     def __init__(self, router: Router) -> None:
         self._router = router
         self.tokenizer = router.tokenizer
-        # The fleet's adapters as of the directory's num_adapter_changes (read every request:
-        # an O(workers) walk, 4 % of a router's CPU at 64 engines, done again only on a change).
+        # The fleet's adapters as of the directory's num_adapter_changes: read for every
+        # request, walked out of every worker's load only after a change.
         self._adapters: dict[str, str] = {}
         self._adapters_as_of = -1
 

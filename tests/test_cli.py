@@ -401,6 +401,18 @@ def test_bench_routers_times_the_paced_events_through_engine_mode(tmp_path: Path
     assert routed["tokens_per_s"] > 0 and routed["cpu_us_per_request"] > 0  # 150 requests
 
 
+def test_bench_lookup_times_a_requests_work_on_the_loop(tmp_path: Path) -> None:
+    out = tmp_path / "lookup.json"
+    sizes = ["--num-workers", "8", "--num-guesses", "50", "--prefix-blocks", "64"]
+    sizes += ["--prompt-tokens", "2000", "--repeats", "3"]
+    main(["bench", "lookup", *sizes, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["num_workers"] == 8
+    timed = ("pending_match_ms", "embedded_match_ms", "candidate_states_us", "engine_page_parse_us")
+    for name in timed:
+        assert figures[name] > 0, name
+
+
 def test_bench_hops_times_a_message_across_each_transport(tmp_path: Path) -> None:
     out = tmp_path / "hops.json"
     args = ["--num-streams", "3", "--num-messages", "30", "--step-ms", "2"]
